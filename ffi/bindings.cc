@@ -1,0 +1,41 @@
+// nanobind module mok_jax._mok: the FFI handler capsules per platform and the
+// enums Python must mirror. Python (mok_jax/_ext.py) registers the targets.
+#include <nanobind/nanobind.h>
+
+#include <type_traits>
+
+#include "handlers/moe_cpu.h"
+#include "mok/types.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename Fn>
+nb::capsule encapsulate(Fn* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler must take an XLA_FFI_CallFrame*");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+// {platform: {target name: handler capsule}}; platform names as jax.ffi expects.
+nb::dict registrations() {
+  nb::dict cpu;
+  cpu["mok_moe_fwd"] = encapsulate(MokMoeForwardCpu);
+  cpu["mok_moe_bwd"] = encapsulate(MokMoeBackwardCpu);
+  nb::dict out;
+  out["cpu"] = cpu;
+  return out;
+}
+
+}  // namespace
+
+NB_MODULE(_mok, m) {
+  m.doc() = "mok_jax native extension: XLA FFI handlers for the fused MoE layer";
+  m.def("registrations", &registrations,
+        "Handler capsules by platform: {'cpu': {name: capsule}, 'CUDA': {...}}.");
+  m.attr("NO_CAPACITY") = mok::kNoCapacity;
+  nb::enum_<mok::DType>(m, "DType", "Element types the kernels accept.")
+      .value("F32", mok::DType::kF32)
+      .value("BF16", mok::DType::kBF16);
+}

@@ -1,0 +1,7 @@
+// Handler symbols of the CPU MoE targets (defined in moe_cpu.cc).
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeForwardCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeBackwardCpu);

@@ -1,0 +1,36 @@
+// Element types and problem shapes shared by every mok_jax launcher.
+// Launchers see these, never XLA or nanobind types; the FFI handlers translate.
+#pragma once
+
+#include <cstdint>
+
+namespace mok {
+
+// Element type of a floating-point operand. Values are exported to Python through
+// the bindings (mok_jax._mok.DType), so they are defined here once.
+enum class DType : int32_t {
+  kF32 = 0,
+  kBF16 = 1,
+};
+
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "float32";
+    case DType::kBF16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+// Sizes of one MoE layer call on one device.
+struct MoeShape {
+  int64_t tokens;   // T: token rows of x
+  int64_t top_k;    // K: expert slots per token
+  int64_t experts;  // E: experts held by this device (all of them without EP)
+  int64_t hidden;   // H: model width
+  int64_t ffn;      // F: expert FFN width (w_gate_up has 2F columns)
+};
+
+// A capacity below zero means "never drop" (capacity_factor=None).
+constexpr int64_t kNoCapacity = -1;
+
+}  // namespace mok

@@ -1,0 +1,386 @@
+"""`python -m mok_jax.bench`: `mok_jax.moe` side by side with pure-JAX baselines.
+
+Method (DESIGN.md §4): bench shapes in bf16; each pipeline is jitted and timed on
+the whole layer (dispatch and combine included, routing excluded: ids and weights
+are made outside the timed function); the median of >= 20 timed runs after warm-up;
+TFLOP/s from GEMM FLOPs only (forward 6*T*K*H*F, forward+backward 18*T*K*H*F,
+credited alike to every pipeline, so the dense one-hot baseline's extra E/K work
+counts as waste); every baseline measured in the same process.
+
+Examples::
+
+    python -m mok_jax.bench                                # all shapes, impls, passes
+    python -m mok_jax.bench --quick --repeats 5            # scaled-down shapes (CPU)
+    python -m mok_jax.bench --shapes ep --impls moe,tokamax --passes fwd --json out.json
+
+On CPU the full shapes take very long; without --full-on-cpu a CPU run uses the
+--quick shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from mok_jax import baselines
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One MoE layer problem: T tokens, top-K of E experts, hidden H, expert FFN F."""
+
+    name: str
+    tokens: int      # T (per GPU)
+    top_k: int       # K
+    experts: int     # E (global; all local in a single-device run)
+    hidden: int      # H
+    ffn: int         # F
+
+    def gemm_flops(self, pass_name: str) -> int:
+        """GEMM FLOPs of one pass: fwd 6*T*K*H*F, fwdbwd 18*T*K*H*F."""
+        per_pair = 6 * self.tokens * self.top_k * self.hidden * self.ffn
+        return {"fwd": per_pair, "fwdbwd": 3 * per_pair}[pass_name]
+
+
+# DESIGN.md §4. `ep` is the per-GPU work of the EP shape with all 128 experts local.
+FULL_SHAPES = {
+    s.name: s for s in (
+        Shape("small-experts", 16384, 8, 128, 2048, 768),
+        Shape("deepseek-slice", 8192, 8, 64, 7168, 2048),
+        Shape("mixtral-like", 16384, 2, 8, 4096, 14336),
+        Shape("ep", 4096, 8, 128, 7168, 2048),
+    )
+}
+
+# The same problems scaled for a 2-core CPU (all of them, every impl, both passes in
+# a few minutes): T / 64-128, H and F / 16, K kept, E capped so that the rows per
+# expert (T*K/E) keep their order: ep stays the shape with the fewest rows per
+# expert, mixtral-like the one with the most.
+QUICK_SHAPES = {
+    s.name: s for s in (
+        Shape("small-experts", 256, 8, 32, 128, 48),
+        Shape("deepseek-slice", 128, 8, 16, 448, 128),
+        Shape("mixtral-like", 128, 2, 8, 256, 896),
+        Shape("ep", 64, 8, 32, 448, 128),
+    )
+}
+
+IMPLS = ("moe", "ragged_dot", "dense_onehot", "tokamax")
+# Selectable, not run by default: mok_jax.moe forced onto its XLA-exchange path.
+EXTRA_IMPLS = ("moe_xla",)
+PASSES = ("fwd", "fwdbwd")
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+MOK = "moe"
+
+MoEFn = Callable[..., jax.Array]
+
+
+def resolve_impl(name: str) -> tuple[MoEFn | None, str | None]:
+    """The pipeline called `name`, or (None, why it is unavailable)."""
+    if name in ("moe", "moe_xla"):
+        try:
+            import mok_jax  # pylint: disable=import-outside-toplevel
+            moe = mok_jax.moe
+        except Exception as err:  # pylint: disable=broad-except
+            return None, f"mok_jax.moe not importable: {type(err).__name__}: {err}"
+        return (moe if name == "moe" else functools.partial(moe, backend="xla")), None
+    if name == "ragged_dot":
+        return baselines.ragged_dot_moe, None
+    if name == "dense_onehot":
+        return baselines.dense_onehot_moe, None
+    if name == "tokamax":
+        ok, why = baselines.tokamax_available()
+        if not ok:
+            return None, why
+        # Pallas kernels only: tokamax's silent XLA fallback would time ragged_dot
+        # again under tokamax's name.
+        impl = None if jax.default_backend() == "cpu" else ("mosaic", "triton")
+        return functools.partial(baselines.tokamax_moe, implementation=impl), None
+    raise ValueError(f"unknown impl {name!r}; choose from {IMPLS + EXTRA_IMPLS}")
+
+
+def make_inputs(shape: Shape, dtype, seed: int = 0) -> dict[str, jax.Array]:
+    """Random layer inputs and routing (made here, outside every timed function).
+
+    Routing: top-K of [T, E] normal logits; weights are the softmax of the K chosen
+    logits. dy is a fixed [T, H] cotangent for the backward pass.
+    """
+    t, k, e, h, f = shape.tokens, shape.top_k, shape.experts, shape.hidden, shape.ffn
+    keys = jax.random.split(jax.random.key(seed), 6)
+    logits = jax.random.normal(keys[0], (t, e), jnp.float32)
+    top_logits, expert_ids = jax.lax.top_k(logits, k)
+    inputs = {
+        "x": jax.random.normal(keys[1], (t, h), jnp.float32).astype(dtype),
+        "expert_ids": expert_ids.astype(jnp.int32),
+        "expert_weights": jax.nn.softmax(top_logits, axis=-1),
+        "w_gate_up": (jax.random.normal(keys[2], (e, h, 2 * f), jnp.float32)
+                      * h ** -0.5).astype(dtype),
+        "w_down": (jax.random.normal(keys[3], (e, f, h), jnp.float32)
+                   * f ** -0.5).astype(dtype),
+        "dy": jax.random.normal(keys[4], (t, h), jnp.float32).astype(dtype),
+    }
+    return jax.block_until_ready(inputs)
+
+
+def build_step(fn: MoEFn, pass_name: str) -> tuple[Callable, tuple[str, ...]]:
+    """A jitted step for one pass and the names of the inputs it takes.
+
+    fwd: y = fn(x, ids, weights, w_gate_up, w_down).
+    fwdbwd: y and the VJP of y with the fixed cotangent dy w.r.t. x, weights,
+    w_gate_up and w_down (ids and dy are arguments, not baked-in constants).
+    """
+    if pass_name == "fwd":
+        names = ("x", "expert_ids", "expert_weights", "w_gate_up", "w_down")
+        return jax.jit(fn), names
+
+    def fwd_bwd(x, expert_ids, expert_weights, w_gate_up, w_down, dy):
+        def layer(x, expert_weights, w_gate_up, w_down):
+            return fn(x, expert_ids, expert_weights, w_gate_up, w_down)
+
+        y, pullback = jax.vjp(layer, x, expert_weights, w_gate_up, w_down)
+        return y, pullback(dy)
+
+    names = ("x", "expert_ids", "expert_weights", "w_gate_up", "w_down", "dy")
+    return jax.jit(fwd_bwd), names
+
+
+def time_step(step: Callable, args: Sequence[jax.Array], *, warmup: int,
+              repeats: int) -> tuple[float, list[float]]:
+    """(compile seconds, per-run milliseconds) of `repeats` blocked runs after warm-up."""
+    start = time.perf_counter()
+    compiled = step.lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*args))
+    times_ms = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = compiled(*args)
+        jax.block_until_ready(out)
+        times_ms.append((time.perf_counter() - start) * 1e3)
+        del out
+    return compile_s, times_ms
+
+
+def _error_string(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}"
+    return text if len(text) <= 2000 else text[:2000] + " ...[truncated]"
+
+
+def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
+              dtype_name: str, warmup: int, repeats: int) -> dict:
+    """One record: timings of `impl` on `shape` for `pass_name`, or its error."""
+    record = {
+        "shape": shape.name, "T": shape.tokens, "K": shape.top_k, "E": shape.experts,
+        "H": shape.hidden, "F": shape.ffn, "dtype": dtype_name, "impl": impl,
+        "pass": pass_name, "gemm_flops": shape.gemm_flops(pass_name),
+        "warmup": warmup, "repeats": repeats, "status": "ok", "error": None,
+        "compile_s": None, "median_ms": None, "min_ms": None, "mean_ms": None,
+        "tflops": None, "times_ms": None,
+    }
+    fn, why = resolve_impl(impl)
+    if fn is None:
+        record.update(status="unavailable", error=why)
+        return record
+    try:
+        step, names = build_step(fn, pass_name)
+        compile_s, times_ms = time_step(step, [inputs[n] for n in names],
+                                        warmup=warmup, repeats=repeats)
+    except Exception as err:  # pylint: disable=broad-except
+        # An OOM or an unsupported shape in one pipeline must not end the run.
+        record.update(status="error", error=_error_string(err))
+        if os.environ.get("MOK_BENCH_TRACEBACK"):
+            traceback.print_exc()
+        return record
+    median_ms = statistics.median(times_ms)
+    record.update(
+        compile_s=compile_s, median_ms=median_ms, min_ms=min(times_ms),
+        mean_ms=statistics.fmean(times_ms), times_ms=times_ms,
+        tflops=record["gemm_flops"] / (median_ms * 1e-3) / 1e12)
+    return record
+
+
+def add_speedups(records: list[dict]) -> None:
+    """Sets `mok_speedup` = baseline median / moe median on each measured baseline."""
+    mok_ms = {(r["shape"], r["pass"]): r["median_ms"] for r in records
+              if r["impl"] == MOK and r["median_ms"]}
+    for r in records:
+        ref = mok_ms.get((r["shape"], r["pass"]))
+        r["mok_speedup"] = (r["median_ms"] / ref
+                            if ref and r["median_ms"] and r["impl"] != MOK else None)
+
+
+def format_table(records: list[dict]) -> str:
+    """A text table: one row per record; errors shortened to one line."""
+    header = ("shape", "impl", "pass", "median ms", "min ms", "TFLOP/s", "mok speedup")
+    rows = [header]
+    notes: dict[str, list[str]] = {}   # one line per distinct failure, with where
+    for r in records:
+        if r["median_ms"] is None:
+            first_line = ((r["error"] or "").splitlines() or [""])[0][:300]
+            where = notes.setdefault(f"{r['impl']}: {r['status']}: {first_line}", [])
+            where.append(f"{r['shape']}/{r['pass']}")
+            rows.append((r["shape"], r["impl"], r["pass"], r["status"], "-", "-", "-"))
+            continue
+        speedup = "-" if r["mok_speedup"] is None else f"{r['mok_speedup']:.2f}x"
+        tflops = r["tflops"]
+        rows.append((r["shape"], r["impl"], r["pass"], f"{r['median_ms']:.3f}",
+                     f"{r['min_ms']:.3f}",
+                     f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.4f}", speedup))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    text = "\n".join(lines)
+    text += ("\n\nmok speedup: baseline median / moe median, same process "
+             "(> 1: moe is faster).")
+    for note, where in notes.items():
+        text += f"\n{note}  [{', '.join(where)}]"
+    return text
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
+        return out.stdout.strip() or None
+    except Exception:  # pylint: disable=broad-except
+        return None
+
+
+def machine_info() -> dict:
+    """Versions, device and time, recorded with every run."""
+    devices = jax.devices()
+    info = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"),
+        "jax_version": jax.__version__,
+        "jaxlib_version": getattr(getattr(jax, "lib", None), "__version__", None),
+        "backend": jax.default_backend(),
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "git_commit": _git_commit(),
+    }
+    try:
+        import jaxlib  # pylint: disable=import-outside-toplevel
+        info["jaxlib_version"] = jaxlib.__version__
+    except Exception:  # pylint: disable=broad-except
+        pass
+    return info
+
+
+def _csv(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        bad = [item for item in items if item not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {bad or text!r}; choose from {','.join(choices)}")
+        return items
+    return parse
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m mok_jax.bench",
+        description="Time mok_jax.moe against pure-JAX MoE baselines (DESIGN.md §4).")
+    parser.add_argument("--quick", action="store_true",
+                        help="scaled-down shapes for CPU (a few minutes in all)")
+    parser.add_argument("--full-on-cpu", action="store_true",
+                        help="run the full shapes even on CPU (very slow)")
+    parser.add_argument("--shapes", type=_csv(tuple(FULL_SHAPES), "shape"),
+                        default=list(FULL_SHAPES), help="comma list of shapes")
+    parser.add_argument("--impls", type=_csv(IMPLS + EXTRA_IMPLS, "impl"),
+                        default=list(IMPLS), help="comma list of pipelines")
+    parser.add_argument("--passes", type=_csv(PASSES, "pass"), default=list(PASSES),
+                        help="fwd and/or fwdbwd")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="timed runs per measurement (median of these)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed runs after compilation")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write machine info, argv and records here")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Runs the benchmark; prints the table; returns (and maybe writes) the results."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    info = machine_info()
+    quick = args.quick
+    if info["backend"] == "cpu" and not quick and not args.full_on_cpu:
+        print("note: full bench shapes on CPU take very long; running the --quick "
+              "shapes (pass --full-on-cpu to run the full ones).", file=sys.stderr)
+        quick = True
+    shapes = QUICK_SHAPES if quick else FULL_SHAPES
+    print(f"mok_jax.bench: {info['backend']} ({info['device_kind']}), jax "
+          f"{info['jax_version']}, {args.dtype}, {'quick' if quick else 'full'} shapes, "
+          f"{args.warmup} warm-up + {args.repeats} timed runs", file=sys.stderr)
+
+    records = []
+    start = time.perf_counter()
+    for shape_name in args.shapes:
+        shape = shapes[shape_name]
+        inputs = make_inputs(shape, DTYPES[args.dtype], args.seed)
+        for pass_name in args.passes:
+            for impl in args.impls:
+                record = bench_one(shape, impl, pass_name, inputs,
+                                   dtype_name=args.dtype, warmup=args.warmup,
+                                   repeats=args.repeats)
+                records.append(record)
+                done = (f"{record['median_ms']:.3f} ms, {record['tflops']:.3g} TFLOP/s"
+                        if record["median_ms"] is not None else record["status"])
+                print(f"  {shape.name} {impl} {pass_name}: {done}", file=sys.stderr,
+                      flush=True)
+        del inputs
+    elapsed_s = time.perf_counter() - start
+    add_speedups(records)
+
+    print(format_table(records))
+    print(f"\n{len(records)} measurements in {elapsed_s:.1f} s")
+    result = {
+        "machine": info,
+        "argv": argv,
+        "settings": {"quick": quick, "dtype": args.dtype, "warmup": args.warmup,
+                     "repeats": args.repeats, "seed": args.seed,
+                     "shapes": args.shapes, "impls": args.impls,
+                     "passes": args.passes},
+        "elapsed_s": elapsed_s,
+        "records": records,
+    }
+    if args.json:
+        directory = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(directory, exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The public MoE layer: ``mok_jax.moe``.
+
+Validation happens here, at trace time, so that a bad call fails with a
+ValueError naming the argument before anything runs. Differentiation is a
+custom VJP over the forward and backward primitives (`mok_jax.primitives`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mok_jax import primitives
+
+BACKENDS = ("auto", "fused", "xla")
+_X_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+
+
+class MoEStats(NamedTuple):
+    """Routing statistics of one `moe` call (global over the EP group).
+
+    Attributes:
+      tokens_per_expert: ``[E]`` int32, valid (token, k) pairs routed to each
+        expert, counted before capacity drops.
+      dropped: ``[]`` int32, valid pairs removed by the capacity limit.
+      invalid: ``[]`` int32, pairs whose expert id is outside ``[0, E)``.
+    """
+
+    tokens_per_expert: jax.Array
+    dropped: jax.Array
+    invalid: jax.Array
+
+
+def capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
+             num_experts: int) -> int | None:
+    """Rows each expert keeps: ``ceil(capacity_factor * T * K / E)``, or None.
+
+    ``num_tokens`` is the global token count (all EP ranks together).
+    """
+    if capacity_factor is None:
+        return None
+    return int(math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
+        w_gate_up: jax.Array, w_down: jax.Array, *, axis_name: str | None = None,
+        capacity_factor: float | None = None, backend: str = "auto",
+        return_stats: bool = False):
+    """Mixture-of-Experts layer with SwiGLU experts.
+
+    ``y[t] = sum_k expert_weights[t, k] * FFN_{expert_ids[t, k]}(x[t])`` with
+    ``FFN_e(v) = (silu(v @ Wg_e) * (v @ Wu_e)) @ Wd_e``, where ``Wg_e`` and
+    ``Wu_e`` are columns ``[0, F)`` and ``[F, 2F)`` of ``w_gate_up[e]``.
+
+    Numerics: GEMMs accumulate in f32; ``h = silu(g) * u`` is computed in f32
+    and rounded to ``x.dtype``; each expert's output row is rounded to
+    ``x.dtype``; the combine sums over k in ascending order in f32 and rounds
+    once. The result is bitwise deterministic.
+
+    Args:
+      x: ``[T, H]`` tokens, bfloat16 or float32.
+      expert_ids: ``[T, K]`` int32 global expert ids. Ids outside ``[0, E)``
+        contribute nothing, get no gradient and are counted as invalid.
+      expert_weights: ``[T, K]`` combine weights, float32 or ``x.dtype``.
+      w_gate_up: ``[E_local, H, 2F]`` gate and up projections, ``x.dtype``.
+      w_down: ``[E_local, F, H]`` down projections, ``x.dtype``.
+      axis_name: expert-parallel mesh axis when called inside ``shard_map``
+        (``E_local = E / axis_size``); None for a single device.
+      capacity_factor: None never drops. A float c keeps at most
+        ``ceil(c * T * K / E)`` pairs per expert, the lowest token indices
+        first; dropped pairs contribute 0 and are counted.
+      backend: "fused" (CUDA megakernel), "xla" (local kernels, XLA
+        collectives for the exchange) or "auto".
+      return_stats: also return `MoEStats`.
+
+    Returns:
+      ``y`` ``[T, H]`` in ``x.dtype``, or ``(y, MoEStats)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, mok_jax
+      >>> T, K, E, H, F = 8, 2, 4, 16, 32
+      >>> ks = jax.random.split(jax.random.key(0), 4)
+      >>> x = jax.random.normal(ks[0], (T, H))
+      >>> ids = jnp.argsort(jax.random.normal(ks[1], (T, E)), axis=1)[:, :K].astype(jnp.int32)
+      >>> w = jnp.full((T, K), 0.5)
+      >>> w_gate_up = jax.random.normal(ks[2], (E, H, 2 * F)) * H ** -0.5
+      >>> w_down = jax.random.normal(ks[3], (E, F, H)) * F ** -0.5
+      >>> mok_jax.moe(x, ids, w, w_gate_up, w_down).shape
+      (8, 16)
+    """
+    num_experts = _validate(x, expert_ids, expert_weights, w_gate_up, w_down,
+                            axis_name=axis_name, capacity_factor=capacity_factor,
+                            backend=backend)
+    tokens, top_k = expert_ids.shape
+    cap = capacity(capacity_factor, tokens, top_k, num_experts)
+    cap = primitives.NO_CAPACITY if cap is None else cap
+    with jax.named_scope("mok_jax"):
+        y, stats = _moe_core(cap, x, expert_ids, expert_weights, w_gate_up, w_down)
+    if return_stats:
+        return y, MoEStats(*stats)
+    return y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _moe_core(cap, x, expert_ids, expert_weights, w_gate_up, w_down):
+    y, _, *stats = primitives.moe_fwd_p.bind(
+        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=False)
+    return y, tuple(stats)
+
+
+def _moe_core_fwd(cap, x, expert_ids, expert_weights, w_gate_up, w_down):
+    y, gate_up, *stats = primitives.moe_fwd_p.bind(
+        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=True)
+    residuals = (x, expert_ids, expert_weights, w_gate_up, w_down, gate_up)
+    return (y, tuple(stats)), residuals
+
+
+def _moe_core_bwd(cap, residuals, cotangents):
+    x, expert_ids, expert_weights, w_gate_up, w_down, gate_up = residuals
+    dy, _ = cotangents  # the statistics are integers: no cotangent
+    dx, d_weights, d_w_gate_up, d_w_down = primitives.moe_bwd_p.bind(
+        x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy.astype(x.dtype),
+        capacity=cap)
+    d_ids = np.zeros(expert_ids.shape, dtype=jax.dtypes.float0)
+    return dx, d_ids, d_weights, d_w_gate_up, d_w_down
+
+
+_moe_core.defvjp(_moe_core_fwd, _moe_core_bwd)
+
+
+def _shape(a) -> tuple[int, ...]:
+    return tuple(np.shape(a))
+
+
+def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
+              capacity_factor, backend) -> int:
+    """Checks every static property of a call; returns the global expert count."""
+    shapes = (f"x {_shape(x)}, expert_ids {_shape(expert_ids)}, expert_weights "
+              f"{_shape(expert_weights)}, w_gate_up {_shape(w_gate_up)}, "
+              f"w_down {_shape(w_down)}")
+
+    def fail(msg):
+        raise ValueError(f"mok_jax.moe: {msg} (got {shapes})")
+
+    for name, a, rank in (("x", x, 2), ("expert_ids", expert_ids, 2),
+                          ("expert_weights", expert_weights, 2), ("w_gate_up", w_gate_up, 3),
+                          ("w_down", w_down, 3)):
+        if np.ndim(a) != rank:
+            fail(f"{name} must have rank {rank}, got rank {np.ndim(a)}")
+
+    x_dtype = np.dtype(x.dtype)
+    if x_dtype not in _X_DTYPES:
+        fail(f"x must be float32 or bfloat16, got {x_dtype}")
+    if np.dtype(expert_ids.dtype) != np.dtype(np.int32):
+        fail(f"expert_ids must be int32, got {np.dtype(expert_ids.dtype)}")
+    if np.dtype(expert_weights.dtype) not in (np.dtype(np.float32), x_dtype):
+        fail(f"expert_weights must be float32 or x.dtype ({x_dtype}), "
+             f"got {np.dtype(expert_weights.dtype)}")
+    for name, a in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if np.dtype(a.dtype) != x_dtype:
+            fail(f"{name} must have x.dtype ({x_dtype}), got {np.dtype(a.dtype)}")
+
+    tokens, hidden = x.shape
+    if expert_ids.shape[0] != tokens:
+        fail(f"expert_ids has {expert_ids.shape[0]} rows but x has {tokens} tokens")
+    if expert_weights.shape != expert_ids.shape:
+        fail("expert_weights must have the shape of expert_ids [T, K]")
+    top_k = expert_ids.shape[1]
+    if top_k < 1:
+        fail("expert_ids must have at least one column (K >= 1)")
+    experts_local, wgu_hidden, two_f = w_gate_up.shape
+    if wgu_hidden != hidden:
+        fail(f"w_gate_up's hidden dimension {wgu_hidden} does not match x's {hidden}")
+    if two_f % 2 or two_f == 0:
+        fail(f"w_gate_up's last dimension must be 2F with F >= 1, got {two_f}")
+    ffn = two_f // 2
+    if w_down.shape != (experts_local, ffn, hidden):
+        fail(f"w_down must be [E_local, F, H] = {(experts_local, ffn, hidden)} to match "
+             "w_gate_up and x")
+    if experts_local < 1:
+        fail("w_gate_up must hold at least one expert")
+
+    if backend not in BACKENDS:
+        raise ValueError(f"mok_jax.moe: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "fused" and jax.default_backend() != "gpu":
+        raise ValueError("mok_jax.moe: backend='fused' needs a CUDA GPU; on "
+                         f"{jax.default_backend()!r} use backend='xla' or 'auto'")
+
+    if capacity_factor is not None:
+        if isinstance(capacity_factor, bool) or not isinstance(
+                capacity_factor, (int, float, np.integer, np.floating)):
+            raise ValueError("mok_jax.moe: capacity_factor must be None or a positive "
+                             f"number, got {capacity_factor!r}")
+        if not math.isfinite(capacity_factor) or capacity_factor <= 0:
+            raise ValueError("mok_jax.moe: capacity_factor must be positive and finite, "
+                             f"got {capacity_factor!r}")
+
+    ep_size = 1
+    if axis_name is not None:
+        try:
+            ep_size = jax.lax.axis_size(axis_name)
+        except NameError as err:
+            raise ValueError(
+                f"mok_jax.moe: axis_name={axis_name!r} is not a bound mesh axis; call "
+                "moe inside jax.shard_map over a mesh with that axis, or pass "
+                "axis_name=None") from err
+        if ep_size > 1:
+            raise NotImplementedError(
+                "mok_jax.moe: expert parallelism over an axis of size "
+                f"{ep_size} is not implemented yet (single device only)")
+    num_experts = experts_local * ep_size
+    if top_k > num_experts:
+        fail(f"top-k K={top_k} exceeds the number of experts E={num_experts}")
+    return num_experts

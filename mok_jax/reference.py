@@ -1,0 +1,65 @@
+"""Pure-JAX oracle of `mok_jax.moe` with the contract's numerics.
+
+A test oracle only: it runs every expert on every token (E/K times the FLOPs)
+so that it stays short and obviously right, and it is differentiable with
+plain ``jax.grad``. `mok_jax.moe` never calls it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mok_jax.moe import MoEStats, capacity
+
+
+def routing_masks(expert_ids: jax.Array, num_experts: int, capacity_factor: float | None):
+    """Which pairs are valid and which are kept, and the routing statistics.
+
+    Args:
+      expert_ids: ``[T, K]`` int32.
+    Returns:
+      ``(valid [T, K] bool, kept [T, K] bool, MoEStats)``. A valid pair is kept
+      when fewer than ``cap`` earlier pairs (token index, then k) chose its expert.
+    """
+    tokens, top_k = expert_ids.shape
+    valid = (expert_ids >= 0) & (expert_ids < num_experts)
+    flat = expert_ids.reshape(-1)
+    onehot = (flat[:, None] == jnp.arange(num_experts)[None, :]) & valid.reshape(-1, 1)
+    onehot = onehot.astype(jnp.int32)                               # [T*K, E]
+    earlier = jnp.cumsum(onehot, axis=0) - onehot                   # pairs before, same expert
+    position = jnp.sum(earlier * onehot, axis=1).reshape(tokens, top_k)
+    cap = capacity(capacity_factor, tokens, top_k, num_experts)
+    kept = valid if cap is None else valid & (position < cap)
+    routed = jnp.sum(onehot, axis=0).astype(jnp.int32)
+    stats = MoEStats(
+        tokens_per_expert=routed,
+        dropped=jnp.sum(valid & ~kept).astype(jnp.int32),
+        invalid=jnp.sum(~valid).astype(jnp.int32),
+    )
+    return valid, kept, stats
+
+
+def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
+                  capacity_factor=None, return_stats=False):
+    """Same contract as `mok_jax.moe` for one device (no ``axis_name``)."""
+    num_experts = w_gate_up.shape[0]
+    ffn = w_down.shape[1]
+    _, kept, stats = routing_masks(expert_ids, num_experts, capacity_factor)
+
+    # Every expert on every token: [E, T, 2F] in f32.
+    gate_up = jnp.einsum("th,ehf->etf", x, w_gate_up, preferred_element_type=jnp.float32)
+    g, u = gate_up[..., :ffn], gate_up[..., ffn:]
+    h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)
+    o = jnp.einsum("etf,efh->eth", h, w_down, preferred_element_type=jnp.float32)
+    o = o.astype(x.dtype).astype(jnp.float32)                        # [E, T, H]
+
+    safe_ids = jnp.where(kept, expert_ids, 0)
+    tokens = jnp.arange(x.shape[0])
+    weights = expert_weights.astype(jnp.float32)
+    acc = jnp.zeros(x.shape, jnp.float32)
+    for k in range(expert_ids.shape[1]):                             # ascending k
+        o_k = o[safe_ids[:, k], tokens]                              # [T, H]
+        acc = acc + jnp.where(kept[:, k, None], weights[:, k, None] * o_k, 0.0)
+    y = acc.astype(x.dtype)
+    return (y, stats) if return_stats else y

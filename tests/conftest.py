@@ -1,0 +1,174 @@
+"""Shared test set-up for mok_jax: host devices, markers, random MoE problems.
+
+Everything that must happen before JAX initializes its backends lives at the top of
+this file: pytest imports conftest.py before any test module, so the XLA flag below
+takes effect for the whole session (EP tests want 8 host devices on CPU).
+"""
+
+import os
+import sys
+
+_HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+if _HOST_DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" {_HOST_DEVICES_FLAG}=8"
+    ).strip()
+
+import jax  # noqa: E402  (must come after XLA_FLAGS)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+BF16 = np.dtype(jnp.bfloat16)
+
+# Test modules do `from conftest import make_problem, ...`. That works under pytest's
+# default import mode; putting this directory on sys.path keeps it working under
+# --import-mode=importlib too (the helpers below are pure functions, so a second copy
+# of this module is harmless).
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    # Also registered in pyproject.toml; registering twice is harmless and keeps
+    # `pytest tests` working from any directory with --strict-markers.
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU)")
+    config.addinivalue_line("markers", "multigpu: needs at least 2 CUDA GPUs")
+
+
+def _num_gpus():
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:  # no GPU backend in this jaxlib / on this machine
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    marked = [it for it in items if "gpu" in it.keywords or "multigpu" in it.keywords]
+    if not marked:
+        return  # do not initialize a backend just to skip nothing
+    gpus = _num_gpus() if jax.devices()[0].platform == "gpu" else 0
+    skip_gpu = pytest.mark.skip(reason="needs a GPU (jax.devices()[0] is not a GPU)")
+    skip_multi = pytest.mark.skip(reason=f"needs >= 2 GPUs, found {gpus}")
+    for it in marked:
+        if "multigpu" in it.keywords and gpus < 2:
+            it.add_marker(skip_multi)
+        elif "gpu" in it.keywords and gpus < 1:
+            it.add_marker(skip_gpu)
+
+
+# --------------------------------------------------------------------------------------
+# Random problems
+# --------------------------------------------------------------------------------------
+
+
+def _rng(key_or_seed):
+    if isinstance(key_or_seed, (int, np.integer)):
+        return np.random.default_rng(int(key_or_seed))
+    # A JAX PRNG key (new-style or raw uint32): derive a NumPy seed from it, so that
+    # problems are made host-side without compiling one jax.random op per shape.
+    bits = np.asarray(jax.random.bits(key_or_seed, (2,), jnp.uint32), dtype=np.uint64)
+    return np.random.default_rng(int(bits[0] << np.uint64(32) | bits[1]))
+
+
+def make_problem(key_or_seed, T, K, E, H, F, dtype=jnp.float32, *,
+                 weights_dtype=jnp.float32, routing="topk", expert=0):
+    """A random MoE problem as JAX arrays `(x, ids, weights, w_gate_up, w_down)`.
+
+    Shapes: x [T, H] dtype; ids [T, K] int32; weights [T, K] weights_dtype;
+    w_gate_up [E, H, 2F] dtype; w_down [E, F, H] dtype.
+
+    routing="topk": ids are the top-K of random router scores (distinct per token)
+    and weights their softmax, as a router would produce. routing="one": every pair
+    goes to `expert` (ids repeat within a token; requires nothing of K vs E).
+    Weight matrices are scaled by 1/sqrt(fan_in) so g, u, h, o and y stay O(1) and
+    relative error norms are meaningful.
+    """
+    rng = _rng(key_or_seed)
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    scores = rng.standard_normal((T, E), dtype=np.float32)
+    if routing == "topk":
+        assert K <= E, (K, E)
+        ids = np.argsort(-scores, axis=1, kind="stable")[:, :K].astype(np.int32)
+        top = np.take_along_axis(scores, ids, axis=1)
+    elif routing == "one":
+        ids = np.full((T, K), expert, np.int32)
+        top = scores[:, :K] if K <= E else rng.standard_normal((T, K), dtype=np.float32)
+    else:
+        raise ValueError(f"unknown routing {routing!r}")
+    weights = np.exp(top - top.max(axis=1, keepdims=True))
+    weights = (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32)
+    wgu = rng.standard_normal((E, H, 2 * F), dtype=np.float32) / np.sqrt(H)
+    wd = rng.standard_normal((E, F, H), dtype=np.float32) / np.sqrt(F)
+    return (
+        jnp.asarray(x, dtype),
+        jnp.asarray(ids),
+        jnp.asarray(weights, weights_dtype),
+        jnp.asarray(wgu, dtype),
+        jnp.asarray(wd, dtype),
+    )
+
+
+def np_stats(ids, E, capacity=None):
+    """NumPy routing oracle: (tokens_per_expert [E], dropped, invalid, keep [T, K]).
+
+    Pairs are visited in (token, k) order; each expert keeps its first `capacity`
+    valid pairs. Invalid ids (< 0 or >= E) are neither routed nor dropped.
+    """
+    ids = np.asarray(ids)
+    T, K = ids.shape
+    tpe = np.zeros(E, np.int64)
+    keep = np.zeros((T, K), bool)
+    invalid = dropped = 0
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            if not 0 <= e < E:
+                invalid += 1
+                continue
+            if capacity is None or tpe[e] < capacity:
+                keep[t, k] = True
+            else:
+                dropped += 1
+            tpe[e] += 1
+    return tpe, dropped, invalid, keep
+
+
+def rel_fro(got, want):
+    """||got - want||_F / ||want||_F in float64 (0 when both are 0)."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    num = np.linalg.norm((got - want).ravel())
+    den = np.linalg.norm(want.ravel())
+    return num / den if den > 0 else num
+
+
+def assert_close(got, want, dtype, *, f32_tol=1e-5, bf16_tol=2e-2, what=""):
+    """The contract's tolerances: f32 1e-5 relative (Frobenius and elementwise with
+    atol scaled by max|want|), bf16 2e-2 relative Frobenius."""
+    got64 = np.asarray(got, np.float64)
+    want64 = np.asarray(want, np.float64)
+    assert got64.shape == want64.shape, (what, got64.shape, want64.shape)
+    err = rel_fro(got64, want64)
+    if np.dtype(dtype) == np.float32:
+        assert err <= f32_tol, f"{what}: relative Frobenius error {err:.3g} > {f32_tol}"
+        atol = f32_tol * max(float(np.max(np.abs(want64), initial=0.0)), 1e-30)
+        np.testing.assert_allclose(got64, want64, rtol=f32_tol, atol=atol, err_msg=what)
+    else:
+        assert err <= bf16_tol, f"{what}: relative Frobenius error {err:.3g} > {bf16_tol}"
+
+
+def bits(a):
+    """The raw bits of an array, for exact (bitwise) comparisons incl. NaN payloads."""
+    a = np.asarray(a)
+    return a.view(np.dtype(f"u{a.dtype.itemsize}")) if a.dtype.kind == "f" or a.dtype == BF16 else a
+
+
+def assert_bitwise(a, b, what=""):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    diff = np.flatnonzero(bits(a).ravel() != bits(b).ravel())
+    assert diff.size == 0, (
+        f"{what}: {diff.size} of {a.size} elements differ in bits; first at flat index "
+        f"{diff[0]}: {a.ravel()[diff[0]]!r} vs {b.ravel()[diff[0]]!r}"
+    )

@@ -1,0 +1,247 @@
+"""Tests for mok_jax.baselines (against oracles) and mok_jax.bench (CLI, JSON, table)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mok_jax import baselines, bench
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PIPELINES = [baselines.ragged_dot_moe, baselines.dense_onehot_moe]
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}   # relative Frobenius, DESIGN §5
+
+
+def _mok_moe_available() -> bool:
+    try:
+        import mok_jax  # pylint: disable=import-outside-toplevel
+        return callable(mok_jax.moe)
+    except Exception:  # pylint: disable=broad-except
+        return False
+
+
+def _rel_err(actual, expected) -> float:
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+def _problem(t=40, k=3, e=6, h=32, f=16, dtype=jnp.float32, seed=0):
+    """Small random layer; ids distinct per token; experts 0..e-1 all hit."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    return dict(
+        x=jnp.asarray(rng.standard_normal((t, h)), dtype),
+        expert_ids=jnp.asarray(ids),
+        expert_weights=jnp.asarray(rng.random((t, k)), jnp.float32),
+        w_gate_up=jnp.asarray(rng.standard_normal((e, h, 2 * f)) * h ** -0.5, dtype),
+        w_down=jnp.asarray(rng.standard_normal((e, f, h)) * f ** -0.5, dtype),
+    )
+
+
+def _float64_moe(x, expert_ids, expert_weights, w_gate_up, w_down):
+    """Independent NumPy float64 oracle of the MoE semantics (invalid ids give 0)."""
+    x, wgu, wd, w = (np.asarray(a, np.float64)
+                     for a in (x, w_gate_up, w_down, expert_weights))
+    ids = np.asarray(expert_ids)
+    e, f, _ = wd.shape
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            expert = int(ids[t, k])
+            if not 0 <= expert < e:
+                continue
+            gate_up = x[t] @ wgu[expert]
+            gate, up = gate_up[:f], gate_up[f:]
+            y[t] += w[t, k] * ((gate / (1 + np.exp(-gate)) * up) @ wd[expert])
+    return y
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("pipeline", PIPELINES, ids=lambda p: p.__name__)
+def test_baseline_matches_float64_oracle(pipeline, dtype):
+    args = _problem(dtype=dtype)
+    y = jax.jit(pipeline)(**args)
+    assert y.shape == args["x"].shape and y.dtype == dtype
+    assert _rel_err(y, _float64_moe(**args)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("pipeline", PIPELINES, ids=lambda p: p.__name__)
+def test_baseline_matches_moe_reference(pipeline, dtype):
+    reference = pytest.importorskip("mok_jax.reference")
+    args = _problem(t=33, k=4, e=8, h=24, f=40, dtype=dtype, seed=1)
+    expected = reference.moe_reference(**args)
+    assert _rel_err(jax.jit(pipeline)(**args), expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES, ids=lambda p: p.__name__)
+def test_baseline_gradients_match_dense_jax(pipeline):
+    """Gradients w.r.t. x, weights, w_gate_up, w_down against a plain f32 dense layer."""
+    args = _problem(t=24, k=2, e=5, h=16, f=8, seed=2)
+    ids = args.pop("expert_ids")
+
+    def dense(x, expert_weights, w_gate_up, w_down):
+        f = w_down.shape[1]
+        gate_up = jnp.einsum("th,ehf->tef", x, w_gate_up)
+        hidden = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:]
+        out = jnp.einsum("tef,efh->teh", hidden, w_down)
+        picked = jnp.take_along_axis(out, ids[..., None], axis=1)
+        return jnp.sum(picked * expert_weights[..., None], axis=1)
+
+    dy = jnp.asarray(np.random.default_rng(3).standard_normal(args["x"].shape),
+                     jnp.float32)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a) * dy)
+
+    names = ("x", "expert_weights", "w_gate_up", "w_down")
+    operands = [args[n] for n in names]
+    got = jax.grad(loss(lambda x, w, gu, d: pipeline(x, ids, w, gu, d)),
+                   argnums=(0, 1, 2, 3))(*operands)
+    want = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*operands)
+    for name, g, w in zip(names, got, want):
+        assert _rel_err(g, w) < 1e-5, name
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES, ids=lambda p: p.__name__)
+def test_baseline_invalid_ids_contribute_zero(pipeline):
+    args = _problem(t=10, k=2, e=4, h=8, f=4, seed=4)
+    ids = np.asarray(args["expert_ids"]).copy()
+    ids[0, 0], ids[3, 1], ids[7, 0] = -1, 4, 1 << 20
+    args["expert_ids"] = jnp.asarray(ids)
+    assert _rel_err(jax.jit(pipeline)(**args), _float64_moe(**args)) < 1e-5
+
+
+def test_tokamax_available_reports_reason():
+    ok, why = baselines.tokamax_available()
+    assert ok == (why == "")
+    if not ok:
+        record = bench.bench_one(bench.QUICK_SHAPES["ep"], "tokamax", "fwd", {},
+                                 dtype_name="bf16", warmup=0, repeats=1)
+        assert record["status"] == "unavailable" and "tokamax" in record["error"]
+
+
+def test_gemm_flops():
+    shape = bench.FULL_SHAPES["small-experts"]
+    assert shape.gemm_flops("fwd") == 6 * 16384 * 8 * 2048 * 768
+    assert shape.gemm_flops("fwdbwd") == 18 * 16384 * 8 * 2048 * 768
+
+
+def test_quick_shapes_cover_full_shapes():
+    assert set(bench.QUICK_SHAPES) == set(bench.FULL_SHAPES)
+    for name, quick in bench.QUICK_SHAPES.items():
+        assert quick.top_k == bench.FULL_SHAPES[name].top_k
+        assert quick.top_k <= quick.experts
+
+
+def test_make_inputs_routing():
+    shape = bench.QUICK_SHAPES["small-experts"]
+    inputs = bench.make_inputs(shape, jnp.bfloat16)
+    ids = np.asarray(inputs["expert_ids"])
+    assert ids.shape == (shape.tokens, shape.top_k) and ids.dtype == np.int32
+    assert ids.min() >= 0 and ids.max() < shape.experts
+    assert all(len(set(row)) == shape.top_k for row in ids)   # top-k: distinct
+    np.testing.assert_allclose(np.asarray(inputs["expert_weights"]).sum(-1), 1,
+                               rtol=1e-5)
+    assert inputs["x"].dtype == jnp.bfloat16
+
+
+def test_quick_run_writes_json(tmp_path):
+    path = tmp_path / "sub" / "bench.json"
+    bench.main(["--quick", "--repeats", "2", "--json", str(path)])
+    result = json.loads(path.read_text())
+
+    machine = result["machine"]
+    for key in ("jax_version", "backend", "device_kind", "date_utc", "git_commit"):
+        assert key in machine
+    assert result["argv"] == ["--quick", "--repeats", "2", "--json", str(path)]
+
+    records = result["records"]
+    keys = [(r["shape"], r["impl"], r["pass"]) for r in records]
+    assert len(keys) == len(set(keys))
+    assert set(keys) == {(s, i, p) for s in bench.FULL_SHAPES for i in bench.IMPLS
+                         for p in bench.PASSES}
+
+    must_run = {"ragged_dot", "dense_onehot"}
+    if _mok_moe_available():
+        must_run.add(bench.MOK)
+    if baselines.tokamax_available()[0]:
+        must_run.add("tokamax")
+    for r in records:
+        if r["impl"] in must_run:
+            assert r["status"] == "ok", r
+            assert r["median_ms"] > 0 and r["min_ms"] > 0 and r["tflops"] > 0
+            assert len(r["times_ms"]) == 2
+        else:
+            assert r["status"] == "unavailable" and r["error"]
+            assert r["median_ms"] is None
+        if r["impl"] != bench.MOK and r["status"] == "ok" and bench.MOK in must_run:
+            assert r["mok_speedup"] > 0
+
+
+def test_cpu_without_quick_runs_quick_shapes(capsys):
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU-only default")
+    result = bench.main(["--shapes", "ep", "--impls", "ragged_dot", "--passes", "fwd",
+                         "--repeats", "1", "--warmup", "0"])
+    assert result["settings"]["quick"]
+    assert result["records"][0]["T"] == bench.QUICK_SHAPES["ep"].tokens
+    assert "--full-on-cpu" in capsys.readouterr().err
+
+
+def test_module_entry_point(tmp_path):
+    path = tmp_path / "out.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [REPO_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "mok_jax.bench", "--quick", "--shapes", "mixtral-like",
+         "--impls", "ragged_dot,dense_onehot", "--passes", "fwd", "--repeats", "1",
+         "--warmup", "0", "--dtype", "f32", "--json", str(path)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "mixtral-like" in proc.stdout
+    records = json.loads(path.read_text())["records"]
+    assert [(r["impl"], r["status"], r["dtype"]) for r in records] == [
+        ("ragged_dot", "ok", "f32"), ("dense_onehot", "ok", "f32")]
+
+
+def test_bad_arguments_exit():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--impls", "cublas"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--shapes", "nope"])
+
+
+def test_failing_pipeline_is_recorded(monkeypatch):
+    def broken(*_):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (simulated)")
+
+    monkeypatch.setattr(bench, "resolve_impl", lambda name: (broken, None))
+    shape = bench.QUICK_SHAPES["ep"]
+    record = bench.bench_one(shape, "ragged_dot", "fwd",
+                             bench.make_inputs(shape, jnp.float32),
+                             dtype_name="f32", warmup=0, repeats=1)
+    assert record["status"] == "error"
+    assert "RESOURCE_EXHAUSTED" in record["error"] and record["median_ms"] is None
+
+
+def test_table_and_speedups():
+    def rec(impl, ms, status="ok"):
+        return {"shape": "ep", "impl": impl, "pass": "fwd", "median_ms": ms,
+                "min_ms": ms, "tflops": 1.0 if ms else None, "status": status,
+                "error": None if ms else "boom\nmore"}
+
+    records = [rec("moe", 2.0), rec("ragged_dot", 5.0), rec("tokamax", None, "error")]
+    bench.add_speedups(records)
+    assert records[0]["mok_speedup"] is None
+    assert records[1]["mok_speedup"] == pytest.approx(2.5)
+    assert records[2]["mok_speedup"] is None
+    table = bench.format_table(records)
+    assert "2.50x" in table and "tokamax: error: boom" in table

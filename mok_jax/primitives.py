@@ -57,8 +57,8 @@ def _map_batching(prim: Primitive):
     call, with its own capacity and statistics, exactly as without vmap."""
 
     def rule(args, dims, **params):
-        size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
-        batched = [i for i, d in enumerate(dims) if d is not batching.not_mapped]
+        # An unbatched operand has dim None.
+        batched = [i for i, d in enumerate(dims) if d is not None]
         moved = tuple(jax.numpy.moveaxis(args[i], dims[i], 0) for i in batched)
 
         def one(slices):
@@ -68,7 +68,6 @@ def _map_batching(prim: Primitive):
             return tuple(prim.bind(*full, **params))
 
         outs = jax.lax.map(one, moved)
-        assert all(o.shape[0] == size for o in outs)
         return list(outs), [0] * len(outs)
 
     return rule

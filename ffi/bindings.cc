@@ -35,7 +35,7 @@ NB_MODULE(_mok, m) {
   m.def("registrations", &registrations,
         "Handler capsules by platform: {'cpu': {name: capsule}, 'CUDA': {...}}.");
   m.attr("NO_CAPACITY") = mok::kNoCapacity;
-  nb::enum_<mok::DType>(m, "DType", "Element types the kernels accept.")
+  nb::enum_<mok::DType>(m, "DType", "Element types the kernels accept.", nb::is_arithmetic())
       .value("F32", mok::DType::kF32)
       .value("BF16", mok::DType::kBF16);
 }

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# GPU CI for mok_jax, for a CUDA machine without internet (scripts/gpu_ci.sh OUTDIR).
+#
+# Builds and installs the extension (no build isolation: scikit-build-core,
+# nanobind, jax and jaxlib must be installed; extra wheels may be carried in
+# .whl/), runs the test suite on the CPU and the gpu/multigpu-marked tests on
+# the GPUs, then the benchmark. Logs and JSON go to OUTDIR.
+set -uo pipefail
+OUTDIR=$(realpath -m "${1:-${OUT:-gpu_ci_out}}")
+mkdir -p "$OUTDIR"
+cd "$(dirname "$0")/.."
+# NVLink multicast stays off in every process (shared machines; see DESIGN §3).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+status=0
+step() {  # step NAME CMD...: runs CMD, logs to OUTDIR/NAME.log, remembers failures
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$(date +%s)
+  "$@" > "$OUTDIR/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
+  tail -n 25 "$OUTDIR/$name.log"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/mok_site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/mok_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+{ nvidia-smi; nvcc --version; $PY -c 'import jax; print(jax.__version__, jax.devices())'; \
+  git rev-parse HEAD 2>/dev/null; } > "$OUTDIR/machine.txt" 2>&1
+
+step build $PY -m pip install -v --no-build-isolation --no-deps . || exit 1
+
+# Run from outside the source tree so that the installed package is imported.
+cd tests
+step tests_cpu env JAX_PLATFORMS=cpu $PY -m pytest -q -p no:cacheprovider -m "not gpu and not multigpu" .
+step tests_gpu $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs .
+cd /tmp
+step bench $PY -m mok_jax.bench --json "$OUTDIR/bench.json" ${MOK_BENCH_ARGS:-}
+exit $status

@@ -1,0 +1,46 @@
+"""The extension's registrations and the platform guard of mok_jax.moe."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mok_jax
+from mok_jax import _ext, _mok
+
+
+def _tiny_problem():
+    x = jnp.ones((4, 8), jnp.float32)
+    ids = jnp.array([[0, 1]] * 4, jnp.int32)
+    w = jnp.full((4, 2), 0.5, jnp.float32)
+    return x, ids, w, jnp.ones((2, 8, 6), jnp.float32), jnp.ones((2, 3, 8), jnp.float32)
+
+
+def test_cpu_handlers_are_registered():
+    regs = _mok.registrations()
+    assert set(regs["cpu"]) == {_ext.MOE_FORWARD, _ext.MOE_BACKWARD}
+    assert "cpu" in _ext.registered_platforms()
+
+
+def test_dtype_enum_is_exported():
+    assert int(_mok.DType.F32) == 0 and int(_mok.DType.BF16) == 1
+    assert _mok.NO_CAPACITY == mok_jax.primitives.NO_CAPACITY
+
+
+def test_lowering_names_the_ffi_targets():
+    hlo = jax.jit(lambda *a: mok_jax.moe(*a)).lower(*_tiny_problem()).as_text()
+    assert f"@{_ext.MOE_FORWARD}" in hlo
+    grad_hlo = jax.jit(jax.grad(lambda x, *a: mok_jax.moe(x, *a).sum())).lower(
+        *_tiny_problem()).as_text()
+    assert f"@{_ext.MOE_BACKWARD}" in grad_hlo
+
+
+@pytest.mark.gpu
+def test_gpu_without_cuda_handlers_says_how_to_rebuild():
+    problem = jax.device_put(_tiny_problem(), jax.devices("gpu")[0])
+    if "cuda" in _ext.registered_platforms():
+        y = mok_jax.moe(*problem)
+        assert np.isfinite(np.asarray(y)).all()
+    else:
+        with pytest.raises(RuntimeError, match="MOK_ENABLE_CUDA=ON"):
+            jax.block_until_ready(mok_jax.moe(*problem))

@@ -3,6 +3,12 @@
 #include <algorithm>
 #include <cstring>
 
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define MOK_CPU_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define MOK_CPU_MULTIVERSION
+#endif
+
 namespace mok::cpu {
 namespace {
 
@@ -12,6 +18,10 @@ constexpr int64_t kDepthBlock = 128;  // rows of B per pass (B block stays in L2
 
 }  // namespace
 
+// Built for AVX2 and for the baseline ISA, chosen at load time. Both clones do
+// the same IEEE operations per element in the same order (no FMA contraction:
+// -ffp-contract=off), so they give the same bits.
+MOK_CPU_MULTIVERSION
 void gemm_f32(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t kd) {
   std::fill(c, c + m * n, 0.0f);
   for (int64_t j0 = 0; j0 < n; j0 += kColBlock) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "parallel.h"
 #include "mok/bf16.h"
 #include "routing.h"
 
@@ -50,39 +51,46 @@ void forward(const MoeForwardArgs& a) {
 
   // Expert outputs per pair, already rounded to x.dtype; dropped pairs unused.
   std::vector<float> o_pair(plan.num_rows > 0 ? T * K * H : 0);
-  std::vector<float> w_gu(H * 2 * F), w_d(F * H);
-  std::vector<float> xe, gu, h, o;
+  struct Scratch {
+    std::vector<float> w_gu, w_d, xe, gu, h, o;
+  };
+  const int workers = cpu_threads();
+  std::vector<Scratch> scratch(workers);
 
-  for (int64_t e = 0; e < E; ++e) {
+  // Experts are independent and write disjoint rows: one work item each.
+  parallel_for(E, workers, [&](int64_t e, int worker) {
     const int64_t begin = plan.expert_begin[e], n = plan.expert_begin[e + 1] - begin;
-    if (n == 0) continue;
+    if (n == 0) return;
+    Scratch& s = scratch[worker];
     const int64_t* rows = plan.row_pair.data() + begin;
-    xe.resize(n * H);
-    gu.resize(n * 2 * F);
-    h.resize(n * F);
-    o.resize(n * H);
-    load_f32(wgu + e * H * 2 * F, w_gu.data(), H * 2 * F);
-    load_f32(wd + e * F * H, w_d.data(), F * H);
-    gather_rows(x, rows, K, n, H, xe.data());
+    s.w_gu.resize(H * 2 * F);
+    s.w_d.resize(F * H);
+    s.xe.resize(n * H);
+    s.gu.resize(n * 2 * F);
+    s.h.resize(n * F);
+    s.o.resize(n * H);
+    load_f32(wgu + e * H * 2 * F, s.w_gu.data(), H * 2 * F);
+    load_f32(wd + e * F * H, s.w_d.data(), F * H);
+    gather_rows(x, rows, K, n, H, s.xe.data());
 
-    gemm_f32(xe.data(), w_gu.data(), gu.data(), n, 2 * F, H);
+    gemm_f32(s.xe.data(), s.w_gu.data(), s.gu.data(), n, 2 * F, H);
     for (int64_t r = 0; r < n; ++r) {
-      const float* g = gu.data() + r * 2 * F;
+      const float* g = s.gu.data() + r * 2 * F;
       const float* u = g + F;
       for (int64_t f = 0; f < F; ++f) {
-        h[r * F + f] = round_to<X>(g[f] * sigmoid(g[f]) * u[f]);
+        s.h[r * F + f] = round_to<X>(g[f] * sigmoid(g[f]) * u[f]);
       }
       if (gu_out != nullptr) {
         X* dst = gu_out + rows[r] * 2 * F;
         for (int64_t j = 0; j < 2 * F; ++j) dst[j] = from_float<X>(g[j]);
       }
     }
-    gemm_f32(h.data(), w_d.data(), o.data(), n, H, F);
+    gemm_f32(s.h.data(), s.w_d.data(), s.o.data(), n, H, F);
     for (int64_t r = 0; r < n; ++r) {
       float* dst = o_pair.data() + rows[r] * H;
-      for (int64_t j = 0; j < H; ++j) dst[j] = round_to<X>(o[r * H + j]);
+      for (int64_t j = 0; j < H; ++j) dst[j] = round_to<X>(s.o[r * H + j]);
     }
-  }
+  });
 
   // Ordered combine: ascending k, f32 sum, one rounding at the end.
   std::vector<float> acc(H);
@@ -118,76 +126,88 @@ void backward(const MoeBackwardArgs& a) {
   for (int64_t p = 0; p < T * K; ++p) dew[p] = from_float<W>(0.0f);
   // dx contribution of each kept pair, rounded to x.dtype like the forward's o.
   std::vector<float> dx_pair(plan.num_rows > 0 ? T * K * H : 0);
-  std::vector<float> w_gu(H * 2 * F), w_gu_t(2 * F * H), w_d(F * H), w_d_t(H * F);
-  std::vector<float> xe, xe_t, dye, dh, gu, hr, hr_t, dgu, dout, dxe, acc_gu(H * 2 * F),
-      acc_d(F * H);
+  struct Scratch {
+    std::vector<float> w_gu, w_gu_t, w_d, w_d_t, xe, xe_t, dye, dh, gu, hr, hr_t, dgu, dout, dxe,
+        acc_gu, acc_d;
+  };
+  const int workers = cpu_threads();
+  std::vector<Scratch> scratch(workers);
 
-  for (int64_t e = 0; e < E; ++e) {
+  parallel_for(E, workers, [&](int64_t e, int worker) {
     const int64_t begin = plan.expert_begin[e], n = plan.expert_begin[e + 1] - begin;
     X* dwgu_e = dwgu + e * H * 2 * F;
     X* dwd_e = dwd + e * F * H;
     if (n == 0) {
       for (int64_t i = 0; i < H * 2 * F; ++i) dwgu_e[i] = from_float<X>(0.0f);
       for (int64_t i = 0; i < F * H; ++i) dwd_e[i] = from_float<X>(0.0f);
-      continue;
+      return;
     }
+    Scratch& s = scratch[worker];
     const int64_t* rows = plan.row_pair.data() + begin;
-    xe.resize(n * H);
-    xe_t.resize(n * H);
-    dye.resize(n * H);
-    dh.resize(n * F);
-    gu.resize(n * 2 * F);
-    hr.resize(n * F);
-    hr_t.resize(n * F);
-    dgu.resize(n * 2 * F);
-    dout.resize(n * H);
-    dxe.resize(n * H);
-    load_f32(wgu + e * H * 2 * F, w_gu.data(), H * 2 * F);
-    load_f32(wd + e * F * H, w_d.data(), F * H);
-    transpose_f32(w_gu.data(), w_gu_t.data(), H, 2 * F);
-    transpose_f32(w_d.data(), w_d_t.data(), F, H);
-    gather_rows(x, rows, K, n, H, xe.data());
-    gather_rows(dy, rows, K, n, H, dye.data());
-    for (int64_t r = 0; r < n; ++r) load_f32(gu_saved + rows[r] * 2 * F, gu.data() + r * 2 * F, 2 * F);
+    s.w_gu.resize(H * 2 * F);
+    s.w_gu_t.resize(2 * F * H);
+    s.w_d.resize(F * H);
+    s.w_d_t.resize(H * F);
+    s.acc_gu.resize(H * 2 * F);
+    s.acc_d.resize(F * H);
+    s.xe.resize(n * H);
+    s.xe_t.resize(n * H);
+    s.dye.resize(n * H);
+    s.dh.resize(n * F);
+    s.gu.resize(n * 2 * F);
+    s.hr.resize(n * F);
+    s.hr_t.resize(n * F);
+    s.dgu.resize(n * 2 * F);
+    s.dout.resize(n * H);
+    s.dxe.resize(n * H);
+    load_f32(wgu + e * H * 2 * F, s.w_gu.data(), H * 2 * F);
+    load_f32(wd + e * F * H, s.w_d.data(), F * H);
+    transpose_f32(s.w_gu.data(), s.w_gu_t.data(), H, 2 * F);
+    transpose_f32(s.w_d.data(), s.w_d_t.data(), F, H);
+    gather_rows(x, rows, K, n, H, s.xe.data());
+    gather_rows(dy, rows, K, n, H, s.dye.data());
+    for (int64_t r = 0; r < n; ++r) {
+      load_f32(gu_saved + rows[r] * 2 * F, s.gu.data() + r * 2 * F, 2 * F);
+    }
 
     // dh_raw = dy @ Wd^T: the gradient of h before the combine weight.
-    gemm_f32(dye.data(), w_d_t.data(), dh.data(), n, F, H);
+    gemm_f32(s.dye.data(), s.w_d_t.data(), s.dh.data(), n, F, H);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t p = rows[r];
       const float w = to_float(ew[p]);
-      const float* g = gu.data() + r * 2 * F;
+      const float* g = s.gu.data() + r * 2 * F;
       const float* u = g + F;
-      float* dhr = dh.data() + r * F;
+      const float* dhr = s.dh.data() + r * F;
       float dw = 0.0f;
       for (int64_t f = 0; f < F; ++f) {
-        const float s = sigmoid(g[f]);
-        const float silu = g[f] * s;
+        const float sg = sigmoid(g[f]);
+        const float silu = g[f] * sg;
         const float hv = round_to<X>(silu * u[f]);
-        hr[r * F + f] = hv;
+        s.hr[r * F + f] = hv;
         dw += dhr[f] * hv;  // <dy, o> = <dy @ Wd^T, h>
         const float dhv = w * dhr[f];
-        dgu[r * 2 * F + f] = round_to<X>(dhv * u[f] * (s * (1.0f + g[f] * (1.0f - s))));
-        dgu[r * 2 * F + F + f] = round_to<X>(dhv * silu);
+        s.dgu[r * 2 * F + f] = round_to<X>(dhv * u[f] * (sg * (1.0f + g[f] * (1.0f - sg))));
+        s.dgu[r * 2 * F + F + f] = round_to<X>(dhv * silu);
       }
       dew[p] = from_float<W>(dw);
-      for (int64_t j = 0; j < H; ++j) dout[r * H + j] = round_to<X>(w * dye[r * H + j]);
+      for (int64_t j = 0; j < H; ++j) s.dout[r * H + j] = round_to<X>(w * s.dye[r * H + j]);
     }
 
     // dx rows = dgu @ Wgu^T, rounded to x.dtype and combined per token below.
-    gemm_f32(dgu.data(), w_gu_t.data(), dxe.data(), n, H, 2 * F);
+    gemm_f32(s.dgu.data(), s.w_gu_t.data(), s.dxe.data(), n, H, 2 * F);
     for (int64_t r = 0; r < n; ++r) {
       float* dst = dx_pair.data() + rows[r] * H;
-      for (int64_t j = 0; j < H; ++j) dst[j] = round_to<X>(dxe[r * H + j]);
+      for (int64_t j = 0; j < H; ++j) dst[j] = round_to<X>(s.dxe[r * H + j]);
     }
 
     // Weight gradients reduce over the expert's rows in canonical (token, k) order.
-    transpose_f32(hr.data(), hr_t.data(), n, F);
-    gemm_f32(hr_t.data(), dout.data(), acc_d.data(), F, H, n);
-    transpose_f32(xe.data(), xe_t.data(), n, H);
-    gemm_f32(xe_t.data(), dgu.data(), acc_gu.data(), H, 2 * F, n);
-    for (int64_t i = 0; i < H * 2 * F; ++i) dwgu_e[i] = from_float<X>(acc_gu[i]);
-    for (int64_t i = 0; i < F * H; ++i) dwd_e[i] = from_float<X>(acc_d[i]);
-  }
+    transpose_f32(s.hr.data(), s.hr_t.data(), n, F);
+    gemm_f32(s.hr_t.data(), s.dout.data(), s.acc_d.data(), F, H, n);
+    transpose_f32(s.xe.data(), s.xe_t.data(), n, H);
+    gemm_f32(s.xe_t.data(), s.dgu.data(), s.acc_gu.data(), H, 2 * F, n);
+    for (int64_t i = 0; i < H * 2 * F; ++i) dwgu_e[i] = from_float<X>(s.acc_gu[i]);
+    for (int64_t i = 0; i < F * H; ++i) dwd_e[i] = from_float<X>(s.acc_d[i]);
+  });
 
   std::vector<float> acc(H);
   for (int64_t t = 0; t < T; ++t) {

@@ -1,0 +1,48 @@
+// A minimal parallel-for for the CPU path. Work items write disjoint outputs,
+// so the result does not depend on the number of threads or their timing.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <thread>
+#include <vector>
+
+namespace mok::cpu {
+
+// Number of worker threads: MOK_CPU_THREADS if set (>= 1), else the hardware's.
+int cpu_threads();
+
+// Calls fn(item, worker) for item in [0, n) on up to cpu_threads() threads;
+// worker in [0, workers) identifies per-thread scratch. Items are handed out
+// dynamically (balance), which is safe because items share no output.
+// Rethrows the first exception a worker raised.
+template <typename Fn>
+void parallel_for(int64_t n, int workers, Fn&& fn) {
+  workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(workers, n)));
+  if (workers == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  std::vector<std::exception_ptr> errors(workers);
+  auto run = [&](int worker) {
+    try {
+      for (int64_t i = next++; i < n; i = next++) fn(i, worker);
+    } catch (...) {
+      errors[worker] = std::current_exception();
+      next = n;
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(workers - 1);
+  for (int w = 1; w < workers; ++w) threads.emplace_back(run, w);
+  run(0);
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+}  // namespace mok::cpu

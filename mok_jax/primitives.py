@@ -4,8 +4,8 @@ Two primitives, both lowered to XLA FFI custom calls (targets in `_ext`):
 
 * ``moe_fwd_p``: ``(x, expert_ids, expert_weights, w_gate_up, w_down) ->
   (y, gate_up, tokens_per_expert, dropped, invalid)``. ``gate_up`` is the
-  gate/up projection of every kept (token, k) pair, ``[T*K, 2F]`` in x.dtype,
-  saved for the backward (``[0, 2F]`` when ``save_gate_up=False``).
+  gate/up projection of every kept pair by routing-plan row (expert, then
+  token, then k), ``[T*K, 2F]`` in x.dtype, saved for the backward (``[0, 2F]`` when ``save_gate_up=False``).
 * ``moe_bwd_p``: ``(x, expert_ids, expert_weights, w_gate_up, w_down, gate_up,
   dy) -> (dx, d_expert_weights, d_w_gate_up, d_w_down)``.
 

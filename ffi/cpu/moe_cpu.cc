@@ -81,7 +81,7 @@ void forward(const MoeForwardArgs& a) {
         s.h[r * F + f] = round_to<X>(g[f] * sigmoid(g[f]) * u[f]);
       }
       if (gu_out != nullptr) {
-        X* dst = gu_out + rows[r] * 2 * F;
+        X* dst = gu_out + (begin + r) * 2 * F;
         for (int64_t j = 0; j < 2 * F; ++j) dst[j] = from_float<X>(g[j]);
       }
     }
@@ -166,9 +166,7 @@ void backward(const MoeBackwardArgs& a) {
     transpose_f32(s.w_d.data(), s.w_d_t.data(), F, H);
     gather_rows(x, rows, K, n, H, s.xe.data());
     gather_rows(dy, rows, K, n, H, s.dye.data());
-    for (int64_t r = 0; r < n; ++r) {
-      load_f32(gu_saved + rows[r] * 2 * F, s.gu.data() + r * 2 * F, 2 * F);
-    }
+    load_f32(gu_saved + begin * 2 * F, s.gu.data(), n * 2 * F);
 
     // dh_raw = dy @ Wd^T: the gradient of h before the combine weight.
     gemm_f32(s.dye.data(), s.w_d_t.data(), s.dh.data(), n, F, H);

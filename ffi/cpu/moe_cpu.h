@@ -28,7 +28,7 @@ struct MoeForwardArgs {
   const void* w_gate_up;         // [E, H, 2F]
   const void* w_down;            // [E, F, H]
   void* y;                       // [T, H]
-  void* gate_up_out;             // [T * K, 2F] saved for backward, or nullptr
+  void* gate_up_out;             // [T * K, 2F] by plan row, for the backward, or nullptr
   int32_t* tokens_per_expert;    // [E]
   int32_t* dropped;              // []
   int32_t* invalid;              // []
@@ -44,7 +44,7 @@ struct MoeBackwardArgs {
   const void* expert_weights;    // [T, K]
   const void* w_gate_up;         // [E, H, 2F]
   const void* w_down;            // [E, F, H]
-  const void* gate_up;           // [T * K, 2F] from the forward
+  const void* gate_up;           // [T * K, 2F] by plan row, from the forward
   const void* dy;                // [T, H]
   void* dx;                      // [T, H]
   void* d_expert_weights;        // [T, K]

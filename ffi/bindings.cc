@@ -5,6 +5,9 @@
 #include <type_traits>
 
 #include "handlers/moe_cpu.h"
+#ifdef MOK_WITH_CUDA
+#include "handlers/moe_cuda.h"
+#endif
 #include "mok/types.h"
 
 namespace nb = nanobind;
@@ -25,6 +28,12 @@ nb::dict registrations() {
   cpu["mok_moe_bwd"] = encapsulate(MokMoeBackwardCpu);
   nb::dict out;
   out["cpu"] = cpu;
+#ifdef MOK_WITH_CUDA
+  nb::dict gpu;
+  gpu["mok_moe_fwd"] = encapsulate(MokMoeForwardCuda);
+  gpu["mok_moe_bwd"] = encapsulate(MokMoeBackwardCuda);
+  out["CUDA"] = gpu;
+#endif
   return out;
 }
 

@@ -60,6 +60,9 @@ def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
     acc = jnp.zeros(x.shape, jnp.float32)
     for k in range(expert_ids.shape[1]):                             # ascending k
         o_k = o[safe_ids[:, k], tokens]                              # [T, H]
-        acc = acc + jnp.where(kept[:, k, None], weights[:, k, None] * o_k, 0.0)
+        # Mask the weight too: a NaN weight on a dropped pair must not reach
+        # the gradients through the unselected branch of `where`.
+        w_k = jnp.where(kept[:, k], weights[:, k], 0.0)[:, None]
+        acc = acc + jnp.where(kept[:, k, None], w_k * o_k, 0.0)
     y = acc.astype(x.dtype)
     return (y, stats) if return_stats else y

@@ -35,12 +35,34 @@ fi
 { nvidia-smi; nvcc --version; $PY -c 'import jax; print(jax.__version__, jax.devices())'; \
   git rev-parse HEAD 2>/dev/null; } > "$OUTDIR/machine.txt" 2>&1
 
-step build $PY -m pip install -v --no-build-isolation --no-deps . || exit 1
+# Steps to run (all by default): build gpu memcheck bench suite cpu
+STEPS=" ${MOK_GPU_CI_STEPS:-build gpu memcheck bench suite cpu} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+
+if want build; then
+  step build $PY -m pip install -v --no-build-isolation --no-deps . || exit 1
+fi
 
 # Run from outside the source tree so that the installed package is imported.
 cd tests
-step tests_cpu env JAX_PLATFORMS=cpu $PY -m pytest -q -p no:cacheprovider -m "not gpu and not multigpu" .
-step tests_gpu $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs .
+if want gpu; then
+  step tests_gpu timeout 900 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs .
+fi
+if want memcheck; then
+  step memcheck env XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 600 \
+    compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
+    $PY ../scripts/memcheck_case.py
+fi
 cd /tmp
-step bench $PY -m mok_jax.bench --json "$OUTDIR/bench.json" ${MOK_BENCH_ARGS:-}
+if want bench; then
+  step bench timeout 1200 $PY -m mok_jax.bench --json "$OUTDIR/bench.json" ${MOK_BENCH_ARGS:-}
+fi
+cd - > /dev/null
+if want suite; then  # the whole suite with the GPU as default device
+  step tests_suite_gpu timeout 1200 $PY -m pytest -q -p no:cacheprovider -m "not multigpu" -x .
+fi
+if want cpu; then
+  step tests_cpu env JAX_PLATFORMS=cpu timeout 1200 $PY -m pytest -q -p no:cacheprovider \
+    -m "not gpu and not multigpu" .
+fi
 exit $status

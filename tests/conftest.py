@@ -19,6 +19,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# The reference's f32 matmuls must be true f32 on GPUs too (XLA may otherwise use
+# TF32 there), or the contract's 1e-5 f32 tolerance would measure the oracle.
+jax.config.update("jax_default_matmul_precision", "highest")
+
 BF16 = np.dtype(jnp.bfloat16)
 
 # Test modules do `from conftest import make_problem, ...`. That works under pytest's

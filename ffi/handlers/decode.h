@@ -1,0 +1,92 @@
+// Decoding of the MoE operands shared by the CPU and CUDA handlers.
+#pragma once
+
+#include <string>
+
+#include "checks.h"
+#include "mok/types.h"
+
+namespace mok::ffi_checks {
+
+// Derives the problem shape from x, expert_ids and the weights and checks every
+// operand of the forward against it.
+struct Decoded {
+  MoeShape shape;
+  DType x_dtype;
+  DType weight_dtype;
+};
+
+inline ffi::Error decode(const char* op, const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& ids,
+                  const ffi::AnyBuffer& weights, const ffi::AnyBuffer& w_gate_up,
+                  const ffi::AnyBuffer& w_down, Decoded* out) {
+  if (x.dimensions().size() != 2 || ids.dimensions().size() != 2 ||
+      w_gate_up.dimensions().size() != 3) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": x must be rank 2, expert_ids rank 2 and w_gate_up rank 3; got " +
+        ffi_checks::dims_str(x.dimensions()) + ", " + ffi_checks::dims_str(ids.dimensions()) +
+        ", " + ffi_checks::dims_str(w_gate_up.dimensions()));
+  }
+  const int64_t T = x.dimensions()[0], H = x.dimensions()[1];
+  const int64_t K = ids.dimensions()[1];
+  const int64_t E = w_gate_up.dimensions()[0];
+  const int64_t two_f = w_gate_up.dimensions()[2];
+  if (two_f % 2 != 0) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": w_gate_up's last dimension must be even (2F), got " +
+                                       ffi_checks::dims_str(w_gate_up.dimensions()));
+  }
+  const int64_t F = two_f / 2;
+  auto x_dtype = to_mok_dtype(x.element_type());
+  auto weight_dtype = to_mok_dtype(weights.element_type());
+  if (!x_dtype || !weight_dtype || (*x_dtype == DType::kF32 && *weight_dtype != DType::kF32)) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": x must be float32 or bfloat16 and expert_weights float32 or x.dtype");
+  }
+  MOK_RETURN_IF_ERROR(expect_shape(op, "expert_ids", ids, {T, K}));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "expert_weights", weights, {T, K}));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "w_gate_up", w_gate_up, {E, H, 2 * F}));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "w_down", w_down, {E, F, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "w_gate_up", w_gate_up, *x_dtype));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "w_down", w_down, *x_dtype));
+  *out = Decoded{MoeShape{T, K, E, H, F}, *x_dtype, *weight_dtype};
+  return ffi::Error::Success();
+}
+
+// The forward's results must match the decoded problem.
+inline ffi::Error check_forward_results(const char* op, const Decoded& d, const ffi::AnyBuffer& y,
+                                        const ffi::AnyBuffer& gate_up,
+                                        const ffi::Buffer<ffi::S32>& tokens_per_expert,
+                                        bool save_gate_up) {
+  const auto [T, K, E, H, F] = d.shape;
+  MOK_RETURN_IF_ERROR(expect_shape(op, "y", y, {T, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "y", y, d.x_dtype));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "gate_up", gate_up, {save_gate_up ? T * K : 0, 2 * F}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "gate_up", gate_up, d.x_dtype));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "tokens_per_expert", tokens_per_expert, {E}));
+  return ffi::Error::Success();
+}
+
+// The backward's extra operands and its results must match the decoded problem.
+inline ffi::Error check_backward_operands(const char* op, const Decoded& d,
+                                          const ffi::AnyBuffer& gate_up, const ffi::AnyBuffer& dy,
+                                          const ffi::AnyBuffer& dx,
+                                          const ffi::AnyBuffer& d_expert_weights,
+                                          const ffi::AnyBuffer& d_w_gate_up,
+                                          const ffi::AnyBuffer& d_w_down) {
+  const auto [T, K, E, H, F] = d.shape;
+  MOK_RETURN_IF_ERROR(expect_shape(op, "gate_up", gate_up, {T * K, 2 * F}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "gate_up", gate_up, d.x_dtype));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "dy", dy, {T, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "dy", dy, d.x_dtype));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "dx", dx, {T, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "dx", dx, d.x_dtype));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "d_expert_weights", d_expert_weights, {T, K}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "d_expert_weights", d_expert_weights, d.weight_dtype));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "d_w_gate_up", d_w_gate_up, {E, H, 2 * F}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "d_w_gate_up", d_w_gate_up, d.x_dtype));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "d_w_down", d_w_down, {E, F, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "d_w_down", d_w_down, d.x_dtype));
+  return ffi::Error::Success();
+}
+
+}  // namespace mok::ffi_checks

@@ -1,0 +1,152 @@
+// XLA FFI handlers for the CUDA MoE forward and backward: decode and validate
+// (shared with the CPU handlers), take scratch from XLA's allocator, enqueue
+// the launchers of ffi/kernels on XLA's stream.
+#include "handlers/moe_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include "checks.h"
+#include "decode.h"
+#include "kernels/moe_cuda.h"
+
+namespace mok {
+namespace {
+
+namespace ffi = xla::ffi;
+using ffi_checks::check_backward_operands;
+using ffi_checks::check_forward_results;
+using ffi_checks::decode;
+using ffi_checks::Decoded;
+
+// Scratch for one call; XLA frees it when the handler returns (stream order).
+ffi::Error take_scratch(ffi::ScratchAllocator& scratch, size_t bytes, void** out) {
+  *out = nullptr;
+  if (bytes == 0) return ffi::Error::Success();
+  std::optional<void*> p = scratch.Allocate(bytes, 256);
+  if (!p.has_value()) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "mok_jax: could not allocate " + std::to_string(bytes) +
+                          " bytes of GPU scratch for the MoE layer");
+  }
+  *out = *p;
+  return ffi::Error::Success();
+}
+
+ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                          ffi::Buffer<ffi::S32> expert_ids, ffi::AnyBuffer expert_weights,
+                          ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down, int64_t capacity,
+                          bool save_gate_up, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::AnyBuffer> gate_up,
+                          ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
+                          ffi::Result<ffi::Buffer<ffi::S32>> dropped,
+                          ffi::Result<ffi::Buffer<ffi::S32>> invalid) {
+  constexpr const char* op = "mok_moe_fwd (CUDA)";
+  Decoded d;
+  MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
+  MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *tokens_per_expert, save_gate_up));
+  if (d.shape.tokens * d.shape.top_k > INT32_MAX) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": T * K must be below 2^31");
+  }
+
+  cuda::MoeForwardArgs args{};
+  args.shape = d.shape;
+  args.x_dtype = d.x_dtype;
+  args.weight_dtype = d.weight_dtype;
+  args.capacity = capacity < 0 ? kNoCapacity : capacity;
+  args.x = x.untyped_data();
+  args.expert_ids = expert_ids.typed_data();
+  args.expert_weights = expert_weights.untyped_data();
+  args.w_gate_up = w_gate_up.untyped_data();
+  args.w_down = w_down.untyped_data();
+  args.y = y->untyped_data();
+  args.gate_up_out = save_gate_up ? gate_up->untyped_data() : nullptr;
+  args.tokens_per_expert = tokens_per_expert->typed_data();
+  args.dropped = dropped->typed_data();
+  args.invalid = invalid->typed_data();
+
+  const size_t bytes = cuda::moe_forward_workspace_bytes(d.shape, d.x_dtype, save_gate_up);
+  void* ws = nullptr;
+  MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
+  std::string err = cuda::moe_forward(args, ws, bytes, stream);
+  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("mok_jax: " + err);
+}
+
+ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                           ffi::Buffer<ffi::S32> expert_ids, ffi::AnyBuffer expert_weights,
+                           ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
+                           ffi::AnyBuffer gate_up, ffi::AnyBuffer dy, int64_t capacity,
+                           ffi::Result<ffi::AnyBuffer> dx,
+                           ffi::Result<ffi::AnyBuffer> d_expert_weights,
+                           ffi::Result<ffi::AnyBuffer> d_w_gate_up,
+                           ffi::Result<ffi::AnyBuffer> d_w_down) {
+  constexpr const char* op = "mok_moe_bwd (CUDA)";
+  Decoded d;
+  MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
+  MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, dy, *dx, *d_expert_weights,
+                                              *d_w_gate_up, *d_w_down));
+  if (d.shape.tokens * d.shape.top_k > INT32_MAX) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": T * K must be below 2^31");
+  }
+
+  cuda::MoeBackwardArgs args{};
+  args.shape = d.shape;
+  args.x_dtype = d.x_dtype;
+  args.weight_dtype = d.weight_dtype;
+  args.capacity = capacity < 0 ? kNoCapacity : capacity;
+  args.x = x.untyped_data();
+  args.expert_ids = expert_ids.typed_data();
+  args.expert_weights = expert_weights.untyped_data();
+  args.w_gate_up = w_gate_up.untyped_data();
+  args.w_down = w_down.untyped_data();
+  args.gate_up = gate_up.untyped_data();
+  args.dy = dy.untyped_data();
+  args.dx = dx->untyped_data();
+  args.d_expert_weights = d_expert_weights->untyped_data();
+  args.d_w_gate_up = d_w_gate_up->untyped_data();
+  args.d_w_down = d_w_down->untyped_data();
+
+  const size_t bytes = cuda::moe_backward_workspace_bytes(d.shape, d.x_dtype);
+  void* ws = nullptr;
+  MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
+  std::string err = cuda::moe_backward(args, ws, bytes, stream);
+  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("mok_jax: " + err);
+}
+
+}  // namespace
+}  // namespace mok
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokMoeForwardCuda, mok::MoeForwardCuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+        .Ctx<xla::ffi::ScratchAllocator>()              // workspace
+        .Arg<xla::ffi::AnyBuffer>()                     // x [T, H]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // expert_ids [T, K]
+        .Arg<xla::ffi::AnyBuffer>()                     // expert_weights [T, K]
+        .Arg<xla::ffi::AnyBuffer>()                     // w_gate_up [E, H, 2F]
+        .Arg<xla::ffi::AnyBuffer>()                     // w_down [E, F, H]
+        .Attr<int64_t>("capacity")                      // rows kept per expert, < 0: all
+        .Attr<bool>("save_gate_up")                     // write gate_up for the backward
+        .Ret<xla::ffi::AnyBuffer>()                     // y [T, H]
+        .Ret<xla::ffi::AnyBuffer>()                     // gate_up [T*K or 0, 2F]
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // tokens_per_expert [E]
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // dropped []
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>());       // invalid []
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokMoeBackwardCuda, mok::MoeBackwardCuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+        .Ctx<xla::ffi::ScratchAllocator>()              // workspace
+        .Arg<xla::ffi::AnyBuffer>()                     // x [T, H]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // expert_ids [T, K]
+        .Arg<xla::ffi::AnyBuffer>()                     // expert_weights [T, K]
+        .Arg<xla::ffi::AnyBuffer>()                     // w_gate_up [E, H, 2F]
+        .Arg<xla::ffi::AnyBuffer>()                     // w_down [E, F, H]
+        .Arg<xla::ffi::AnyBuffer>()                     // gate_up [T*K, 2F] from the forward
+        .Arg<xla::ffi::AnyBuffer>()                     // dy [T, H]
+        .Attr<int64_t>("capacity")                      // rows kept per expert, < 0: all
+        .Ret<xla::ffi::AnyBuffer>()                     // dx [T, H]
+        .Ret<xla::ffi::AnyBuffer>()                     // d_expert_weights [T, K]
+        .Ret<xla::ffi::AnyBuffer>()                     // d_w_gate_up [E, H, 2F]
+        .Ret<xla::ffi::AnyBuffer>());                   // d_w_down [E, F, H]

@@ -1,0 +1,7 @@
+// Handler symbols of the CUDA MoE targets (defined in moe_cuda.cc).
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeForwardCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeBackwardCuda);

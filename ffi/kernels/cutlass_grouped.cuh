@@ -1,0 +1,229 @@
+// Hopper grouped GEMM (TMA + wgmma, warp-specialized, persistent) from CUTLASS
+// building blocks, for the experts' row blocks. One template, instantiated per
+// operand layout in its own .cu file (they compile in parallel).
+//
+// Problem shapes and operand pointers are written on the device by a setup
+// kernel from the routing plan's expert_begin, so nothing waits for the host.
+// Each output tile is reduced by one CTA over K in order (no split-K): the
+// result is deterministic.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "gemm_tc.h"
+
+namespace mok::cuda::cutlass_grouped {
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+using ShapeMNK = ProblemShape::UnderlyingProblemShape;
+
+// Operand roles of the three GEMM families of the MoE layer.
+enum class Family {
+  kRowsByWeight,   // A rows [M, K] row-major, B [K, N] row-major      (forward)
+  kRowsByWeightT,  // A rows [M, K] row-major, B [N, K] row-major as B^T (dgrad)
+  kWeightGrad,     // A [K, M] row-major as A^T, B [K, N] row-major    (wgrad)
+};
+
+template <Family kFamily, class ElementD>
+struct GroupedGemm {
+  using ElementAB = cutlass::bfloat16_t;
+  using LayoutA = std::conditional_t<kFamily == Family::kWeightGrad,
+                                     cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutB = std::conditional_t<kFamily == Family::kRowsByWeightT,
+                                     cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 8;
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutD*, kAlignD,      // no C operand: D = acc
+      ElementD, LayoutD*, kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA*, kAlignAB,
+      ElementAB, LayoutB*, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+// Device arrays the grouped kernel reads, carved from the caller's workspace.
+template <class G>
+struct GroupArrays {
+  ShapeMNK* shapes;
+  const typename G::ElementAB** ptr_a;
+  const typename G::ElementAB** ptr_b;
+  typename G::Device::EpilogueOutputOp::ElementOutput** ptr_d;
+  typename G::StrideA* stride_a;
+  typename G::StrideB* stride_b;
+  typename G::StrideD* stride_d;
+};
+
+}  // namespace mok::cuda::cutlass_grouped
+
+namespace mok::cuda::cutlass_grouped {
+
+constexpr size_t kAlignBytes = 256;
+inline size_t align_up(size_t v) { return (v + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
+
+template <Family kFamily, class ElementD>
+__global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD>> g, Operands op) {
+  using G = GroupedGemm<kFamily, ElementD>;
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= op.experts) return;
+  const int64_t begin = op.expert_begin[e];
+  const int rows = static_cast<int>(op.expert_begin[e + 1] - begin);
+  const auto* a = static_cast<const typename G::ElementAB*>(op.a);
+  const auto* b = static_cast<const typename G::ElementAB*>(op.b);
+  auto* d = static_cast<ElementD*>(op.d);
+  const int n = static_cast<int>(op.n);
+  if constexpr (kFamily == Family::kWeightGrad) {
+    const int m = static_cast<int>(op.k_or_m);
+    // An expert without rows gets no tiles (M = 0); the caller zeroes its D.
+    g.shapes[e] = ShapeMNK{rows > 0 ? m : 0, n, rows};
+    g.ptr_a[e] = a + begin * m;
+    g.ptr_b[e] = b + begin * n;
+    g.ptr_d[e] = d + e * int64_t(m) * n;
+    g.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, rows, 1});
+    g.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, rows, 1});
+    g.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
+  } else {
+    const int k = static_cast<int>(op.k_or_m);
+    g.shapes[e] = ShapeMNK{rows, n, k};
+    g.ptr_a[e] = a + begin * k;
+    g.ptr_b[e] = b + e * int64_t(k) * n;
+    g.ptr_d[e] = d + begin * n;
+    g.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {rows, k, 1});
+    g.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k, 1});
+    g.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {rows, n, 1});
+  }
+}
+
+// Carves the group arrays from `ws`; returns the bytes they take.
+template <class G>
+size_t carve(void* ws, int64_t experts, GroupArrays<G>* out) {
+  char* p = static_cast<char*>(ws);
+  size_t used = 0;
+  auto take = [&](size_t bytes) {
+    char* at = p ? p + used : nullptr;
+    used += align_up(bytes);
+    return at;
+  };
+  const size_t e = static_cast<size_t>(experts);
+  out->shapes = reinterpret_cast<ShapeMNK*>(take(e * sizeof(ShapeMNK)));
+  out->ptr_a = reinterpret_cast<decltype(out->ptr_a)>(take(e * sizeof(void*)));
+  out->ptr_b = reinterpret_cast<decltype(out->ptr_b)>(take(e * sizeof(void*)));
+  out->ptr_d = reinterpret_cast<decltype(out->ptr_d)>(take(e * sizeof(void*)));
+  out->stride_a = reinterpret_cast<typename G::StrideA*>(take(e * sizeof(typename G::StrideA)));
+  out->stride_b = reinterpret_cast<typename G::StrideB*>(take(e * sizeof(typename G::StrideB)));
+  out->stride_d = reinterpret_cast<typename G::StrideD*>(take(e * sizeof(typename G::StrideD)));
+  return used;
+}
+
+template <class G>
+typename G::Device::Arguments make_arguments(const GroupArrays<G>& g, int64_t experts,
+                                             int device, int sm_count) {
+  typename G::Device::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(experts), g.shapes, nullptr};
+  args.mainloop.ptr_A = g.ptr_a;
+  args.mainloop.dA = g.stride_a;
+  args.mainloop.ptr_B = g.ptr_b;
+  args.mainloop.dB = g.stride_b;
+  auto& fusion = args.epilogue.thread;
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  fusion.alpha_ptr_array = nullptr;
+  fusion.beta_ptr_array = nullptr;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = g.ptr_d;
+  args.epilogue.dD = g.stride_d;
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
+  return args;
+}
+
+template <Family kFamily, class ElementD>
+size_t workspace_bytes(int64_t experts, int device, int sm_count) {
+  using G = GroupedGemm<kFamily, ElementD>;
+  GroupArrays<G> g{};
+  const size_t arrays = carve<G>(nullptr, experts, &g);
+  auto args = make_arguments<G>(g, experts, device, sm_count);
+  return arrays + align_up(G::Device::get_workspace_size(args));
+}
+
+template <Family kFamily, class ElementD>
+std::string run(const Operands& op, int device, int sm_count, void* ws, size_t ws_bytes,
+                cudaStream_t stream) {
+  using G = GroupedGemm<kFamily, ElementD>;
+  GroupArrays<G> g{};
+  const size_t arrays = carve<G>(ws, op.experts, &g);
+  auto args = make_arguments<G>(g, op.experts, device, sm_count);
+  const size_t need = arrays + align_up(G::Device::get_workspace_size(args));
+  if (need > ws_bytes) return "grouped GEMM workspace too small";
+  constexpr int kThreads = 128;
+  setup_groups<kFamily, ElementD><<<(op.experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      g, op);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return std::string("grouped GEMM setup launch: ") + cudaGetErrorString(err);
+  }
+  typename G::Device gemm;
+  cutlass::Status status =
+      gemm.initialize(args, static_cast<char*>(ws) + arrays, stream);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string("grouped GEMM initialize: ") + cutlassGetStatusString(status);
+  }
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string("grouped GEMM run: ") + cutlassGetStatusString(status);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return std::string("grouped GEMM launch: ") + cudaGetErrorString(err);
+  }
+  return {};
+}
+
+}  // namespace mok::cuda::cutlass_grouped
+
+// Defines one instance's entry points (declared in gemm_tc.h).
+#define MOK_GROUPED_GEMM_DEFINE(NAME, FAMILY, ELEMENT_D)                                     \
+  namespace mok::cuda::cutlass_grouped {                                                   \
+  size_t NAME##_workspace_bytes(int64_t experts, int device, int sm_count) {                \
+    return workspace_bytes<FAMILY, ELEMENT_D>(experts, device, sm_count);                   \
+  }                                                                                        \
+  std::string NAME##_run(const Operands& op, int device, int sm_count, void* ws,            \
+                         size_t ws_bytes, cudaStream_t stream) {                            \
+    return run<FAMILY, ELEMENT_D>(op, device, sm_count, ws, ws_bytes, stream);              \
+  }                                                                                        \
+  }

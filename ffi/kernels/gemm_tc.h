@@ -1,0 +1,36 @@
+// Entry points of the tensor-core grouped GEMM instances (gemm_tc_*.cu), kept
+// free of CUTLASS headers so the dispatcher compiles quickly.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace mok::cuda::cutlass_grouped {
+
+// Operands of one grouped call, in the MoE layer's terms (see grouped_gemm.h).
+struct Operands {
+  int64_t experts;
+  const int64_t* expert_begin;  // device [E + 1]
+  int64_t n;                    // N of every group
+  int64_t k_or_m;               // K (row families) or M (weight gradient)
+  const void* a;
+  const void* b;
+  void* d;
+};
+
+#define MOK_GROUPED_GEMM_DECLARE(NAME)                                                   \
+  size_t NAME##_workspace_bytes(int64_t experts, int device, int sm_count);               \
+  std::string NAME##_run(const Operands& op, int device, int sm_count, void* ws,          \
+                         size_t ws_bytes, cudaStream_t stream);
+
+MOK_GROUPED_GEMM_DECLARE(rows_bf16)    // rows @ W_e            -> bf16 (forward)
+MOK_GROUPED_GEMM_DECLARE(rows_t_bf16)  // rows @ W_e^T          -> bf16 (dgrad of GEMM1)
+MOK_GROUPED_GEMM_DECLARE(rows_t_f32)   // rows @ W_e^T          -> f32  (dgrad of GEMM2)
+MOK_GROUPED_GEMM_DECLARE(wgrad_bf16)   // A_e^T @ B_e, ragged K -> bf16 (weight gradients)
+
+#undef MOK_GROUPED_GEMM_DECLARE
+
+}  // namespace mok::cuda::cutlass_grouped

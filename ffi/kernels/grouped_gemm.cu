@@ -1,0 +1,111 @@
+// Chooses the tensor-core or the SIMT path for each grouped GEMM.
+#include "grouped_gemm.h"
+
+#include <algorithm>
+
+#include "cuda_check.h"
+#include "gemm_simt.cuh"
+#include "gemm_tc.h"
+#include "moe_elementwise.h"
+
+namespace mok::cuda {
+namespace {
+
+namespace tc = cutlass_grouped;
+
+struct DeviceInfo {
+  int device = 0;
+  int sm_count = 0;
+  int cc = 0;  // major * 10 + minor
+};
+
+std::string device_info(DeviceInfo* info) {
+  MOK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&info->device));
+  int major = 0, minor = 0;
+  MOK_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&info->sm_count, cudaDevAttrMultiProcessorCount, info->device));
+  MOK_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, info->device));
+  MOK_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, info->device));
+  info->cc = major * 10 + minor;
+  return {};
+}
+
+// The sm_90a kernels run on compute capability 9.0 exactly.
+bool tensor_core_device(int cc) {
+#ifdef MOK_HAVE_SM90A
+  return cc == 90;
+#else
+  (void)cc;
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool rows_gemm_uses_tensor_cores(const RowsGemm& p, int cc) {
+  if (!tensor_core_device(cc) || p.ab_dtype != DType::kBF16) return false;
+  if (p.n % 8 != 0 || p.k % 8 != 0) return false;  // 16-byte rows for TMA
+  if (p.d_dtype == DType::kF32) return p.transpose_b;  // only the dgrad instance has f32 D
+  return true;
+}
+
+bool weight_grad_uses_tensor_cores(const WeightGradGemm& p, int cc) {
+  return tensor_core_device(cc) && p.dtype == DType::kBF16 && p.m % 8 == 0 && p.n % 8 == 0;
+}
+
+size_t grouped_gemm_workspace_bytes(int64_t experts) {
+#ifdef MOK_HAVE_SM90A
+  DeviceInfo info;
+  if (!device_info(&info).empty() || !tensor_core_device(info.cc)) return 0;
+  return std::max({tc::rows_bf16_workspace_bytes(experts, info.device, info.sm_count),
+                   tc::rows_t_bf16_workspace_bytes(experts, info.device, info.sm_count),
+                   tc::rows_t_f32_workspace_bytes(experts, info.device, info.sm_count),
+                   tc::wgrad_bf16_workspace_bytes(experts, info.device, info.sm_count)});
+#else
+  (void)experts;
+  return 0;
+#endif
+}
+
+std::string run_rows_gemm(const RowsGemm& p, const int64_t* simt_tile_begin, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream) {
+  DeviceInfo info;
+  MOK_RETURN_IF_MESSAGE(device_info(&info));
+  if (!rows_gemm_uses_tensor_cores(p, info.cc) || p.max_rows == 0 || p.n == 0) {
+    return run_rows_gemm_simt(p, simt_tile_begin, stream);
+  }
+#ifdef MOK_HAVE_SM90A
+  const tc::Operands op{p.experts, p.expert_begin, p.n, p.k, p.a, p.b, p.d};
+  if (!p.transpose_b) {
+    return tc::rows_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream);
+  }
+  if (p.d_dtype == DType::kF32) {
+    return tc::rows_t_f32_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream);
+  }
+  return tc::rows_t_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream);
+#else
+  return "unreachable: tensor-core path without sm_90a kernels";
+#endif
+}
+
+std::string run_weight_grad_gemm(const WeightGradGemm& p, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream) {
+  DeviceInfo info;
+  MOK_RETURN_IF_MESSAGE(device_info(&info));
+  if (!weight_grad_uses_tensor_cores(p, info.cc) || p.m == 0 || p.n == 0) {
+    return run_weight_grad_gemm_simt(p, stream);
+  }
+#ifdef MOK_HAVE_SM90A
+  const tc::Operands op{p.experts, p.expert_begin, p.n, p.m, p.a, p.b, p.d};
+  MOK_RETURN_IF_MESSAGE(
+      tc::wgrad_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream));
+  // The tensor-core kernel gives experts without rows no tiles: zero them here.
+  return zero_empty_experts(p.dtype, p.expert_begin, p.experts, p.m * p.n, p.d, stream);
+#else
+  return "unreachable: tensor-core path without sm_90a kernels";
+#endif
+}
+
+}  // namespace mok::cuda

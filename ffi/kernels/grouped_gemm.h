@@ -1,0 +1,66 @@
+// Grouped GEMMs over the experts' row blocks (host launchers; raw pointers).
+//
+// Rows of expert e are rows [begin[e], begin[e+1]) of a packed [R, *] matrix;
+// `expert_begin` lives on the device (the routing plan computed it), so no host
+// synchronisation is needed. Every output element is reduced by one thread
+// block in a fixed order: results are deterministic and do not depend on where
+// a row sits, which keeps them invariant under expert parallelism.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "mok/types.h"
+
+namespace mok::cuda {
+
+// D[r, :n] = A[r, :k] @ W_e for every row r of expert e.
+//   W_e = b + e * k * n, stored [k, n] row-major (transpose_b = false), or
+//   W_e = b + e * n * k, stored [n, k] row-major, used transposed (transpose_b = true).
+struct RowsGemm {
+  int64_t experts;
+  const int64_t* expert_begin;  // device [E + 1]
+  int64_t max_rows;             // R bound (T * K): rows past begin[E] are untouched
+  int64_t n, k;
+  bool transpose_b;
+  DType ab_dtype;               // A and B element type
+  DType d_dtype;                // D element type (rounded from the f32 accumulator)
+  const void* a;                // [R, k]
+  const void* b;
+  void* d;                      // [R, n]
+};
+
+// D_e[m, n] = sum over rows r of expert e, ascending: A[r, m] * B[r, n].
+// Experts without rows get D_e = 0.
+struct WeightGradGemm {
+  int64_t experts;
+  const int64_t* expert_begin;  // device [E + 1]
+  int64_t max_rows;
+  int64_t m, n;
+  DType dtype;                  // A, B and D element type
+  const void* a;                // [R, m]
+  const void* b;                // [R, n]
+  void* d;                      // [E, m, n]
+};
+
+// Workspace both launchers need for `experts` groups on the current device
+// (pointer arrays, problem shapes, the tensor-core kernel's own workspace).
+size_t grouped_gemm_workspace_bytes(int64_t experts);
+
+// True when the tensor-core (TMA + wgmma) path serves this problem on a device
+// of compute capability `cc` (major * 10 + minor); the SIMT fallback serves the
+// rest (f32, sizes not multiple of 8, other GPUs).
+bool rows_gemm_uses_tensor_cores(const RowsGemm& p, int cc);
+bool weight_grad_uses_tensor_cores(const WeightGradGemm& p, int cc);
+
+// Return an empty string on success, else what failed.
+// simt_tile_begin: the routing plan's tile map, used by the SIMT fallback.
+std::string run_rows_gemm(const RowsGemm& p, const int64_t* simt_tile_begin, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream);
+std::string run_weight_grad_gemm(const WeightGradGemm& p, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace mok::cuda

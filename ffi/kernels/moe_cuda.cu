@@ -1,0 +1,169 @@
+#include "moe_cuda.h"
+
+#include "cuda_check.h"
+#include "grouped_gemm.h"
+#include "moe_elementwise.h"
+#include "routing.h"
+
+namespace mok::cuda {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// Bump allocator over the caller's workspace; with a null base it only measures.
+class Carver {
+ public:
+  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
+  void* take(size_t bytes) {
+    char* at = base_ ? base_ + used_ : nullptr;
+    used_ += aligned(bytes);
+    return at;
+  }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+struct ForwardBuffers {
+  RoutingPlanDevice plan;
+  void* x_rows;     // [R, H]
+  void* gate_up;    // [R, 2F] (the saved residual when the caller keeps it)
+  void* h;          // [R, F]
+  void* out_rows;   // [R, H]
+  void* gemm_ws;
+  size_t gemm_ws_bytes;
+};
+
+ForwardBuffers carve_forward(void* ws, const MoeShape& s, DType dt, bool save_gate_up,
+                             size_t* total) {
+  const int64_t pairs = s.tokens * s.top_k;
+  const size_t eb = elem_bytes(dt);
+  Carver c(ws);
+  ForwardBuffers b{};
+  void* plan = c.take(routing_plan_bytes(pairs, s.experts));
+  if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
+  b.x_rows = c.take(pairs * s.hidden * eb);
+  b.gate_up = save_gate_up ? nullptr : c.take(pairs * 2 * s.ffn * eb);
+  b.h = c.take(pairs * s.ffn * eb);
+  b.out_rows = c.take(pairs * s.hidden * eb);
+  b.gemm_ws_bytes = grouped_gemm_workspace_bytes(s.experts);
+  b.gemm_ws = c.take(b.gemm_ws_bytes);
+  *total = c.used();
+  return b;
+}
+
+struct BackwardBuffers {
+  RoutingPlanDevice plan;
+  void* x_rows;     // [R, H]
+  void* dy_rows;    // [R, H], reused for dx rows once dh is computed
+  void* dout_rows;  // [R, H] round(w * dy)
+  float* dh_raw;    // [R, F] f32
+  void* h_rows;     // [R, F]
+  void* d_gate_up;  // [R, 2F]
+  void* gemm_ws;
+  size_t gemm_ws_bytes;
+};
+
+BackwardBuffers carve_backward(void* ws, const MoeShape& s, DType dt, size_t* total) {
+  const int64_t pairs = s.tokens * s.top_k;
+  const size_t eb = elem_bytes(dt);
+  Carver c(ws);
+  BackwardBuffers b{};
+  void* plan = c.take(routing_plan_bytes(pairs, s.experts));
+  if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
+  b.x_rows = c.take(pairs * s.hidden * eb);
+  b.dy_rows = c.take(pairs * s.hidden * eb);
+  b.dout_rows = c.take(pairs * s.hidden * eb);
+  b.dh_raw = static_cast<float*>(c.take(pairs * s.ffn * sizeof(float)));
+  b.h_rows = c.take(pairs * s.ffn * eb);
+  b.d_gate_up = c.take(pairs * 2 * s.ffn * eb);
+  b.gemm_ws_bytes = grouped_gemm_workspace_bytes(s.experts);
+  b.gemm_ws = c.take(b.gemm_ws_bytes);
+  *total = c.used();
+  return b;
+}
+
+}  // namespace
+
+size_t moe_forward_workspace_bytes(const MoeShape& shape, DType x_dtype, bool save_gate_up) {
+  size_t total = 0;
+  carve_forward(nullptr, shape, x_dtype, save_gate_up, &total);
+  return total;
+}
+
+size_t moe_backward_workspace_bytes(const MoeShape& shape, DType x_dtype) {
+  size_t total = 0;
+  carve_backward(nullptr, shape, x_dtype, &total);
+  return total;
+}
+
+std::string moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream) {
+  const auto [T, K, E, H, F] = a.shape;
+  const int64_t pairs = T * K;
+  size_t need = 0;
+  ForwardBuffers b = carve_forward(workspace, a.shape, a.x_dtype, a.gate_up_out != nullptr, &need);
+  if (need > workspace_bytes) return "MoE forward: workspace too small";
+  void* gate_up = a.gate_up_out != nullptr ? a.gate_up_out : b.gate_up;
+  const int64_t* num_rows = b.plan.expert_begin + E;  // kept rows, on the device
+
+  MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan,
+                                           a.tokens_per_expert, a.dropped, a.invalid, stream));
+  MOK_RETURN_IF_MESSAGE(gather_token_rows(a.x_dtype, a.x, b.plan.row_pair, num_rows, pairs, K, H,
+                                          b.x_rows, stream));
+  RowsGemm gemm1{E, b.plan.expert_begin, pairs, 2 * F, H, false, a.x_dtype, a.x_dtype,
+                 b.x_rows, a.w_gate_up, gate_up};
+  MOK_RETURN_IF_MESSAGE(run_rows_gemm(gemm1, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));
+  MOK_RETURN_IF_MESSAGE(swiglu_forward(a.x_dtype, gate_up, num_rows, pairs, F, b.h, stream));
+  RowsGemm gemm2{E, b.plan.expert_begin, pairs, H, F, false, a.x_dtype, a.x_dtype,
+                 b.h, a.w_down, b.out_rows};
+  MOK_RETURN_IF_MESSAGE(run_rows_gemm(gemm2, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));
+  return combine_rows(a.x_dtype, a.weight_dtype, b.out_rows, a.expert_weights, b.plan.pair_row, T,
+                      K, H, a.y, stream);
+}
+
+std::string moe_backward(const MoeBackwardArgs& a, void* workspace, size_t workspace_bytes,
+                         cudaStream_t stream) {
+  const auto [T, K, E, H, F] = a.shape;
+  const int64_t pairs = T * K;
+  size_t need = 0;
+  BackwardBuffers b = carve_backward(workspace, a.shape, a.x_dtype, &need);
+  if (need > workspace_bytes) return "MoE backward: workspace too small";
+  const int64_t* num_rows = b.plan.expert_begin + E;
+
+  MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan, nullptr,
+                                           nullptr, nullptr, stream));
+  MOK_RETURN_IF_MESSAGE(gather_token_rows(a.x_dtype, a.x, b.plan.row_pair, num_rows, pairs, K, H,
+                                          b.x_rows, stream));
+  MOK_RETURN_IF_MESSAGE(gather_dy_rows(a.x_dtype, a.weight_dtype, a.dy, a.expert_weights,
+                                       b.plan.row_pair, num_rows, pairs, K, H, b.dy_rows,
+                                       b.dout_rows, stream));
+  // dh_raw = dy @ Wd^T (f32), then SwiGLU backward and d expert_weights.
+  RowsGemm dgrad2{E, b.plan.expert_begin, pairs, F, H, true, a.x_dtype, DType::kF32,
+                  b.dy_rows, a.w_down, b.dh_raw};
+  MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad2, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));
+  MOK_RETURN_IF_MESSAGE(swiglu_backward(a.x_dtype, a.weight_dtype, a.gate_up, b.dh_raw,
+                                        a.expert_weights, b.plan.row_pair, b.plan.pair_row,
+                                        num_rows, pairs, pairs, F, b.h_rows, b.d_gate_up,
+                                        a.d_expert_weights, stream));
+  // dx rows = dgu @ Wgu^T (into the dy rows' buffer, no longer needed).
+  void* dx_rows = b.dy_rows;
+  RowsGemm dgrad1{E, b.plan.expert_begin, pairs, H, 2 * F, true, a.x_dtype, a.x_dtype,
+                  b.d_gate_up, a.w_gate_up, dx_rows};
+  MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad1, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));
+  // Weight gradients over each expert's rows in canonical order.
+  WeightGradGemm wgrad_down{E, b.plan.expert_begin, pairs, F, H, a.x_dtype, b.h_rows,
+                            b.dout_rows, a.d_w_down};
+  MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(wgrad_down, b.gemm_ws, b.gemm_ws_bytes, stream));
+  WeightGradGemm wgrad_gate_up{E, b.plan.expert_begin, pairs, H, 2 * F, a.x_dtype, b.x_rows,
+                               b.d_gate_up, a.d_w_gate_up};
+  MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(wgrad_gate_up, b.gemm_ws, b.gemm_ws_bytes, stream));
+  return combine_rows(a.x_dtype, a.weight_dtype, dx_rows, nullptr, b.plan.pair_row, T, K, H, a.dx,
+                      stream);
+}
+
+}  // namespace mok::cuda

@@ -1,0 +1,340 @@
+#include "moe_elementwise.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "cuda_check.h"
+#include "mok/bf16.h"
+
+namespace mok::cuda {
+namespace {
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T, V>*>(p);
+}
+template <typename T, int V>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, V>& v) {
+  *reinterpret_cast<Vec<T, V>*>(p) = v;
+}
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+// Elements per thread: 16-byte vectors when the row length allows it.
+template <typename T>
+int vector_width(int64_t cols) {
+  constexpr int v = 16 / sizeof(T);
+  return cols % v == 0 ? v : 1;
+}
+
+constexpr int kThreads = 256;
+
+template <typename X, int V>
+__global__ void gather_rows_kernel(const X* __restrict__ src, const int32_t* __restrict__ row_pair,
+                                   const int64_t* __restrict__ num_rows, int64_t top_k,
+                                   int64_t cols, X* __restrict__ dst) {
+  const int64_t r = blockIdx.x;
+  if (r >= *num_rows) return;
+  const int64_t t = row_pair[r] / top_k;
+  for (int64_t c = int64_t(threadIdx.x) * V; c < cols; c += int64_t(blockDim.x) * V) {
+    store_vec<X, V>(dst + r * cols + c, load_vec<X, V>(src + t * cols + c));
+  }
+}
+
+template <typename X, typename W, int V>
+__global__ void gather_dy_kernel(const X* __restrict__ dy, const W* __restrict__ weights,
+                                 const int32_t* __restrict__ row_pair,
+                                 const int64_t* __restrict__ num_rows, int64_t top_k,
+                                 int64_t hidden, X* __restrict__ dy_rows,
+                                 X* __restrict__ dout_rows) {
+  const int64_t r = blockIdx.x;
+  if (r >= *num_rows) return;
+  const int64_t p = row_pair[r];
+  const int64_t t = p / top_k;
+  const float w = to_float(weights[p]);
+  for (int64_t c = int64_t(threadIdx.x) * V; c < hidden; c += int64_t(blockDim.x) * V) {
+    const Vec<X, V> v = load_vec<X, V>(dy + t * hidden + c);
+    Vec<X, V> o;
+#pragma unroll
+    for (int i = 0; i < V; ++i) o.v[i] = from_float<X>(w * to_float(v.v[i]));
+    store_vec<X, V>(dy_rows + r * hidden + c, v);
+    store_vec<X, V>(dout_rows + r * hidden + c, o);
+  }
+}
+
+template <typename X, int V>
+__global__ void swiglu_forward_kernel(const X* __restrict__ gate_up,
+                                      const int64_t* __restrict__ num_rows, int64_t ffn,
+                                      X* __restrict__ h) {
+  const int64_t r = blockIdx.x;
+  if (r >= *num_rows) return;
+  const X* g = gate_up + r * 2 * ffn;
+  const X* u = g + ffn;
+  for (int64_t f = int64_t(threadIdx.x) * V; f < ffn; f += int64_t(blockDim.x) * V) {
+    const Vec<X, V> gv = load_vec<X, V>(g + f), uv = load_vec<X, V>(u + f);
+    Vec<X, V> out;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float gf = to_float(gv.v[i]);
+      out.v[i] = from_float<X>(gf * sigmoid(gf) * to_float(uv.v[i]));
+    }
+    store_vec<X, V>(h + r * ffn + f, out);
+  }
+}
+
+// Sum over the block in a fixed order: per-thread partials, a fixed shuffle
+// tree per warp, then warp results in warp order. Same bits on every run.
+__device__ float block_sum_fixed(float v) {
+  __shared__ float warp_sums[kThreads / 32];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.0f;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < int(blockDim.x >> 5); ++w) total += warp_sums[w];
+  }
+  return total;  // valid in thread 0
+}
+
+template <typename X, typename W, int V>
+__global__ void __launch_bounds__(kThreads)
+swiglu_backward_kernel(const X* __restrict__ gate_up, const float* __restrict__ dh_raw,
+                       const W* __restrict__ weights, const int32_t* __restrict__ row_pair,
+                       const int64_t* __restrict__ num_rows, int64_t ffn, X* __restrict__ h_rows,
+                       X* __restrict__ d_gate_up, W* __restrict__ d_weights) {
+  const int64_t r = blockIdx.x;
+  if (r >= *num_rows) return;
+  const int64_t p = row_pair[r];
+  const float w = to_float(weights[p]);
+  const X* g = gate_up + r * 2 * ffn;
+  const X* u = g + ffn;
+  const float* dh = dh_raw + r * ffn;
+  X* dg = d_gate_up + r * 2 * ffn;
+  X* du = dg + ffn;
+  float dw = 0.0f;
+  for (int64_t f = int64_t(threadIdx.x) * V; f < ffn; f += int64_t(blockDim.x) * V) {
+    const Vec<X, V> gv = load_vec<X, V>(g + f), uv = load_vec<X, V>(u + f);
+    Vec<X, V> hv, dgv, duv;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float gf = to_float(gv.v[i]), uf = to_float(uv.v[i]);
+      const float s = sigmoid(gf);
+      const float silu = gf * s;
+      const float h = round_to<X>(silu * uf);
+      hv.v[i] = from_float<X>(h);
+      const float dhr = dh[f + i];
+      dw += dhr * h;  // <dy, o> = <dy @ Wd^T, h>
+      const float dhw = w * dhr;
+      dgv.v[i] = from_float<X>(dhw * uf * (s * (1.0f + gf * (1.0f - s))));
+      duv.v[i] = from_float<X>(dhw * silu);
+    }
+    store_vec<X, V>(h_rows + r * ffn + f, hv);
+    store_vec<X, V>(dg + f, dgv);
+    store_vec<X, V>(du + f, duv);
+  }
+  const float total = block_sum_fixed(dw);
+  if (threadIdx.x == 0) d_weights[p] = from_float<W>(total);
+}
+
+template <typename W>
+__global__ void zero_unrouted_weights(const int32_t* __restrict__ pair_row, int64_t pairs,
+                                      W* __restrict__ d_weights) {
+  const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p < pairs && pair_row[p] < 0) d_weights[p] = from_float<W>(0.0f);
+}
+
+template <typename X, typename W, int V, bool kWeighted>
+__global__ void combine_kernel(const X* __restrict__ rows, const W* __restrict__ weights,
+                               const int32_t* __restrict__ pair_row, int64_t top_k,
+                               int64_t hidden, X* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = int64_t(threadIdx.x) * V; c < hidden; c += int64_t(blockDim.x) * V) {
+    float acc[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] = 0.0f;
+    for (int64_t k = 0; k < top_k; ++k) {  // ascending k: the contract's order
+      const int64_t p = t * top_k + k;
+      const int32_t r = pair_row[p];
+      if (r < 0) continue;
+      const float w = kWeighted ? to_float(weights[p]) : 1.0f;
+      const Vec<X, V> v = load_vec<X, V>(rows + int64_t(r) * hidden + c);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += w * to_float(v.v[i]);
+    }
+    Vec<X, V> o;
+#pragma unroll
+    for (int i = 0; i < V; ++i) o.v[i] = from_float<X>(acc[i]);
+    store_vec<X, V>(out + t * hidden + c, o);
+  }
+}
+
+template <typename X>
+__global__ void zero_empty_kernel(const int64_t* __restrict__ expert_begin, int64_t per_expert,
+                                  X* __restrict__ d) {
+  const int64_t e = blockIdx.y;
+  if (expert_begin[e + 1] != expert_begin[e]) return;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < per_expert;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    d[e * per_expert + i] = from_float<X>(0.0f);
+  }
+}
+
+// Calls fn.template operator()<X>() for the element type.
+template <typename Fn>
+std::string with_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kF32: return fn.template operator()<float>();
+    case DType::kBF16: return fn.template operator()<bf16>();
+  }
+  return "unsupported element type";
+}
+
+// Calls fn.template operator()<X, W>() for the (x, expert_weights) pair of types.
+template <typename Fn>
+std::string with_dtypes(DType dtype, DType weight_dtype, Fn&& fn) {
+  if (dtype == DType::kF32 && weight_dtype == DType::kF32) return fn.template operator()<float, float>();
+  if (dtype == DType::kBF16 && weight_dtype == DType::kF32) return fn.template operator()<bf16, float>();
+  if (dtype == DType::kBF16 && weight_dtype == DType::kBF16) return fn.template operator()<bf16, bf16>();
+  return "unsupported element types";
+}
+
+unsigned grid_rows(int64_t rows) { return static_cast<unsigned>(rows > 0 ? rows : 0); }
+
+}  // namespace
+
+std::string gather_token_rows(DType dtype, const void* src, const int32_t* row_pair,
+                              const int64_t* num_rows, int64_t max_rows, int64_t top_k,
+                              int64_t cols, void* dst, cudaStream_t stream) {
+  if (max_rows == 0 || cols == 0) return {};
+  return with_dtype(dtype, [&]<typename X>() -> std::string {
+    const X* s = static_cast<const X*>(src);
+    X* d = static_cast<X*>(dst);
+    if (vector_width<X>(cols) > 1) {
+      gather_rows_kernel<X, 16 / sizeof(X)><<<grid_rows(max_rows), kThreads, 0, stream>>>(
+          s, row_pair, num_rows, top_k, cols, d);
+    } else {
+      gather_rows_kernel<X, 1><<<grid_rows(max_rows), kThreads, 0, stream>>>(
+          s, row_pair, num_rows, top_k, cols, d);
+    }
+    MOK_CUDA_RETURN_IF_LAUNCH_FAILED("gather_rows_kernel");
+    return {};
+  });
+}
+
+std::string gather_dy_rows(DType dtype, DType weight_dtype, const void* dy,
+                           const void* expert_weights, const int32_t* row_pair,
+                           const int64_t* num_rows, int64_t max_rows, int64_t top_k,
+                           int64_t hidden, void* dy_rows, void* dout_rows, cudaStream_t stream) {
+  if (max_rows == 0 || hidden == 0) return {};
+  return with_dtypes(dtype, weight_dtype, [&]<typename X, typename W>() -> std::string {
+    auto args = std::make_tuple(static_cast<const X*>(dy), static_cast<const W*>(expert_weights),
+                                row_pair, num_rows, top_k, hidden, static_cast<X*>(dy_rows),
+                                static_cast<X*>(dout_rows));
+    if (vector_width<X>(hidden) > 1) {
+      std::apply([&](auto... a) {
+        gather_dy_kernel<X, W, 16 / sizeof(X)><<<grid_rows(max_rows), kThreads, 0, stream>>>(a...);
+      }, args);
+    } else {
+      std::apply([&](auto... a) {
+        gather_dy_kernel<X, W, 1><<<grid_rows(max_rows), kThreads, 0, stream>>>(a...);
+      }, args);
+    }
+    MOK_CUDA_RETURN_IF_LAUNCH_FAILED("gather_dy_kernel");
+    return {};
+  });
+}
+
+std::string swiglu_forward(DType dtype, const void* gate_up, const int64_t* num_rows,
+                           int64_t max_rows, int64_t ffn, void* h, cudaStream_t stream) {
+  if (max_rows == 0) return {};
+  return with_dtype(dtype, [&]<typename X>() -> std::string {
+    const X* gu = static_cast<const X*>(gate_up);
+    X* out = static_cast<X*>(h);
+    if (vector_width<X>(ffn) > 1) {
+      swiglu_forward_kernel<X, 16 / sizeof(X)><<<grid_rows(max_rows), kThreads, 0, stream>>>(
+          gu, num_rows, ffn, out);
+    } else {
+      swiglu_forward_kernel<X, 1><<<grid_rows(max_rows), kThreads, 0, stream>>>(gu, num_rows,
+                                                                                ffn, out);
+    }
+    MOK_CUDA_RETURN_IF_LAUNCH_FAILED("swiglu_forward_kernel");
+    return {};
+  });
+}
+
+std::string swiglu_backward(DType dtype, DType weight_dtype, const void* gate_up,
+                            const float* dh_raw, const void* expert_weights,
+                            const int32_t* row_pair, const int32_t* pair_row,
+                            const int64_t* num_rows, int64_t max_rows, int64_t pairs,
+                            int64_t ffn, void* h_rows, void* d_gate_up,
+                            void* d_expert_weights, cudaStream_t stream) {
+  return with_dtypes(dtype, weight_dtype, [&]<typename X, typename W>() -> std::string {
+    W* dw = static_cast<W*>(d_expert_weights);
+    if (pairs > 0) {
+      zero_unrouted_weights<W><<<(pairs + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+          pair_row, pairs, dw);
+      MOK_CUDA_RETURN_IF_LAUNCH_FAILED("zero_unrouted_weights");
+    }
+    if (max_rows == 0) return {};
+    auto args = std::make_tuple(static_cast<const X*>(gate_up), dh_raw,
+                                static_cast<const W*>(expert_weights), row_pair, num_rows, ffn,
+                                static_cast<X*>(h_rows), static_cast<X*>(d_gate_up), dw);
+    // f32 dh_raw is read 4 elements at a time at most.
+    if (ffn % 4 == 0) {
+      std::apply([&](auto... a) {
+        swiglu_backward_kernel<X, W, 4><<<grid_rows(max_rows), kThreads, 0, stream>>>(a...);
+      }, args);
+    } else {
+      std::apply([&](auto... a) {
+        swiglu_backward_kernel<X, W, 1><<<grid_rows(max_rows), kThreads, 0, stream>>>(a...);
+      }, args);
+    }
+    MOK_CUDA_RETURN_IF_LAUNCH_FAILED("swiglu_backward_kernel");
+    return {};
+  });
+}
+
+std::string combine_rows(DType dtype, DType weight_dtype, const void* rows,
+                         const void* expert_weights, const int32_t* pair_row, int64_t tokens,
+                         int64_t top_k, int64_t hidden, void* out, cudaStream_t stream) {
+  if (tokens == 0 || hidden == 0) return {};
+  return with_dtypes(dtype, weight_dtype, [&]<typename X, typename W>() -> std::string {
+    const X* r = static_cast<const X*>(rows);
+    const W* w = static_cast<const W*>(expert_weights);
+    X* o = static_cast<X*>(out);
+    const bool vec = vector_width<X>(hidden) > 1;
+    constexpr int kV = 16 / sizeof(X);
+    const unsigned grid = static_cast<unsigned>(tokens);
+    if (w != nullptr && vec) {
+      combine_kernel<X, W, kV, true><<<grid, kThreads, 0, stream>>>(r, w, pair_row, top_k, hidden, o);
+    } else if (w != nullptr) {
+      combine_kernel<X, W, 1, true><<<grid, kThreads, 0, stream>>>(r, w, pair_row, top_k, hidden, o);
+    } else if (vec) {
+      combine_kernel<X, W, kV, false><<<grid, kThreads, 0, stream>>>(r, w, pair_row, top_k, hidden, o);
+    } else {
+      combine_kernel<X, W, 1, false><<<grid, kThreads, 0, stream>>>(r, w, pair_row, top_k, hidden, o);
+    }
+    MOK_CUDA_RETURN_IF_LAUNCH_FAILED("combine_kernel");
+    return {};
+  });
+}
+
+std::string zero_empty_experts(DType dtype, const int64_t* expert_begin, int64_t experts,
+                               int64_t per_expert, void* d, cudaStream_t stream) {
+  if (experts == 0 || per_expert == 0) return {};
+  return with_dtype(dtype, [&]<typename X>() -> std::string {
+    const int64_t blocks = std::min<int64_t>((per_expert + kThreads - 1) / kThreads, 1024);
+    zero_empty_kernel<X><<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(experts)),
+                           kThreads, 0, stream>>>(expert_begin, per_expert, static_cast<X*>(d));
+    MOK_CUDA_RETURN_IF_LAUNCH_FAILED("zero_empty_kernel");
+    return {};
+  });
+}
+
+}  // namespace mok::cuda

@@ -1,0 +1,51 @@
+// Memory-bound steps of the MoE layer around the grouped GEMMs: gathering rows
+// into plan order, SwiGLU forward/backward, and the ordered combines.
+// Rows past the plan's kept count (expert_begin[E], read on the device) are
+// skipped, so grids are sized for the worst case T * K without a host sync.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "mok/types.h"
+
+namespace mok::cuda {
+
+// dst[r] = src[row_pair[r] / K] for kept rows r. [*, cols] of x.dtype.
+std::string gather_token_rows(DType dtype, const void* src, const int32_t* row_pair,
+                              const int64_t* num_rows, int64_t max_rows, int64_t top_k,
+                              int64_t cols, void* dst, cudaStream_t stream);
+
+// Backward: dy_rows[r] = dy[t], dout_rows[r] = round_x(w[p] * dy[t]) for p = row_pair[r].
+std::string gather_dy_rows(DType dtype, DType weight_dtype, const void* dy,
+                           const void* expert_weights, const int32_t* row_pair,
+                           const int64_t* num_rows, int64_t max_rows, int64_t top_k,
+                           int64_t hidden, void* dy_rows, void* dout_rows, cudaStream_t stream);
+
+// h[r, f] = round_x(silu(g) * u) from gate_up [R, 2F].
+std::string swiglu_forward(DType dtype, const void* gate_up, const int64_t* num_rows,
+                           int64_t max_rows, int64_t ffn, void* h, cudaStream_t stream);
+
+// Per kept row r (pair p): h = round_x(silu(g) u); d_expert_weights[p] = <dh_raw, h>
+// (fixed-order block reduction); dh = w dh_raw; d_gate_up = round_x([dh u silu'(g),
+// dh silu(g)]); h_rows = h. Pairs without a row get d_expert_weights = 0.
+std::string swiglu_backward(DType dtype, DType weight_dtype, const void* gate_up,
+                            const float* dh_raw, const void* expert_weights,
+                            const int32_t* row_pair, const int32_t* pair_row,
+                            const int64_t* num_rows, int64_t max_rows, int64_t pairs,
+                            int64_t ffn, void* h_rows, void* d_gate_up,
+                            void* d_expert_weights, cudaStream_t stream);
+
+// out[t] = round_x(sum over k ascending of weight(t, k) * rows[pair_row[t * K + k]]),
+// f32 sum; weight is expert_weights[t, k], or 1 when expert_weights is null.
+std::string combine_rows(DType dtype, DType weight_dtype, const void* rows,
+                         const void* expert_weights, const int32_t* pair_row, int64_t tokens,
+                         int64_t top_k, int64_t hidden, void* out, cudaStream_t stream);
+
+// d[e] = 0 for experts without rows ([E, per_expert] of x.dtype).
+std::string zero_empty_experts(DType dtype, const int64_t* expert_begin, int64_t experts,
+                               int64_t per_expert, void* d, cudaStream_t stream);
+
+}  // namespace mok::cuda

@@ -1,0 +1,201 @@
+#include "routing.h"
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include "cuda_check.h"
+
+namespace mok::cuda {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+__device__ __forceinline__ bool valid_expert(int32_t e, int64_t experts) {
+  return e >= 0 && e < experts;
+}
+
+// 1. Histogram of each chunk's valid pairs per expert (shared-memory counts).
+__global__ void chunk_histogram(const int32_t* __restrict__ ids, int64_t pairs, int64_t experts,
+                                int32_t* __restrict__ chunk_hist,
+                                int32_t* __restrict__ chunk_invalid) {
+  extern __shared__ int32_t hist[];
+  __shared__ int32_t invalid;
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
+  if (threadIdx.x == 0) invalid = 0;
+  __syncthreads();
+  const int64_t begin = int64_t(blockIdx.x) * kRoutingChunk;
+  const int64_t end = min(pairs, begin + kRoutingChunk);
+  for (int64_t p = begin + threadIdx.x; p < end; p += blockDim.x) {
+    const int32_t e = ids[p];
+    if (valid_expert(e, experts)) {
+      atomicAdd(&hist[e], 1);  // a count: the order of increments does not matter
+    } else {
+      atomicAdd(&invalid, 1);
+    }
+  }
+  __syncthreads();
+  int32_t* out = chunk_hist + int64_t(blockIdx.x) * experts;
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) out[e] = hist[e];
+  if (threadIdx.x == 0) chunk_invalid[blockIdx.x] = invalid;
+}
+
+constexpr int kScanThreads = 512;
+
+// 2. One block: per-expert exclusive offsets over chunks, capacity, prefix sums.
+__global__ void __launch_bounds__(kScanThreads)
+scan_plan(int64_t chunks, int64_t experts, int64_t capacity, int32_t* __restrict__ chunk_hist,
+          const int32_t* __restrict__ chunk_invalid, int64_t* __restrict__ expert_begin,
+          int64_t* __restrict__ tile_begin, int32_t* __restrict__ tokens_per_expert,
+          int32_t* __restrict__ dropped, int32_t* __restrict__ invalid) {
+  using Scan = cub::BlockScan<int64_t, kScanThreads>;
+  using Reduce = cub::BlockReduce<int64_t, kScanThreads>;
+  __shared__ union {
+    typename Scan::TempStorage scan[2];
+    typename Reduce::TempStorage reduce;
+  } tmp;
+  __shared__ int64_t carry_rows, carry_tiles;
+
+  // Each thread owns a contiguous run of experts so that one block scan serves any E.
+  const int64_t per_thread = (experts + kScanThreads - 1) / kScanThreads;
+  const int64_t e0 = min(experts, int64_t(threadIdx.x) * per_thread);
+  const int64_t e1 = min(experts, e0 + per_thread);
+  int64_t kept_sum = 0, tiles_sum = 0, dropped_sum = 0;
+  for (int64_t e = e0; e < e1; ++e) {
+    int64_t running = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int32_t v = chunk_hist[c * experts + e];
+      chunk_hist[c * experts + e] = static_cast<int32_t>(running);  // offset within expert
+      running += v;
+    }
+    const int64_t kept = capacity < 0 ? running : min(running, capacity);
+    if (tokens_per_expert != nullptr) tokens_per_expert[e] = static_cast<int32_t>(running);
+    dropped_sum += running - kept;
+    kept_sum += kept;
+    tiles_sum += (kept + kSimtTileRows - 1) / kSimtTileRows;
+    expert_begin[e + 1] = kept;  // turned into prefix sums below
+    tile_begin[e + 1] = (kept + kSimtTileRows - 1) / kSimtTileRows;
+  }
+  int64_t rows_before, tiles_before;
+  Scan(tmp.scan[0]).ExclusiveSum(kept_sum, rows_before);
+  Scan(tmp.scan[1]).ExclusiveSum(tiles_sum, tiles_before);
+  for (int64_t e = e0; e < e1; ++e) {
+    const int64_t kept = expert_begin[e + 1], tiles = tile_begin[e + 1];
+    expert_begin[e] = rows_before;
+    tile_begin[e] = tiles_before;
+    rows_before += kept;
+    tiles_before += tiles;
+  }
+  if (threadIdx.x == kScanThreads - 1) {
+    carry_rows = rows_before;
+    carry_tiles = tiles_before;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    expert_begin[experts] = carry_rows;
+    tile_begin[experts] = carry_tiles;
+  }
+  const int64_t total_dropped = Reduce(tmp.reduce).Sum(dropped_sum);
+  __syncthreads();
+  int64_t invalid_sum = 0;
+  for (int64_t c = threadIdx.x; c < chunks; c += kScanThreads) invalid_sum += chunk_invalid[c];
+  const int64_t total_invalid = Reduce(tmp.reduce).Sum(invalid_sum);
+  if (threadIdx.x == 0) {
+    if (dropped != nullptr) *dropped = static_cast<int32_t>(total_dropped);
+    if (invalid != nullptr) *invalid = static_cast<int32_t>(total_invalid);
+  }
+}
+
+// 3. One warp per chunk walks its pairs in order, 32 at a time.
+__global__ void place_rows(const int32_t* __restrict__ ids, int64_t pairs, int64_t experts,
+                           const int32_t* __restrict__ chunk_offset,
+                           const int64_t* __restrict__ expert_begin,
+                           int32_t* __restrict__ pair_row, int32_t* __restrict__ row_pair) {
+  extern __shared__ int32_t seen[];  // pairs of each expert placed so far in this chunk
+  const int lane = threadIdx.x;
+  for (int64_t e = lane; e < experts; e += 32) seen[e] = 0;
+  __syncwarp();
+  const int64_t begin = int64_t(blockIdx.x) * kRoutingChunk;
+  const int64_t end = min(pairs, begin + kRoutingChunk);
+  const int32_t* offset = chunk_offset + int64_t(blockIdx.x) * experts;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  for (int64_t base = begin; base < end; base += 32) {
+    const int64_t p = base + lane;
+    const int32_t e = p < end ? ids[p] : -1;
+    const bool valid = p < end && valid_expert(e, experts);
+    // Lanes with the same valid expert; invalid lanes and lanes past the end form
+    // their own groups and are ignored.
+    const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
+    int32_t local = 0;
+    if (valid) local = seen[e] + __popc(peers & lanes_below);
+    __syncwarp();
+    if (valid && (peers & lanes_below) == 0) seen[e] += __popc(peers);
+    __syncwarp();
+    if (p >= end) continue;
+    int32_t row = -1;
+    if (valid) {
+      const int64_t n = int64_t(offset[e]) + local;
+      const int64_t first = expert_begin[e];
+      if (first + n < expert_begin[e + 1]) {
+        row = static_cast<int32_t>(first + n);
+        row_pair[row] = static_cast<int32_t>(p);
+      }
+    }
+    pair_row[p] = row;
+  }
+}
+
+}  // namespace
+
+size_t routing_plan_bytes(int64_t pairs, int64_t experts) {
+  const int64_t chunks = routing_chunks(pairs);
+  return 2 * aligned((experts + 1) * sizeof(int64_t)) + 2 * aligned(pairs * sizeof(int32_t)) +
+         aligned(chunks * experts * sizeof(int32_t)) + aligned(chunks * sizeof(int32_t));
+}
+
+RoutingPlanDevice carve_routing_plan(void* scratch, int64_t pairs, int64_t experts) {
+  char* p = static_cast<char*>(scratch);
+  auto take = [&](size_t bytes) {
+    char* at = p;
+    p += aligned(bytes);
+    return at;
+  };
+  const int64_t chunks = routing_chunks(pairs);
+  RoutingPlanDevice plan;
+  plan.expert_begin = reinterpret_cast<int64_t*>(take((experts + 1) * sizeof(int64_t)));
+  plan.tile_begin = reinterpret_cast<int64_t*>(take((experts + 1) * sizeof(int64_t)));
+  plan.pair_row = reinterpret_cast<int32_t*>(take(pairs * sizeof(int32_t)));
+  plan.row_pair = reinterpret_cast<int32_t*>(take(pairs * sizeof(int32_t)));
+  plan.chunk_hist = reinterpret_cast<int32_t*>(take(chunks * experts * sizeof(int32_t)));
+  plan.chunk_invalid = reinterpret_cast<int32_t*>(take(chunks * sizeof(int32_t)));
+  return plan;
+}
+
+std::string build_routing_plan(const int32_t* ids, int64_t pairs, int64_t experts,
+                               int64_t capacity, const RoutingPlanDevice& plan,
+                               int32_t* tokens_per_expert, int32_t* dropped, int32_t* invalid,
+                               cudaStream_t stream) {
+  if (experts > kMaxRoutedExperts) {
+    return "the CUDA routing plan supports at most 8192 experts";
+  }
+  const int64_t chunks = routing_chunks(pairs);
+  const size_t hist_smem = experts * sizeof(int32_t);
+  if (chunks > 0) {
+    chunk_histogram<<<chunks, 256, hist_smem, stream>>>(ids, pairs, experts, plan.chunk_hist,
+                                                        plan.chunk_invalid);
+    MOK_CUDA_RETURN_IF_LAUNCH_FAILED("chunk_histogram");
+  }
+  scan_plan<<<1, kScanThreads, 0, stream>>>(chunks, experts, capacity, plan.chunk_hist,
+                                            plan.chunk_invalid, plan.expert_begin,
+                                            plan.tile_begin, tokens_per_expert, dropped, invalid);
+  MOK_CUDA_RETURN_IF_LAUNCH_FAILED("scan_plan");
+  if (chunks > 0) {
+    place_rows<<<chunks, 32, hist_smem, stream>>>(ids, pairs, experts, plan.chunk_hist,
+                                                  plan.expert_begin, plan.pair_row,
+                                                  plan.row_pair);
+    MOK_CUDA_RETURN_IF_LAUNCH_FAILED("place_rows");
+  }
+  return {};
+}
+
+}  // namespace mok::cuda

@@ -1,0 +1,35 @@
+"""A small forward + backward of mok_jax.moe for compute-sanitizer (scripts/gpu_ci.sh).
+
+Covers both GEMM paths (tensor-core sizes and odd sizes), capacity drops,
+invalid ids and an empty expert, so memcheck sees every kernel.
+"""
+
+import jax
+import jax.numpy as jnp
+
+import mok_jax
+
+
+def run(T, K, E, H, F, dtype, capacity_factor):
+    ks = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(ks[0], (T, H)).astype(dtype)
+    w, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(ks[1], (T, E))), K)
+    ids = ids.astype(jnp.int32).at[0, 0].set(-1).at[1, 0].set(E)
+    ids = jnp.where(ids == E - 1, 0, ids)  # expert E-1 stays empty
+    wgu = (jax.random.normal(ks[2], (E, H, 2 * F)) * H**-0.5).astype(dtype)
+    wd = (jax.random.normal(ks[3], (E, F, H)) * F**-0.5).astype(dtype)
+
+    def loss(x, w, wgu, wd):
+        return mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=capacity_factor).astype(
+            jnp.float32).sum()
+
+    out = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd)
+    jax.block_until_ready(out)
+    print(f"ok T={T} K={K} E={E} H={H} F={F} {jnp.dtype(dtype).name} cf={capacity_factor}")
+
+
+if __name__ == "__main__":
+    run(200, 2, 6, 128, 64, jnp.bfloat16, None)
+    run(200, 2, 6, 128, 64, jnp.bfloat16, 0.5)
+    run(37, 3, 5, 24, 5, jnp.bfloat16, None)
+    run(37, 3, 5, 24, 5, jnp.float32, 0.8)

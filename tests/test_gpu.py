@@ -1,0 +1,118 @@
+"""GPU-only checks of the CUDA handlers (run by scripts/gpu_ci.sh).
+
+The rest of the suite runs on the GPU as well when the default device is one;
+these tests add what only makes sense there: the tensor-core grouped GEMMs on
+sizes they serve, the SIMT fallback on sizes they do not, agreement with the
+CPU handlers, and determinism at a size where many CTAs share the work.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mok_jax
+from mok_jax import _ext
+from mok_jax.reference import moe_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _problem(T, K, E, H, F, dtype, seed=0, skew=False):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(ks[0], (T, H), jnp.float32).astype(dtype)
+    logits = jax.random.normal(ks[1], (T, E))
+    if skew:  # most tokens prefer expert 0: ragged groups, some experts empty
+        logits = logits.at[:, 0].add(4.0).at[:, E // 2:].add(-8.0)
+    w, ids = jax.lax.top_k(jax.nn.softmax(logits), K)
+    wgu = (jax.random.normal(ks[2], (E, H, 2 * F)) * H**-0.5).astype(dtype)
+    wd = (jax.random.normal(ks[3], (E, F, H)) * F**-0.5).astype(dtype)
+    return x, ids.astype(jnp.int32), w, wgu, wd
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _loss_fn(fn, ids, cot, **kw):
+    def loss(x, w, wgu, wd):
+        return jnp.sum(fn(x, ids, w, wgu, wd, **kw).astype(jnp.float32) * cot)
+    return loss
+
+
+def test_cuda_handlers_are_registered():
+    assert "cuda" in _ext.registered_platforms(), "built without CUDA handlers"
+
+
+# (T, K, E, H, F): multiples of 8 take the tensor-core path; the last does not.
+SHAPES = [(512, 4, 8, 256, 128), (300, 2, 6, 128, 64), (77, 3, 5, 40, 20), (33, 2, 4, 24, 5)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("skew", [False, True])
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_bf16_forward_and_grads_match_reference(shape, skew, capacity_factor):
+    T, K, E, H, F = shape
+    x, ids, w, wgu, wd = _problem(T, K, E, H, F, jnp.bfloat16, skew=skew)
+    cot = jnp.cos(jnp.arange(H, dtype=jnp.float32))
+    kw = dict(capacity_factor=capacity_factor)
+    y, stats = mok_jax.moe(x, ids, w, wgu, wd, return_stats=True, **kw)
+    y_ref, stats_ref = moe_reference(x, ids, w, wgu, wd, return_stats=True, **kw)
+    assert _rel(y, y_ref) <= 2e-2
+    np.testing.assert_array_equal(stats.tokens_per_expert, stats_ref.tokens_per_expert)
+    assert int(stats.dropped) == int(stats_ref.dropped)
+    g = jax.jit(jax.grad(_loss_fn(mok_jax.moe, ids, cot, **kw), argnums=(0, 1, 2, 3)))(
+        x, w, wgu, wd)
+    g_ref = jax.grad(_loss_fn(moe_reference, ids, cot, **kw), argnums=(0, 1, 2, 3))(
+        x, w, wgu, wd)
+    for name, a, b in zip(("dx", "dw", "dwgu", "dwd"), g, g_ref):
+        assert _rel(a, b) <= 2e-2, name
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:])
+def test_f32_matches_reference_tightly(shape):
+    T, K, E, H, F = shape
+    x, ids, w, wgu, wd = _problem(T, K, E, H, F, jnp.float32, seed=3)
+    cot = jnp.sin(jnp.arange(H, dtype=jnp.float32))
+    assert _rel(mok_jax.moe(x, ids, w, wgu, wd), moe_reference(x, ids, w, wgu, wd)) <= 1e-5
+    g = jax.grad(_loss_fn(mok_jax.moe, ids, cot), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+    g_ref = jax.grad(_loss_fn(moe_reference, ids, cot), argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+    for name, a, b in zip(("dx", "dw", "dwgu", "dwd"), g, g_ref):
+        assert _rel(a, b) <= 1e-5, name
+
+
+def test_gpu_agrees_with_cpu_handlers():
+    T, K, E, H, F = 256, 4, 8, 128, 64
+    gpu_args = _problem(T, K, E, H, F, jnp.bfloat16, seed=5)
+    cpu_args = jax.device_put(gpu_args, jax.devices("cpu")[0])
+    y_gpu = mok_jax.moe(*gpu_args)
+    y_cpu = mok_jax.moe(*cpu_args)
+    assert _rel(y_gpu, y_cpu) <= 2e-2
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_bitwise_deterministic_over_20_runs(dtype):
+    T, K, E, H, F = 2048, 8, 32, 512, 256
+    x, ids, w, wgu, wd = _problem(T, K, E, H, F, dtype, seed=11, skew=True)
+    cot = jnp.cos(jnp.arange(H, dtype=jnp.float32))
+    step = jax.jit(jax.value_and_grad(_loss_fn(mok_jax.moe, ids, cot), argnums=(0, 1, 2, 3)))
+    fwd = jax.jit(lambda *a: mok_jax.moe(*a))
+    first_y = np.asarray(fwd(x, ids, w, wgu, wd))
+    first = [np.asarray(a) for a in jax.tree.leaves(step(x, w, wgu, wd))]
+    for _ in range(19):
+        np.testing.assert_array_equal(np.asarray(fwd(x, ids, w, wgu, wd)), first_y)
+        for a, b in zip(jax.tree.leaves(step(x, w, wgu, wd)), first):
+            np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_invalid_ids_and_all_on_one_expert():
+    T, K, E, H, F = 130, 2, 4, 64, 32
+    x, ids, w, wgu, wd = _problem(T, K, E, H, F, jnp.bfloat16, seed=2)
+    ids = ids.at[:, 0].set(1)                       # every token's first slot on expert 1
+    ids = ids.at[::7, 1].set(-3).at[1::11, 1].set(E + 2)
+    y, stats = mok_jax.moe(x, ids, w, wgu, wd, return_stats=True)
+    y_ref, stats_ref = moe_reference(x, ids, w, wgu, wd, return_stats=True)
+    assert int(stats.invalid) == int(stats_ref.invalid) > 0
+    np.testing.assert_array_equal(stats.tokens_per_expert, stats_ref.tokens_per_expert)
+    assert _rel(y, y_ref) <= 2e-2

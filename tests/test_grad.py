@@ -1,0 +1,259 @@
+"""Gradients of mok_jax.moe: against jax.grad of the reference, against finite
+differences, exact zeros for dropped/invalid pairs, determinism, transformations."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mok_jax
+from mok_jax.reference import moe_reference
+
+from conftest import assert_bitwise, assert_close, make_problem, np_stats
+
+DIFF_ARGNUMS = (0, 2, 3, 4)  # x, expert_weights, w_gate_up, w_down
+NAMES = ("dx", "d_expert_weights", "d_w_gate_up", "d_w_down")
+DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
+
+
+def _loss(fn, x, ids, w, wgu, wd, ct, capacity_factor=None):
+    y = fn(x, ids, w, wgu, wd, capacity_factor=capacity_factor)
+    return jnp.sum(y.astype(jnp.float32) * ct)
+
+
+def grads(fn, args, ct, capacity_factor=None):
+    return jax.grad(functools.partial(_loss, fn, capacity_factor=capacity_factor),
+                    argnums=DIFF_ARGNUMS)(*args, ct)
+
+
+def _cotangent(seed, T, H):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((T, H), np.float32))
+
+
+def _assert_grads_bitwise(got, want, what):
+    for name, a, b in zip(NAMES, got, want):
+        assert_bitwise(a, b, f"{what}: {name}")
+
+
+# --------------------------------------------------------------------------------------
+# Against the reference
+# --------------------------------------------------------------------------------------
+
+CASES = [  # T, K, E, H, F, capacity_factor, routing, invalid
+    pytest.param(16, 2, 4, 32, 16, None, "topk", False, id="basic"),
+    pytest.param(7, 2, 3, 24, 5, 0.5, "topk", True, id="odd-capacity-invalid"),
+    pytest.param(1, 1, 1, 8, 4, None, "topk", False, id="T1"),
+    pytest.param(13, 4, 4, 16, 8, None, "topk", False, id="K=E"),
+    pytest.param(19, 2, 4, 16, 8, 1.0, "one", False, id="one-expert-capacity"),
+    pytest.param(29, 3, 6, 12, 7, None, "topk", True, id="empty-experts-invalid"),
+]
+
+
+def _case(seed, T, K, E, H, F, dtype, routing, invalid):
+    x, ids, w, wgu, wd = make_problem(seed, T, K, E, H, F, dtype, routing=routing, expert=1)
+    if invalid:
+        ids = ids.at[::3, K - 1].set(-1).at[1::5, 0].set(E)
+    if E == 6:
+        ids = jnp.where(ids == 2, 0, ids)  # expert 2 (and maybe others) left empty
+    return x, ids, w, wgu, wd
+
+
+# f32: the backward kernels reduce over tokens (weight gradients) and over F, H (dgrad)
+# in their own fixed order, while the reference's autodiff lets XLA choose; at these
+# sizes the contract's 1e-5 holds.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,K,E,H,F,cf,routing,invalid", CASES)
+def test_grads_match_reference(T, K, E, H, F, cf, routing, invalid, dtype):
+    args = _case(T + 7 * E, T, K, E, H, F, dtype, routing, invalid)
+    ct = _cotangent(T, T, H)
+    got = grads(mok_jax.moe, args, ct, cf)
+    want = grads(moe_reference, args, ct, cf)
+    for name, g, r, a in zip(NAMES, got, want, (args[0], args[2], args[3], args[4])):
+        assert g.shape == a.shape and g.dtype == a.dtype, (name, g.shape, g.dtype, a.dtype)
+        assert_close(g, r, dtype, what=name)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(jnp.float32, jnp.float32),
+                                             (jnp.bfloat16, jnp.float32),
+                                             (jnp.bfloat16, jnp.bfloat16)])
+def test_grad_dtypes(x_dtype, w_dtype):
+    args = make_problem(1, 8, 2, 4, 16, 8, x_dtype, weights_dtype=w_dtype)
+    g = grads(mok_jax.moe, args, _cotangent(1, 8, 16))
+    assert [a.dtype for a in g] == [x_dtype, w_dtype, x_dtype, x_dtype]
+    if w_dtype == jnp.bfloat16:
+        want = grads(moe_reference, args, _cotangent(1, 8, 16))
+        assert_close(g[1], want[1], jnp.bfloat16, what="bf16 d_expert_weights")
+
+
+# --------------------------------------------------------------------------------------
+# Finite differences (f32): independent of the reference
+# --------------------------------------------------------------------------------------
+
+
+def test_directional_finite_differences():
+    T, K, E, H, F = 6, 2, 3, 8, 4
+    args = make_problem(2, T, K, E, H, F, jnp.float32)
+    ct = _cotangent(2, T, H)
+    ct64 = np.asarray(ct, np.float64)
+    fwd = jax.jit(mok_jax.moe)
+
+    def loss64(a):  # the loss reduction in float64, so that only y's rounding remains
+        return float(np.sum(np.asarray(fwd(*a), np.float64) * ct64))
+
+    g = grads(mok_jax.moe, args, ct)
+    rng = np.random.default_rng(3)
+    eps = 1e-3
+    for name, i, gi in zip(NAMES, DIFF_ARGNUMS, g):
+        p = np.asarray(args[i], np.float32)
+        for _ in range(2):
+            v = rng.standard_normal(p.shape).astype(np.float32) * np.float32(p.std())
+            plus, minus = list(args), list(args)
+            plus[i] = jnp.asarray(p + eps * v)
+            minus[i] = jnp.asarray(p - eps * v)
+            fd = (loss64(plus) - loss64(minus)) / (2 * eps)
+            exact = float(np.sum(np.asarray(gi, np.float64) * v))
+            scale = np.linalg.norm(np.asarray(gi, np.float64)) * np.linalg.norm(v)
+            assert abs(fd - exact) <= 1e-2 * max(abs(exact), 1e-2 * scale), (name, fd, exact)
+
+
+# --------------------------------------------------------------------------------------
+# Dropped and invalid pairs
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropped_and_invalid_pairs_get_zero_gradient(dtype):
+    T, K, E, H, F = 10, 2, 4, 16, 8
+    x, ids, w, wgu, wd = make_problem(4, T, K, E, H, F, dtype)
+    ids = ids.at[jnp.arange(T) % 2 == 0, 0].set(0)  # overflow expert 0
+    ids = ids.at[1, 1].set(-3).at[6, 1].set(E).at[9].set(jnp.asarray([-1, 2**30]))
+    ids = jnp.where(ids == 3, 1, ids)               # expert 3 gets no pair at all
+    cf = 0.5                                        # cap = ceil(0.5 * 10 * 2 / 4) = 3
+    cap = mok_jax.capacity(cf, T, K, E)
+    _, dropped, invalid, keep = np_stats(ids, E, cap)
+    assert dropped > 0 and invalid == 4
+    ct = _cotangent(4, T, H)
+    args = (x, ids, w, wgu, wd)
+    dx, dw, dwgu, dwd = grads(mok_jax.moe, args, ct, cf)
+
+    dw = np.asarray(dw, np.float32)
+    np.testing.assert_array_equal(dw[~keep], 0.0)                 # exactly 0
+    assert np.all(dw[keep] != 0.0)
+    nothing_kept = ~keep.any(axis=1)
+    assert nothing_kept.any()
+    np.testing.assert_array_equal(np.asarray(dx, np.float32)[nothing_kept], 0.0)
+    np.testing.assert_array_equal(np.asarray(dwgu, np.float32)[3], 0.0)  # empty expert
+    np.testing.assert_array_equal(np.asarray(dwd, np.float32)[3], 0.0)
+
+    # Everything else as if those pairs were valid with weight 0 and no capacity.
+    ids0 = jnp.where(jnp.asarray(keep), ids, 0)
+    w0 = jnp.where(jnp.asarray(keep), w, 0).astype(w.dtype)
+    want = grads(mok_jax.moe, (x, ids0, w0, wgu, wd), ct)
+    for name, g, r in zip(NAMES, (dx, dw, dwgu, dwd), want):
+        if name == "d_expert_weights":
+            r = np.where(keep, np.asarray(r, np.float32), 0.0)   # w0's grads at dropped pairs
+        assert_close(g, r, dtype, f32_tol=1e-6, what=name)
+
+
+def test_everything_dropped_but_first_pair():
+    # cap = ceil(1e-6 * ...) = 1: only pair (0, 0) on expert 0 survives.
+    T, K, E, H, F = 5, 1, 2, 8, 4
+    x, _, w, wgu, wd = make_problem(5, T, K, E, H, F, jnp.float32)
+    ids = jnp.zeros((T, K), jnp.int32)
+    dx, dw, dwgu, dwd = grads(mok_jax.moe, (x, ids, w, wgu, wd), _cotangent(5, T, H), 1e-6)
+    np.testing.assert_array_equal(np.asarray(dx)[1:], 0.0)
+    np.testing.assert_array_equal(np.asarray(dw)[1:], 0.0)
+    np.testing.assert_array_equal(np.asarray(dwgu)[1], 0.0)
+    np.testing.assert_array_equal(np.asarray(dwd)[1], 0.0)
+    assert np.all(np.asarray(dx)[0] != 0.0) and float(np.asarray(dw)[0, 0]) != 0.0
+
+
+def test_nan_weight_on_invalid_pair_leaves_grads_finite():
+    T, K, E, H, F = 6, 2, 3, 8, 4
+    x, ids, w, wgu, wd = make_problem(6, T, K, E, H, F, jnp.float32)
+    ids = ids.at[2, 1].set(-1)
+    ct = _cotangent(6, T, H)
+    g0 = grads(mok_jax.moe, (x, ids, w.at[2, 1].set(0.0), wgu, wd), ct)
+    g = grads(mok_jax.moe, (x, ids, w.at[2, 1].set(jnp.nan), wgu, wd), ct)
+    _assert_grads_bitwise(g, g0, "NaN weight on an invalid pair")
+
+
+# --------------------------------------------------------------------------------------
+# Determinism and transformations
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grad_bitwise_deterministic(dtype):
+    T, H = 33, 24
+    args = make_problem(7, T, 3, 6, H, 12, dtype)
+    ct = _cotangent(7, T, H)
+    g0 = grads(mok_jax.moe, args, ct, 0.75)
+    g_eager = grads(mok_jax.moe, args, ct, 0.75)
+    _assert_grads_bitwise(g_eager, g0, "eager repeat")
+    f = jax.jit(functools.partial(grads, mok_jax.moe, capacity_factor=0.75))
+    for _ in range(20):
+        _assert_grads_bitwise(f(args, ct), g0, "jit(grad) vs eager grad")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vjp_forward_equals_forward(dtype):
+    # The forward under differentiation (which also saves residuals) gives the same bits.
+    args = make_problem(8, 17, 2, 4, 16, 8, dtype)
+    y = mok_jax.moe(*args, capacity_factor=1.0)
+    y_vjp, _ = jax.vjp(lambda *a: mok_jax.moe(*a, capacity_factor=1.0), *args)
+    assert_bitwise(y_vjp, y, "vjp primal")
+    (y_stats, stats), _ = jax.vjp(
+        lambda x: mok_jax.moe(x, *args[1:], capacity_factor=1.0, return_stats=True), args[0])
+    assert_bitwise(y_stats, y, "vjp primal with stats")
+    _, stats_ref = mok_jax.moe(*args, capacity_factor=1.0, return_stats=True)
+    for a, b in zip(stats, stats_ref):
+        assert_bitwise(a, b, "stats under vjp")
+
+
+def test_grad_with_return_stats():
+    args = make_problem(9, 12, 2, 4, 16, 8, jnp.float32)
+    ct = _cotangent(9, 12, 16)
+
+    def loss_stats(x, ids, w, wgu, wd):
+        y, stats = mok_jax.moe(x, ids, w, wgu, wd, return_stats=True)
+        return jnp.sum(y * ct) + 0.0 * stats.dropped
+
+    g = jax.grad(loss_stats, argnums=DIFF_ARGNUMS)(*args)
+    _assert_grads_bitwise(g, grads(mok_jax.moe, args, ct), "grad with return_stats")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grad_under_jit_and_remat(dtype):
+    T, H = 11, 16
+    args = make_problem(10, T, 2, 4, H, 8, dtype)
+    ct = _cotangent(10, T, H)
+    loss = functools.partial(_loss, mok_jax.moe)
+    g = jax.grad(loss, argnums=DIFF_ARGNUMS)(*args, ct)
+    g_jit = jax.jit(jax.grad(loss, argnums=DIFF_ARGNUMS))(*args, ct)
+    g_remat = jax.grad(jax.checkpoint(loss), argnums=DIFF_ARGNUMS)(*args, ct)
+    g_remat_jit = jax.jit(jax.grad(jax.checkpoint(loss), argnums=DIFF_ARGNUMS))(*args, ct)
+    _assert_grads_bitwise(g_jit, g, "jit")
+    _assert_grads_bitwise(g_remat, g, "checkpoint")
+    _assert_grads_bitwise(g_remat_jit, g, "jit(checkpoint)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vmap_of_grad_matches_per_slice(dtype):
+    B, T, K, E, H, F = 3, 7, 2, 4, 16, 8
+    _, _, _, wgu, wd = make_problem(11, T, K, E, H, F, dtype)
+    xs, idss, ws = zip(*[make_problem(200 + b, T, K, E, H, F, dtype)[:3] for b in range(B)])
+    xb, ib, wb = jnp.stack(xs), jnp.stack(idss).at[1, 2, 0].set(-1), jnp.stack(ws)
+    ctb = jnp.stack([_cotangent(300 + b, T, H) for b in range(B)])
+
+    def per_example(x, ids, w, ct):
+        return grads(mok_jax.moe, (x, ids, w, wgu, wd), ct, 1.0)
+
+    gb = jax.vmap(per_example)(xb, ib, wb, ctb)
+    gb_jit = jax.jit(jax.vmap(per_example))(xb, ib, wb, ctb)
+    for b in range(B):
+        g = per_example(xb[b], ib[b], wb[b], ctb[b])
+        _assert_grads_bitwise([a[b] for a in gb], g, f"vmap(grad) slice {b}")
+        _assert_grads_bitwise([a[b] for a in gb_jit], g, f"jit(vmap(grad)) slice {b}")

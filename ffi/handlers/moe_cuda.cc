@@ -5,6 +5,10 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <optional>
+#include <string>
+
 #include "checks.h"
 #include "decode.h"
 #include "kernels/moe_cuda.h"
@@ -19,16 +23,20 @@ using ffi_checks::decode;
 using ffi_checks::Decoded;
 
 // Scratch for one call; XLA frees it when the handler returns (stream order).
+// XLA's allocator accepts alignments up to 64 bytes only, so over-allocate and
+// round the pointer up to the 256 bytes the launchers' carvers assume.
 ffi::Error take_scratch(ffi::ScratchAllocator& scratch, size_t bytes, void** out) {
+  constexpr size_t kXlaAlignment = 64, kWanted = 256;
   *out = nullptr;
   if (bytes == 0) return ffi::Error::Success();
-  std::optional<void*> p = scratch.Allocate(bytes, 256);
+  std::optional<void*> p = scratch.Allocate(bytes + kWanted, kXlaAlignment);
   if (!p.has_value()) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                       "mok_jax: could not allocate " + std::to_string(bytes) +
                           " bytes of GPU scratch for the MoE layer");
   }
-  *out = *p;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(*p);
+  *out = reinterpret_cast<void*>((base + kWanted - 1) / kWanted * kWanted);
   return ffi::Error::Success();
 }
 

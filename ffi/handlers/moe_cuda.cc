@@ -23,10 +23,10 @@ using ffi_checks::decode;
 using ffi_checks::Decoded;
 
 // Scratch for one call; XLA frees it when the handler returns (stream order).
-// XLA's allocator accepts alignments up to 64 bytes only, so over-allocate and
+// XLA's FFI allocator accepts alignments up to 16 bytes only, so over-allocate and
 // round the pointer up to the 256 bytes the launchers' carvers assume.
 ffi::Error take_scratch(ffi::ScratchAllocator& scratch, size_t bytes, void** out) {
-  constexpr size_t kXlaAlignment = 64, kWanted = 256;
+  constexpr size_t kXlaAlignment = 16, kWanted = 256;
   *out = nullptr;
   if (bytes == 0) return ffi::Error::Success();
   std::optional<void*> p = scratch.Allocate(bytes + kWanted, kXlaAlignment);

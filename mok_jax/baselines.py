@@ -98,8 +98,12 @@ def _combine(pair_out: jax.Array, weights: jax.Array, dtype) -> jax.Array:
 
 
 def _sorted_pipeline(x, expert_ids, expert_weights, w_gate_up, w_down,
-                     ragged_dot: RaggedDot) -> jax.Array:
-    """Sort pairs by expert, two grouped GEMMs through `ragged_dot`, unsort, combine."""
+                     ragged_dot: RaggedDot, gemm_out_dtype=jnp.float32) -> jax.Array:
+    """Sort pairs by expert, two grouped GEMMs through `ragged_dot`, unsort, combine.
+
+    `gemm_out_dtype` is the dtype the GEMMs return (they accumulate in f32 either
+    way): f32 per DESIGN §1, or x.dtype where a kernel's backward needs it.
+    """
     t, h, k, e, f = _check_shapes(x, expert_ids, expert_weights, w_gate_up, w_down)
     n = t * k
     flat_ids = expert_ids.reshape(n).astype(jnp.int32)
@@ -112,10 +116,10 @@ def _sorted_pipeline(x, expert_ids, expert_weights, w_gate_up, w_down,
 
     rows = jnp.take(x, order // k, axis=0)                            # [N, H]
     gate_up = ragged_dot(rows, w_gate_up, group_sizes,
-                         preferred_element_type=jnp.float32)          # [N, 2F] f32
-    hidden = _swiglu(gate_up, f, x.dtype)                             # [N, F]
+                         preferred_element_type=gemm_out_dtype)       # [N, 2F]
+    hidden = _swiglu(gate_up.astype(jnp.float32), f, x.dtype)         # [N, F]
     out = ragged_dot(hidden, w_down, group_sizes,
-                     preferred_element_type=jnp.float32).astype(x.dtype)  # [N, H]
+                     preferred_element_type=gemm_out_dtype).astype(x.dtype)  # [N, H]
 
     # Gather through the inverse permutation (its transpose is a scatter-add,
     # cheaper to differentiate than a scatter).
@@ -196,7 +200,11 @@ def tokamax_moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
                 implementation=None) -> jax.Array:
     """`ragged_dot_moe` with `tokamax.ragged_dot` (Pallas kernels) for both GEMMs.
 
-    Same arguments, shapes, dtypes and numerics as `ragged_dot_moe`.
+    Same arguments, shapes and dtypes as `ragged_dot_moe`. One numerical
+    difference: the GEMMs return x.dtype (accumulating in f32 inside the kernel), so
+    gate and up are rounded to x.dtype before SwiGLU. tokamax's backward feeds the
+    output cotangent to its kernels with the operands, and its Pallas kernels need
+    one dtype for both (an f32 cotangent against bf16 weights raises).
     `implementation` is passed to `tokamax.ragged_dot` (None: tokamax picks,
     falling back to XLA; ("mosaic", "triton"): Pallas kernels only, raising where
     neither applies). Raises ImportError when tokamax is not installed.
@@ -209,4 +217,4 @@ def tokamax_moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
                                   implementation=implementation)
 
     return _sorted_pipeline(x, expert_ids, expert_weights, w_gate_up, w_down,
-                            ragged_dot)
+                            ragged_dot, gemm_out_dtype=x.dtype)

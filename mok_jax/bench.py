@@ -12,6 +12,10 @@ Examples::
     python -m mok_jax.bench                                # all shapes, impls, passes
     python -m mok_jax.bench --quick --repeats 5            # scaled-down shapes (CPU)
     python -m mok_jax.bench --shapes ep --impls moe,tokamax --passes fwd --json out.json
+    python -m mok_jax.bench --check                        # + errors vs the reference
+
+--check also compares every pipeline's y and gradients with the dense reference
+(relative Frobenius error per output), so that a fast but wrong pipeline shows.
 
 On CPU the full shapes take very long; without --full-on-cpu a CPU run uses the
 --quick shapes.
@@ -106,9 +110,10 @@ def resolve_impl(name: str) -> tuple[MoEFn | None, str | None]:
         ok, why = baselines.tokamax_available()
         if not ok:
             return None, why
-        # Pallas kernels only: tokamax's silent XLA fallback would time ragged_dot
-        # again under tokamax's name.
-        impl = None if jax.default_backend() == "cpu" else ("mosaic", "triton")
+        # On GPU the Pallas Mosaic kernel only: tokamax's silent XLA fallback would
+        # time ragged_dot again under tokamax's name. (tokamax 0.0.17 has no
+        # "triton" ragged_dot; naming it raises.)
+        impl = None if jax.default_backend() == "cpu" else "mosaic"
         return functools.partial(baselines.tokamax_moe, implementation=impl), None
     raise ValueError(f"unknown impl {name!r}; choose from {IMPLS + EXTRA_IMPLS}")
 
@@ -159,8 +164,11 @@ def build_step(fn: MoEFn, pass_name: str) -> tuple[Callable, tuple[str, ...]]:
 
 
 def time_step(step: Callable, args: Sequence[jax.Array], *, warmup: int,
-              repeats: int) -> tuple[float, list[float]]:
-    """(compile seconds, per-run milliseconds) of `repeats` blocked runs after warm-up."""
+              repeats: int) -> tuple[float, list[float], Callable]:
+    """(compile seconds, per-run milliseconds, the compiled step).
+
+    The milliseconds are of `repeats` runs, each blocked on, after `warmup` runs.
+    """
     start = time.perf_counter()
     compiled = step.lower(*args).compile()
     compile_s = time.perf_counter() - start
@@ -173,7 +181,45 @@ def time_step(step: Callable, args: Sequence[jax.Array], *, warmup: int,
         jax.block_until_ready(out)
         times_ms.append((time.perf_counter() - start) * 1e3)
         del out
-    return compile_s, times_ms
+    return compile_s, times_ms, compiled
+
+
+OUTPUT_NAMES = {"fwd": ("y",),
+                "fwdbwd": ("y", "dx", "dexpert_weights", "dw_gate_up", "dw_down")}
+
+
+def reference_outputs(pass_name: str, inputs: dict
+                      ) -> tuple[str, list[jax.Array] | None, str | None]:
+    """(oracle name, its flat outputs for `pass_name`, error) for --check.
+
+    The oracle is mok_jax.reference.moe_reference when importable, else the dense
+    one-hot baseline (both run every expert on every token).
+    """
+    try:
+        from mok_jax import reference  # pylint: disable=import-outside-toplevel
+        name, fn = "mok_jax.reference.moe_reference", reference.moe_reference
+    except Exception:  # pylint: disable=broad-except
+        name, fn = "baselines.dense_onehot_moe", baselines.dense_onehot_moe
+    try:
+        step, names = build_step(fn, pass_name)
+        out = jax.block_until_ready(step(*[inputs[n] for n in names]))
+    except Exception as err:  # pylint: disable=broad-except
+        return name, None, _error_string(err)
+    return name, jax.tree_util.tree_leaves(out), None
+
+
+@jax.jit
+def _rel_fro(got: jax.Array, want: jax.Array) -> jax.Array:
+    got = got.astype(jnp.float32)
+    want = want.astype(jnp.float32)
+    return jnp.linalg.norm((got - want).ravel()) / jnp.linalg.norm(want.ravel())
+
+
+def relative_errors(pass_name: str, got: list[jax.Array],
+                    want: list[jax.Array]) -> dict[str, float]:
+    """Relative Frobenius error of each output (y, then the gradients) vs the oracle."""
+    return {name: float(_rel_fro(g, w))
+            for name, g, w in zip(OUTPUT_NAMES[pass_name], got, want)}
 
 
 def _error_string(err: BaseException) -> str:
@@ -182,15 +228,22 @@ def _error_string(err: BaseException) -> str:
 
 
 def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
-              dtype_name: str, warmup: int, repeats: int) -> dict:
-    """One record: timings of `impl` on `shape` for `pass_name`, or its error."""
+              dtype_name: str, warmup: int, repeats: int,
+              reference: list[jax.Array] | None = None,
+              verbose: bool = False) -> dict:
+    """One record: timings of `impl` on `shape` for `pass_name`, or its error.
+
+    With `reference` (the oracle's flat outputs), one more untimed run is compared
+    with it and the record gets `rel_err` per output (or `check_error`).
+    `verbose` prints the traceback of a failure to stderr.
+    """
     record = {
         "shape": shape.name, "T": shape.tokens, "K": shape.top_k, "E": shape.experts,
         "H": shape.hidden, "F": shape.ffn, "dtype": dtype_name, "impl": impl,
         "pass": pass_name, "gemm_flops": shape.gemm_flops(pass_name),
         "warmup": warmup, "repeats": repeats, "status": "ok", "error": None,
         "compile_s": None, "median_ms": None, "min_ms": None, "mean_ms": None,
-        "tflops": None, "times_ms": None,
+        "tflops": None, "times_ms": None, "rel_err": None, "check_error": None,
     }
     fn, why = resolve_impl(impl)
     if fn is None:
@@ -198,14 +251,24 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
         return record
     try:
         step, names = build_step(fn, pass_name)
-        compile_s, times_ms = time_step(step, [inputs[n] for n in names],
-                                        warmup=warmup, repeats=repeats)
+        args = [inputs[n] for n in names]
+        compile_s, times_ms, compiled = time_step(step, args, warmup=warmup,
+                                                  repeats=repeats)
     except Exception as err:  # pylint: disable=broad-except
         # An OOM or an unsupported shape in one pipeline must not end the run.
         record.update(status="error", error=_error_string(err))
-        if os.environ.get("MOK_BENCH_TRACEBACK"):
+        if verbose:
             traceback.print_exc()
         return record
+    if reference is not None:
+        try:
+            got = jax.tree_util.tree_leaves(compiled(*args))
+            record["rel_err"] = relative_errors(pass_name, got, reference)
+            del got
+        except Exception as err:  # pylint: disable=broad-except
+            record["check_error"] = _error_string(err)
+            if verbose:
+                traceback.print_exc()
     median_ms = statistics.median(times_ms)
     record.update(
         compile_s=compile_s, median_ms=median_ms, min_ms=min(times_ms),
@@ -226,7 +289,9 @@ def add_speedups(records: list[dict]) -> None:
 
 def format_table(records: list[dict]) -> str:
     """A text table: one row per record; errors shortened to one line."""
+    checked = any(r.get("rel_err") for r in records)
     header = ("shape", "impl", "pass", "median ms", "min ms", "TFLOP/s", "mok speedup")
+    header += ("max rel err",) if checked else ()
     rows = [header]
     notes: dict[str, list[str]] = {}   # one line per distinct failure, with where
     for r in records:
@@ -234,13 +299,19 @@ def format_table(records: list[dict]) -> str:
             first_line = ((r["error"] or "").splitlines() or [""])[0][:300]
             where = notes.setdefault(f"{r['impl']}: {r['status']}: {first_line}", [])
             where.append(f"{r['shape']}/{r['pass']}")
-            rows.append((r["shape"], r["impl"], r["pass"], r["status"], "-", "-", "-"))
+            rows.append((r["shape"], r["impl"], r["pass"], r["status"])
+                        + ("-",) * (len(header) - 4))
             continue
         speedup = "-" if r["mok_speedup"] is None else f"{r['mok_speedup']:.2f}x"
         tflops = r["tflops"]
-        rows.append((r["shape"], r["impl"], r["pass"], f"{r['median_ms']:.3f}",
-                     f"{r['min_ms']:.3f}",
-                     f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.4f}", speedup))
+        row = (r["shape"], r["impl"], r["pass"], f"{r['median_ms']:.3f}",
+               f"{r['min_ms']:.3f}",
+               f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.4f}", speedup)
+        if checked:
+            errs = r.get("rel_err") or {}
+            worst = max(errs, key=errs.get) if errs else None
+            row += (f"{errs[worst]:.1e} ({worst})" if worst else "-",)
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
@@ -248,6 +319,9 @@ def format_table(records: list[dict]) -> str:
     text = "\n".join(lines)
     text += ("\n\nmok speedup: baseline median / moe median, same process "
              "(> 1: moe is faster).")
+    if checked:
+        text += ("\nmax rel err: the largest relative Frobenius error over y and the "
+                 "gradients, against the reference (in parentheses: which output).")
     for note, where in notes.items():
         text += f"\n{note}  [{', '.join(where)}]"
     return text
@@ -318,6 +392,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="untimed runs after compilation")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check", action="store_true",
+                        help="also compare each pipeline's outputs (and gradients) "
+                             "with the dense reference; costs memory and time")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the traceback of each failing pipeline")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write machine info, argv and records here")
     args = parser.parse_args(argv)
@@ -347,15 +426,28 @@ def main(argv: Sequence[str] | None = None) -> dict:
         shape = shapes[shape_name]
         inputs = make_inputs(shape, DTYPES[args.dtype], args.seed)
         for pass_name in args.passes:
+            reference = None
+            if args.check:
+                check_name, reference, check_error = reference_outputs(
+                    pass_name, inputs)
+                if check_error:
+                    print(f"  {shape.name} {pass_name}: no check, {check_name} "
+                          f"failed: {check_error.splitlines()[0][:300]}",
+                          file=sys.stderr)
             for impl in args.impls:
                 record = bench_one(shape, impl, pass_name, inputs,
                                    dtype_name=args.dtype, warmup=args.warmup,
-                                   repeats=args.repeats)
+                                   repeats=args.repeats, reference=reference,
+                                   verbose=args.verbose)
+                if args.check:
+                    record["check_reference"] = check_name
+                    record["check_error"] = record["check_error"] or check_error
                 records.append(record)
                 done = (f"{record['median_ms']:.3f} ms, {record['tflops']:.3g} TFLOP/s"
                         if record["median_ms"] is not None else record["status"])
                 print(f"  {shape.name} {impl} {pass_name}: {done}", file=sys.stderr,
                       flush=True)
+            del reference
         del inputs
     elapsed_s = time.perf_counter() - start
     add_speedups(records)
@@ -365,7 +457,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     result = {
         "machine": info,
         "argv": argv,
-        "settings": {"quick": quick, "dtype": args.dtype, "warmup": args.warmup,
+        "settings": {"quick": quick, "check": args.check, "dtype": args.dtype,
+                     "warmup": args.warmup,
                      "repeats": args.repeats, "seed": args.seed,
                      "shapes": args.shapes, "impls": args.impls,
                      "passes": args.passes},

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_close, make_problem
 from mok_jax import baselines, bench
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PIPELINES = [baselines.ragged_dot_moe, baselines.dense_onehot_moe]
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}   # relative Frobenius, DESIGN §5
 
 
 def _mok_moe_available() -> bool:
@@ -25,23 +25,10 @@ def _mok_moe_available() -> bool:
         return False
 
 
-def _rel_err(actual, expected) -> float:
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
-
-
 def _problem(t=40, k=3, e=6, h=32, f=16, dtype=jnp.float32, seed=0):
-    """Small random layer; ids distinct per token; experts 0..e-1 all hit."""
-    rng = np.random.default_rng(seed)
-    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
-    return dict(
-        x=jnp.asarray(rng.standard_normal((t, h)), dtype),
-        expert_ids=jnp.asarray(ids),
-        expert_weights=jnp.asarray(rng.random((t, k)), jnp.float32),
-        w_gate_up=jnp.asarray(rng.standard_normal((e, h, 2 * f)) * h ** -0.5, dtype),
-        w_down=jnp.asarray(rng.standard_normal((e, f, h)) * f ** -0.5, dtype),
-    )
+    """A small random layer as keyword arguments (top-k routing, softmax weights)."""
+    names = ("x", "expert_ids", "expert_weights", "w_gate_up", "w_down")
+    return dict(zip(names, make_problem(seed, t, k, e, h, f, dtype)))
 
 
 def _float64_moe(x, expert_ids, expert_weights, w_gate_up, w_down):
@@ -68,7 +55,7 @@ def test_baseline_matches_float64_oracle(pipeline, dtype):
     args = _problem(dtype=dtype)
     y = jax.jit(pipeline)(**args)
     assert y.shape == args["x"].shape and y.dtype == dtype
-    assert _rel_err(y, _float64_moe(**args)) < TOLERANCE[dtype]
+    assert_close(y, _float64_moe(**args), dtype, what=pipeline.__name__)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -77,7 +64,7 @@ def test_baseline_matches_moe_reference(pipeline, dtype):
     reference = pytest.importorskip("mok_jax.reference")
     args = _problem(t=33, k=4, e=8, h=24, f=40, dtype=dtype, seed=1)
     expected = reference.moe_reference(**args)
-    assert _rel_err(jax.jit(pipeline)(**args), expected) < TOLERANCE[dtype]
+    assert_close(jax.jit(pipeline)(**args), expected, dtype, what=pipeline.__name__)
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES, ids=lambda p: p.__name__)
@@ -106,7 +93,7 @@ def test_baseline_gradients_match_dense_jax(pipeline):
                    argnums=(0, 1, 2, 3))(*operands)
     want = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*operands)
     for name, g, w in zip(names, got, want):
-        assert _rel_err(g, w) < 1e-5, name
+        assert_close(g, w, jnp.float32, what=f"d{name}")
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES, ids=lambda p: p.__name__)
@@ -115,7 +102,7 @@ def test_baseline_invalid_ids_contribute_zero(pipeline):
     ids = np.asarray(args["expert_ids"]).copy()
     ids[0, 0], ids[3, 1], ids[7, 0] = -1, 4, 1 << 20
     args["expert_ids"] = jnp.asarray(ids)
-    assert _rel_err(jax.jit(pipeline)(**args), _float64_moe(**args)) < 1e-5
+    assert_close(jax.jit(pipeline)(**args), _float64_moe(**args), jnp.float32)
 
 
 def test_tokamax_available_reports_reason():
@@ -245,3 +232,12 @@ def test_table_and_speedups():
     assert records[2]["mok_speedup"] is None
     table = bench.format_table(records)
     assert "2.50x" in table and "tokamax: error: boom" in table
+
+
+def test_check_reports_relative_errors():
+    result = bench.main(["--quick", "--shapes", "ep", "--impls", "ragged_dot,dense_onehot",
+                         "--repeats", "1", "--warmup", "0", "--check", "--dtype", "f32"])
+    for r in result["records"]:
+        assert r["status"] == "ok" and r["check_error"] is None, r
+        assert set(r["rel_err"]) == set(bench.OUTPUT_NAMES[r["pass"]])
+        assert max(r["rel_err"].values()) < 1e-5, r["rel_err"]

@@ -6,7 +6,13 @@ import functools
 
 import jax
 
-from mok_jax import _mok
+try:
+    from mok_jax import _mok
+except ImportError as err:  # e.g. importing the source tree instead of the installed package
+    raise ImportError(
+        "mok_jax's native extension mok_jax._mok is missing: install the package "
+        "(`pip install .`), which compiles it, and import it from outside the source "
+        "tree") from err
 
 # Target names, shared with ffi/bindings.cc.
 MOE_FORWARD = "mok_moe_fwd"

@@ -26,6 +26,9 @@ nb::dict registrations() {
   nb::dict cpu;
   cpu["mok_moe_fwd"] = encapsulate(MokMoeForwardCpu);
   cpu["mok_moe_bwd"] = encapsulate(MokMoeBackwardCpu);
+  cpu["mok_expert_ffn_fwd"] = encapsulate(MokExpertFfnForwardCpu);
+  cpu["mok_expert_ffn_bwd"] = encapsulate(MokExpertFfnBackwardCpu);
+  cpu["mok_combine"] = encapsulate(MokCombineCpu);
   nb::dict out;
   out["cpu"] = cpu;
 #ifdef MOK_WITH_CUDA

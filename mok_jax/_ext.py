@@ -17,24 +17,43 @@ except ImportError as err:  # e.g. importing the source tree instead of the inst
 # Target names, shared with ffi/bindings.cc.
 MOE_FORWARD = "mok_moe_fwd"
 MOE_BACKWARD = "mok_moe_bwd"
+EXPERT_FFN_FORWARD = "mok_expert_ffn_fwd"
+EXPERT_FFN_BACKWARD = "mok_expert_ffn_bwd"
+COMBINE = "mok_combine"
 
 # jax.ffi platform name -> the platform key used by _mok.registrations().
 _PLATFORM_KEYS = {"cpu": "cpu", "cuda": "CUDA"}
 
 
 @functools.cache
-def registered_platforms() -> frozenset[str]:
-    """Registers every handler the extension holds; returns the platforms served.
+def registered_targets() -> dict[str, frozenset[str]]:
+    """Registers every handler the extension holds, once.
 
-    Platform names are jax's lowering platforms ("cpu", "cuda").
+    Returns the target names served per jax lowering platform ("cpu", "cuda").
     """
     regs = _mok.registrations()
-    served = set()
+    served = {}
     for platform, key in _PLATFORM_KEYS.items():
-        for name, capsule in regs.get(key, {}).items():
+        names = regs.get(key, {})
+        for name, capsule in names.items():
             jax.ffi.register_ffi_target(name, capsule, platform=key)
-            served.add(platform)
-    return frozenset(served)
+        if names:
+            served[platform] = frozenset(names)
+    return served
+
+
+def registered_platforms() -> frozenset[str]:
+    """The jax lowering platforms that have mok_jax handlers."""
+    return frozenset(registered_targets())
+
+
+def require_target(platform: str, target: str) -> None:
+    """Raises RuntimeError when `target` has no handler on `platform`."""
+    require_platform(platform)
+    if target not in registered_targets()[platform]:
+        raise RuntimeError(
+            f"mok_jax has no {platform} handler for {target!r} yet (the operation is "
+            f"implemented for: {sorted(p for p, t in registered_targets().items() if target in t)})")
 
 
 def require_platform(platform: str) -> None:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import primitives
+from mok_jax import ep, primitives
 
 BACKENDS = ("auto", "fused", "xla")
 _X_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
@@ -93,14 +93,18 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
       >>> mok_jax.moe(x, ids, w, w_gate_up, w_down).shape
       (8, 16)
     """
-    num_experts = _validate(x, expert_ids, expert_weights, w_gate_up, w_down,
-                            axis_name=axis_name, capacity_factor=capacity_factor,
-                            backend=backend)
+    num_experts, ep_size = _validate(x, expert_ids, expert_weights, w_gate_up, w_down,
+                                     axis_name=axis_name, capacity_factor=capacity_factor,
+                                     backend=backend)
     tokens, top_k = expert_ids.shape
-    cap = capacity(capacity_factor, tokens, top_k, num_experts)
+    cap = capacity(capacity_factor, tokens * ep_size, top_k, num_experts)
     cap = primitives.NO_CAPACITY if cap is None else cap
     with jax.named_scope("mok_jax"):
-        y, stats = _moe_core(cap, x, expert_ids, expert_weights, w_gate_up, w_down)
+        if ep_size > 1:
+            cfg = ep._Config(axis_name=axis_name, ep_size=ep_size, capacity=cap)
+            y, stats = ep.moe_ep(cfg, x, expert_ids, expert_weights, w_gate_up, w_down)
+        else:
+            y, stats = _moe_core(cap, x, expert_ids, expert_weights, w_gate_up, w_down)
     if return_stats:
         return y, MoEStats(*stats)
     return y
@@ -138,8 +142,8 @@ def _shape(a) -> tuple[int, ...]:
 
 
 def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
-              capacity_factor, backend) -> int:
-    """Checks every static property of a call; returns the global expert count."""
+              capacity_factor, backend) -> tuple[int, int]:
+    """Checks every static property of a call; returns (global experts, EP size)."""
     shapes = (f"x {_shape(x)}, expert_ids {_shape(expert_ids)}, expert_weights "
               f"{_shape(expert_weights)}, w_gate_up {_shape(w_gate_up)}, "
               f"w_down {_shape(w_down)}")
@@ -209,11 +213,11 @@ def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
                 f"mok_jax.moe: axis_name={axis_name!r} is not a bound mesh axis; call "
                 "moe inside jax.shard_map over a mesh with that axis, or pass "
                 "axis_name=None") from err
-        if ep_size > 1:
+        if ep_size > 1 and backend == "fused":
             raise NotImplementedError(
-                "mok_jax.moe: expert parallelism over an axis of size "
-                f"{ep_size} is not implemented yet (single device only)")
+                "mok_jax.moe: the fused NVLink megakernel for expert parallelism is not "
+                "implemented yet; use backend='xla' (or 'auto')")
     num_experts = experts_local * ep_size
     if top_k > num_experts:
         fail(f"top-k K={top_k} exceeds the number of experts E={num_experts}")
-    return num_experts
+    return num_experts, ep_size

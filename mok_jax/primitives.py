@@ -46,7 +46,7 @@ def _lower_on(platform: str, target: str, attrs_of):
     ffi_rule = jax.ffi.ffi_lowering(target)
 
     def rule(ctx, *operands, **params):
-        _ext.require_platform(platform)
+        _ext.require_target(platform, target)
         return ffi_rule(ctx, *operands, **attrs_of(params))
 
     return rule
@@ -132,3 +132,59 @@ def _bwd_attrs(params):
 
 
 _register(moe_bwd_p, _ext.MOE_BACKWARD, _bwd_abstract_eval, _bwd_attrs)
+
+
+# --- pieces for expert parallelism (mok_jax/ep.py) -----------------------------
+#
+# expert_ffn_fwd_p: (x_rows [R, H], group_sizes [E_local] s32, w_gate_up, w_down)
+#   -> (out_rows [R, H], gate_up [R or 0, 2F]); param save_gate_up.
+# expert_ffn_bwd_p: (x_rows, dy_rows [R, H], w_rows [R], group_sizes, w_gate_up,
+#   w_down, gate_up) -> (dx_rows, dw_rows, d_w_gate_up, d_w_down).
+# combine_p: (rows [T*K, H], weights [T, K], kept [T, K] s32) -> out [T, H];
+#   param weighted (False: every weight is 1 and `weights` is not read).
+
+expert_ffn_fwd_p = Primitive("mok_expert_ffn_fwd")
+
+
+def _expert_fwd_abstract_eval(x_rows, group_sizes, w_gate_up, w_down, *, save_gate_up):
+    del group_sizes, w_down
+    rows = x_rows.shape[0]
+    two_f = w_gate_up.shape[2]
+    return (
+        jax.core.ShapedArray(x_rows.shape, x_rows.dtype),
+        jax.core.ShapedArray((rows if save_gate_up else 0, two_f), x_rows.dtype),
+    )
+
+
+_register(expert_ffn_fwd_p, _ext.EXPERT_FFN_FORWARD, _expert_fwd_abstract_eval,
+          lambda params: {"save_gate_up": bool(params["save_gate_up"])})
+
+
+expert_ffn_bwd_p = Primitive("mok_expert_ffn_bwd")
+
+
+def _expert_bwd_abstract_eval(x_rows, dy_rows, w_rows, group_sizes, w_gate_up, w_down,
+                              gate_up):
+    del dy_rows, group_sizes, gate_up
+    return (
+        jax.core.ShapedArray(x_rows.shape, x_rows.dtype),
+        jax.core.ShapedArray(w_rows.shape, w_rows.dtype),
+        jax.core.ShapedArray(w_gate_up.shape, w_gate_up.dtype),
+        jax.core.ShapedArray(w_down.shape, w_down.dtype),
+    )
+
+
+_register(expert_ffn_bwd_p, _ext.EXPERT_FFN_BACKWARD, _expert_bwd_abstract_eval,
+          lambda params: {})
+
+
+combine_p = Primitive("mok_combine")
+
+
+def _combine_abstract_eval(rows, weights, kept, *, weighted):
+    del weights, weighted
+    return (jax.core.ShapedArray((kept.shape[0], rows.shape[1]), rows.dtype),)
+
+
+_register(combine_p, _ext.COMBINE, _combine_abstract_eval,
+          lambda params: {"weighted": bool(params["weighted"])})

@@ -11,9 +11,13 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, make_problem
+import mok_jax
 from mok_jax import baselines, bench
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The directory this process imported mok_jax from: site-packages after
+# `pip install .`, the source tree in an in-place development build. The
+# subprocess must import the same package, and not a source tree without _mok.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
 PIPELINES = [baselines.ragged_dot_moe, baselines.dense_onehot_moe]
 
 
@@ -185,12 +189,12 @@ def test_cpu_without_quick_runs_quick_shapes(capsys):
 def test_module_entry_point(tmp_path):
     path = tmp_path / "out.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [REPO_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        [PACKAGE_PARENT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run(
         [sys.executable, "-m", "mok_jax.bench", "--quick", "--shapes", "mixtral-like",
          "--impls", "ragged_dot,dense_onehot", "--passes", "fwd", "--repeats", "1",
          "--warmup", "0", "--dtype", "f32", "--json", str(path)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
         check=False)
     assert proc.returncode == 0, proc.stderr
     assert "mixtral-like" in proc.stdout

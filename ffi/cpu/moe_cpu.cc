@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "gemm.h"
-#include "parallel.h"
 #include "mok/bf16.h"
+#include "parallel.h"
 #include "routing.h"
 
 namespace mok::cpu {
@@ -14,43 +14,36 @@ namespace {
 
 inline float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
 
-// Copies rows*cols elements of type T into f32.
+// Copies `count` elements of type T into f32.
 template <typename T>
 void load_f32(const T* in, float* out, int64_t count) {
   for (int64_t i = 0; i < count; ++i) out[i] = to_float(in[i]);
 }
 
-// Gathers rows src[row_token[r]] ([*, cols] of type T) into dst[r] as f32.
+// Where the rows of a grouped expert computation live. Row r (rows of expert e
+// are [begin[e], begin[e+1]) in canonical order) reads x / dy at row `token(r)`
+// and reads w / writes its per-pair results at `pair(r)`. Null maps are the
+// identity: the rows were already gathered (the expert side of EP).
+struct RowMap {
+  const int64_t* pair_of_row = nullptr;  // [rows] pair index t * K + k
+  int64_t top_k = 1;
+  int64_t pair(int64_t r) const { return pair_of_row ? pair_of_row[r] : r; }
+  int64_t token(int64_t r) const { return pair_of_row ? pair_of_row[r] / top_k : r; }
+};
+
+// Gathers rows of `src` ([*, cols] of type T) for rows [begin, begin + n) as f32.
 template <typename T>
-void gather_rows(const T* src, const int64_t* row_pair, int64_t top_k, int64_t rows,
-                 int64_t cols, float* dst) {
-  for (int64_t r = 0; r < rows; ++r) {
-    load_f32(src + (row_pair[r] / top_k) * cols, dst + r * cols, cols);
-  }
+void gather_rows(const T* src, const RowMap& map, int64_t begin, int64_t n, int64_t cols,
+                 float* dst) {
+  for (int64_t r = 0; r < n; ++r) load_f32(src + map.token(begin + r) * cols, dst + r * cols, cols);
 }
 
-void write_stats(const RoutingPlan& plan, int64_t experts, int32_t* tokens_per_expert,
-                 int32_t* dropped, int32_t* invalid) {
-  for (int64_t e = 0; e < experts; ++e) tokens_per_expert[e] = plan.routed[e];
-  *dropped = plan.dropped;
-  *invalid = plan.invalid;
-}
-
-template <typename X, typename W>
-void forward(const MoeForwardArgs& a) {
-  const auto [T, K, E, H, F] = a.shape;
-  const X* x = static_cast<const X*>(a.x);
-  const W* ew = static_cast<const W*>(a.expert_weights);
-  const X* wgu = static_cast<const X*>(a.w_gate_up);
-  const X* wd = static_cast<const X*>(a.w_down);
-  X* y = static_cast<X*>(a.y);
-  X* gu_out = static_cast<X*>(a.gate_up_out);
-
-  const RoutingPlan plan = build_routing_plan(a.expert_ids, T, K, E, a.capacity);
-  write_stats(plan, E, a.tokens_per_expert, a.dropped, a.invalid);
-
-  // Expert outputs per pair, already rounded to x.dtype; dropped pairs unused.
-  std::vector<float> o_pair(plan.num_rows > 0 ? T * K * H : 0);
+// Per-expert SwiGLU FFN over grouped rows: out[pair(r)] = round_x(FFN_e(x[token(r)]))
+// and, when gate_up_out is given, gate_up_out[r] = round_x(x @ Wgu_e).
+template <typename X>
+void expert_ffn_forward(const X* x, const RowMap& map, const int64_t* expert_begin,
+                        int64_t experts, int64_t H, int64_t F, const X* wgu, const X* wd, X* out,
+                        X* gate_up_out) {
   struct Scratch {
     std::vector<float> w_gu, w_d, xe, gu, h, o;
   };
@@ -58,11 +51,10 @@ void forward(const MoeForwardArgs& a) {
   std::vector<Scratch> scratch(workers);
 
   // Experts are independent and write disjoint rows: one work item each.
-  parallel_for(E, workers, [&](int64_t e, int worker) {
-    const int64_t begin = plan.expert_begin[e], n = plan.expert_begin[e + 1] - begin;
+  parallel_for(experts, workers, [&](int64_t e, int worker) {
+    const int64_t begin = expert_begin[e], n = expert_begin[e + 1] - begin;
     if (n == 0) return;
     Scratch& s = scratch[worker];
-    const int64_t* rows = plan.row_pair.data() + begin;
     s.w_gu.resize(H * 2 * F);
     s.w_d.resize(F * H);
     s.xe.resize(n * H);
@@ -71,7 +63,7 @@ void forward(const MoeForwardArgs& a) {
     s.o.resize(n * H);
     load_f32(wgu + e * H * 2 * F, s.w_gu.data(), H * 2 * F);
     load_f32(wd + e * F * H, s.w_d.data(), F * H);
-    gather_rows(x, rows, K, n, H, s.xe.data());
+    gather_rows(x, map, begin, n, H, s.xe.data());
 
     gemm_f32(s.xe.data(), s.w_gu.data(), s.gu.data(), n, 2 * F, H);
     for (int64_t r = 0; r < n; ++r) {
@@ -80,52 +72,28 @@ void forward(const MoeForwardArgs& a) {
       for (int64_t f = 0; f < F; ++f) {
         s.h[r * F + f] = round_to<X>(g[f] * sigmoid(g[f]) * u[f]);
       }
-      if (gu_out != nullptr) {
-        X* dst = gu_out + (begin + r) * 2 * F;
+      if (gate_up_out != nullptr) {
+        X* dst = gate_up_out + (begin + r) * 2 * F;
         for (int64_t j = 0; j < 2 * F; ++j) dst[j] = from_float<X>(g[j]);
       }
     }
     gemm_f32(s.h.data(), s.w_d.data(), s.o.data(), n, H, F);
     for (int64_t r = 0; r < n; ++r) {
-      float* dst = o_pair.data() + rows[r] * H;
-      for (int64_t j = 0; j < H; ++j) dst[j] = round_to<X>(s.o[r * H + j]);
+      X* dst = out + map.pair(begin + r) * H;
+      for (int64_t j = 0; j < H; ++j) dst[j] = from_float<X>(s.o[r * H + j]);
     }
   });
-
-  // Ordered combine: ascending k, f32 sum, one rounding at the end.
-  std::vector<float> acc(H);
-  for (int64_t t = 0; t < T; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t p = t * K + k;
-      if (plan.pair_row[p] < 0) continue;
-      const float w = to_float(ew[p]);
-      const float* op = o_pair.data() + p * H;
-      for (int64_t j = 0; j < H; ++j) acc[j] += w * op[j];
-    }
-    for (int64_t j = 0; j < H; ++j) y[t * H + j] = from_float<X>(acc[j]);
-  }
 }
 
+// Backward of expert_ffn_forward for rows combined with weight w[pair(r)]:
+// dx_out[pair(r)] = round_x(dgu @ Wgu_e^T), dw_out[pair(r)] = <dy @ Wd_e^T, h>,
+// d_w_gate_up / d_w_down reduced over each expert's rows in canonical order
+// (zero for experts without rows). gate_up is the forward's, by row.
 template <typename X, typename W>
-void backward(const MoeBackwardArgs& a) {
-  const auto [T, K, E, H, F] = a.shape;
-  const X* x = static_cast<const X*>(a.x);
-  const W* ew = static_cast<const W*>(a.expert_weights);
-  const X* wgu = static_cast<const X*>(a.w_gate_up);
-  const X* wd = static_cast<const X*>(a.w_down);
-  const X* gu_saved = static_cast<const X*>(a.gate_up);
-  const X* dy = static_cast<const X*>(a.dy);
-  X* dx = static_cast<X*>(a.dx);
-  W* dew = static_cast<W*>(a.d_expert_weights);
-  X* dwgu = static_cast<X*>(a.d_w_gate_up);
-  X* dwd = static_cast<X*>(a.d_w_down);
-
-  const RoutingPlan plan = build_routing_plan(a.expert_ids, T, K, E, a.capacity);
-
-  for (int64_t p = 0; p < T * K; ++p) dew[p] = from_float<W>(0.0f);
-  // dx contribution of each kept pair, rounded to x.dtype like the forward's o.
-  std::vector<float> dx_pair(plan.num_rows > 0 ? T * K * H : 0);
+void expert_ffn_backward(const X* x, const X* dy, const W* w, const RowMap& map,
+                         const int64_t* expert_begin, int64_t experts, int64_t H, int64_t F,
+                         const X* wgu, const X* wd, const X* gate_up, X* dx_out, W* dw_out,
+                         X* dwgu, X* dwd) {
   struct Scratch {
     std::vector<float> w_gu, w_gu_t, w_d, w_d_t, xe, xe_t, dye, dh, gu, hr, hr_t, dgu, dout, dxe,
         acc_gu, acc_d;
@@ -133,8 +101,8 @@ void backward(const MoeBackwardArgs& a) {
   const int workers = cpu_threads();
   std::vector<Scratch> scratch(workers);
 
-  parallel_for(E, workers, [&](int64_t e, int worker) {
-    const int64_t begin = plan.expert_begin[e], n = plan.expert_begin[e + 1] - begin;
+  parallel_for(experts, workers, [&](int64_t e, int worker) {
+    const int64_t begin = expert_begin[e], n = expert_begin[e + 1] - begin;
     X* dwgu_e = dwgu + e * H * 2 * F;
     X* dwd_e = dwd + e * F * H;
     if (n == 0) {
@@ -143,7 +111,6 @@ void backward(const MoeBackwardArgs& a) {
       return;
     }
     Scratch& s = scratch[worker];
-    const int64_t* rows = plan.row_pair.data() + begin;
     s.w_gu.resize(H * 2 * F);
     s.w_gu_t.resize(2 * F * H);
     s.w_d.resize(F * H);
@@ -164,15 +131,15 @@ void backward(const MoeBackwardArgs& a) {
     load_f32(wd + e * F * H, s.w_d.data(), F * H);
     transpose_f32(s.w_gu.data(), s.w_gu_t.data(), H, 2 * F);
     transpose_f32(s.w_d.data(), s.w_d_t.data(), F, H);
-    gather_rows(x, rows, K, n, H, s.xe.data());
-    gather_rows(dy, rows, K, n, H, s.dye.data());
-    load_f32(gu_saved + begin * 2 * F, s.gu.data(), n * 2 * F);
+    gather_rows(x, map, begin, n, H, s.xe.data());
+    gather_rows(dy, map, begin, n, H, s.dye.data());
+    load_f32(gate_up + begin * 2 * F, s.gu.data(), n * 2 * F);
 
     // dh_raw = dy @ Wd^T: the gradient of h before the combine weight.
     gemm_f32(s.dye.data(), s.w_d_t.data(), s.dh.data(), n, F, H);
     for (int64_t r = 0; r < n; ++r) {
-      const int64_t p = rows[r];
-      const float w = to_float(ew[p]);
+      const int64_t p = map.pair(begin + r);
+      const float wv = to_float(w[p]);
       const float* g = s.gu.data() + r * 2 * F;
       const float* u = g + F;
       const float* dhr = s.dh.data() + r * F;
@@ -183,19 +150,19 @@ void backward(const MoeBackwardArgs& a) {
         const float hv = round_to<X>(silu * u[f]);
         s.hr[r * F + f] = hv;
         dw += dhr[f] * hv;  // <dy, o> = <dy @ Wd^T, h>
-        const float dhv = w * dhr[f];
+        const float dhv = wv * dhr[f];
         s.dgu[r * 2 * F + f] = round_to<X>(dhv * u[f] * (sg * (1.0f + g[f] * (1.0f - sg))));
         s.dgu[r * 2 * F + F + f] = round_to<X>(dhv * silu);
       }
-      dew[p] = from_float<W>(dw);
-      for (int64_t j = 0; j < H; ++j) s.dout[r * H + j] = round_to<X>(w * s.dye[r * H + j]);
+      dw_out[p] = from_float<W>(dw);
+      for (int64_t j = 0; j < H; ++j) s.dout[r * H + j] = round_to<X>(wv * s.dye[r * H + j]);
     }
 
-    // dx rows = dgu @ Wgu^T, rounded to x.dtype and combined per token below.
+    // dx rows = dgu @ Wgu^T, rounded to x.dtype like the forward's expert outputs.
     gemm_f32(s.dgu.data(), s.w_gu_t.data(), s.dxe.data(), n, H, 2 * F);
     for (int64_t r = 0; r < n; ++r) {
-      float* dst = dx_pair.data() + rows[r] * H;
-      for (int64_t j = 0; j < H; ++j) dst[j] = round_to<X>(s.dxe[r * H + j]);
+      X* dst = dx_out + map.pair(begin + r) * H;
+      for (int64_t j = 0; j < H; ++j) dst[j] = from_float<X>(s.dxe[r * H + j]);
     }
 
     // Weight gradients reduce over the expert's rows in canonical (token, k) order.
@@ -206,18 +173,81 @@ void backward(const MoeBackwardArgs& a) {
     for (int64_t i = 0; i < H * 2 * F; ++i) dwgu_e[i] = from_float<X>(s.acc_gu[i]);
     for (int64_t i = 0; i < F * H; ++i) dwd_e[i] = from_float<X>(s.acc_d[i]);
   });
+}
 
+// out[t] = round_x(sum over kept k, ascending, of weight(t, k) * rows[t * K + k]) in f32;
+// weight is 1 when `weights` is null. kept(p) says whether pair p has a row.
+template <typename X, typename W, typename Kept>
+void combine(const X* rows, const W* weights, Kept kept, int64_t T, int64_t K, int64_t H, X* out) {
   std::vector<float> acc(H);
   for (int64_t t = 0; t < T; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t k = 0; k < K; ++k) {
       const int64_t p = t * K + k;
-      if (plan.pair_row[p] < 0) continue;
-      const float* src = dx_pair.data() + p * H;
-      for (int64_t j = 0; j < H; ++j) acc[j] += src[j];
+      if (!kept(p)) continue;
+      const X* row = rows + p * H;
+      if (weights != nullptr) {
+        const float wv = to_float(weights[p]);
+        for (int64_t j = 0; j < H; ++j) acc[j] += wv * to_float(row[j]);
+      } else {
+        for (int64_t j = 0; j < H; ++j) acc[j] += to_float(row[j]);
+      }
     }
-    for (int64_t j = 0; j < H; ++j) dx[t * H + j] = from_float<X>(acc[j]);
+    for (int64_t j = 0; j < H; ++j) out[t * H + j] = from_float<X>(acc[j]);
   }
+}
+
+template <typename X, typename W>
+void forward(const MoeForwardArgs& a) {
+  const auto [T, K, E, H, F] = a.shape;
+  const RoutingPlan plan = build_routing_plan(a.expert_ids, T, K, E, a.capacity);
+  for (int64_t e = 0; e < E; ++e) a.tokens_per_expert[e] = plan.routed[e];
+  *a.dropped = plan.dropped;
+  *a.invalid = plan.invalid;
+
+  // Expert outputs by pair, rounded to x.dtype; pairs without a row are unused.
+  std::vector<X> o_pair(plan.num_rows > 0 ? T * K * H : 0);
+  const RowMap map{plan.row_pair.data(), K};
+  expert_ffn_forward<X>(static_cast<const X*>(a.x), map, plan.expert_begin.data(), E, H, F,
+                        static_cast<const X*>(a.w_gate_up), static_cast<const X*>(a.w_down),
+                        o_pair.data(), static_cast<X*>(a.gate_up_out));
+  combine<X, W>(o_pair.data(), static_cast<const W*>(a.expert_weights),
+                [&](int64_t p) { return plan.pair_row[p] >= 0; }, T, K, H, static_cast<X*>(a.y));
+}
+
+template <typename X, typename W>
+void backward(const MoeBackwardArgs& a) {
+  const auto [T, K, E, H, F] = a.shape;
+  const RoutingPlan plan = build_routing_plan(a.expert_ids, T, K, E, a.capacity);
+  W* dew = static_cast<W*>(a.d_expert_weights);
+  for (int64_t p = 0; p < T * K; ++p) dew[p] = from_float<W>(0.0f);
+
+  std::vector<X> dx_pair(plan.num_rows > 0 ? T * K * H : 0);
+  const RowMap map{plan.row_pair.data(), K};
+  expert_ffn_backward<X, W>(
+      static_cast<const X*>(a.x), static_cast<const X*>(a.dy),
+      static_cast<const W*>(a.expert_weights), map, plan.expert_begin.data(), E, H, F,
+      static_cast<const X*>(a.w_gate_up), static_cast<const X*>(a.w_down),
+      static_cast<const X*>(a.gate_up), dx_pair.data(), dew, static_cast<X*>(a.d_w_gate_up),
+      static_cast<X*>(a.d_w_down));
+  combine<X, W>(dx_pair.data(), nullptr, [&](int64_t p) { return plan.pair_row[p] >= 0; }, T, K,
+                H, static_cast<X*>(a.dx));
+}
+
+// expert_begin from group sizes; an error message if they are negative or
+// exceed the rows the buffers hold.
+std::string group_offsets(const int32_t* group_sizes, int64_t experts, int64_t rows,
+                          std::vector<int64_t>* begin) {
+  begin->assign(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (group_sizes[e] < 0) return "group_sizes has a negative entry";
+    (*begin)[e + 1] = (*begin)[e] + group_sizes[e];
+  }
+  if ((*begin)[experts] > rows) {
+    return "group_sizes sum to " + std::to_string((*begin)[experts]) + " rows but the row "
+           "buffers hold " + std::to_string(rows);
+  }
+  return {};
 }
 
 // Calls fn.template operator()<X, W>() for the runtime element types.
@@ -250,6 +280,44 @@ std::string moe_forward(const MoeForwardArgs& args) {
 std::string moe_backward(const MoeBackwardArgs& args) {
   return dispatch(args.x_dtype, args.weight_dtype,
                   [&]<typename X, typename W>() { backward<X, W>(args); });
+}
+
+std::string expert_ffn_forward(const ExpertFfnForwardArgs& a) {
+  std::vector<int64_t> begin;
+  std::string err = group_offsets(a.group_sizes, a.experts, a.rows, &begin);
+  if (!err.empty()) return err;
+  // The weight type does not matter here: dispatch on (x, f32).
+  return dispatch(a.x_dtype, a.x_dtype == DType::kF32 ? DType::kF32 : DType::kBF16,
+                  [&]<typename X, typename W>() {
+                    expert_ffn_forward<X>(static_cast<const X*>(a.x_rows), RowMap{}, begin.data(),
+                                          a.experts, a.hidden, a.ffn,
+                                          static_cast<const X*>(a.w_gate_up),
+                                          static_cast<const X*>(a.w_down),
+                                          static_cast<X*>(a.out_rows),
+                                          static_cast<X*>(a.gate_up_out));
+                  });
+}
+
+std::string expert_ffn_backward(const ExpertFfnBackwardArgs& a) {
+  std::vector<int64_t> begin;
+  std::string err = group_offsets(a.group_sizes, a.experts, a.rows, &begin);
+  if (!err.empty()) return err;
+  return dispatch(a.x_dtype, a.weight_dtype, [&]<typename X, typename W>() {
+    expert_ffn_backward<X, W>(
+        static_cast<const X*>(a.x_rows), static_cast<const X*>(a.dy_rows),
+        static_cast<const W*>(a.w_rows), RowMap{}, begin.data(), a.experts, a.hidden, a.ffn,
+        static_cast<const X*>(a.w_gate_up), static_cast<const X*>(a.w_down),
+        static_cast<const X*>(a.gate_up), static_cast<X*>(a.dx_rows),
+        static_cast<W*>(a.dw_rows), static_cast<X*>(a.d_w_gate_up), static_cast<X*>(a.d_w_down));
+  });
+}
+
+std::string combine_rows(const CombineArgs& a) {
+  return dispatch(a.x_dtype, a.weight_dtype, [&]<typename X, typename W>() {
+    combine<X, W>(static_cast<const X*>(a.rows), static_cast<const W*>(a.weights),
+                  [&](int64_t p) { return a.kept[p] != 0; }, a.tokens, a.top_k, a.hidden,
+                  static_cast<X*>(a.out));
+  });
 }
 
 }  // namespace mok::cpu

@@ -57,3 +57,65 @@ std::string moe_forward(const MoeForwardArgs& args);
 std::string moe_backward(const MoeBackwardArgs& args);
 
 }  // namespace mok::cpu
+
+namespace mok::cpu {
+
+// The pieces of the layer that expert parallelism composes with collectives
+// (mok_jax/ep.py). The single-device launchers above use the same code, so the
+// results are bitwise equal whatever the EP size.
+
+// Expert side, forward: rows already gathered and grouped by local expert
+// (group e is rows [sum(group_sizes[:e]), +group_sizes[e])), in canonical order.
+struct ExpertFfnForwardArgs {
+  int64_t rows;                  // R: rows the buffers hold (>= sum(group_sizes))
+  int64_t experts;               // E_local
+  int64_t hidden;
+  int64_t ffn;
+  DType x_dtype;
+  const void* x_rows;            // [R, H]
+  const int32_t* group_sizes;    // [E_local]
+  const void* w_gate_up;         // [E_local, H, 2F]
+  const void* w_down;            // [E_local, F, H]
+  void* out_rows;                // [R, H]: round_x(FFN_e(x_r))
+  void* gate_up_out;             // [R, 2F] or nullptr
+};
+
+// Expert side, backward, for rows combined with weights w_rows.
+struct ExpertFfnBackwardArgs {
+  int64_t rows;
+  int64_t experts;
+  int64_t hidden;
+  int64_t ffn;
+  DType x_dtype;
+  DType weight_dtype;
+  const void* x_rows;            // [R, H]
+  const void* dy_rows;           // [R, H] cotangent of the token each row came from
+  const void* w_rows;            // [R] combine weight of each row
+  const int32_t* group_sizes;    // [E_local]
+  const void* w_gate_up;
+  const void* w_down;
+  const void* gate_up;           // [R, 2F] from the forward
+  void* dx_rows;                 // [R, H]
+  void* dw_rows;                 // [R] d combine weight
+  void* d_w_gate_up;             // [E_local, H, 2F]
+  void* d_w_down;                // [E_local, F, H]
+};
+
+// Token side: out[t] = round_x(sum over kept k ascending of w[t,k] * rows[t*K+k]).
+struct CombineArgs {
+  int64_t tokens;
+  int64_t top_k;
+  int64_t hidden;
+  DType x_dtype;
+  DType weight_dtype;
+  const void* rows;              // [T * K, H] by pair
+  const void* weights;           // [T, K], or nullptr for weight 1
+  const int32_t* kept;           // [T, K] nonzero where the pair has a row
+  void* out;                     // [T, H]
+};
+
+std::string expert_ffn_forward(const ExpertFfnForwardArgs& args);
+std::string expert_ffn_backward(const ExpertFfnBackwardArgs& args);
+std::string combine_rows(const CombineArgs& args);
+
+}  // namespace mok::cpu

@@ -1,0 +1,181 @@
+"""Expert parallelism with XLA collectives (``backend="xla"``).
+
+Inside ``jax.shard_map`` over an EP axis of size P, rank r holds tokens
+``[r*T, (r+1)*T)`` of the global batch and experts ``[r*E_local,
+(r+1)*E_local)``. The layer is the single-device layer cut at its seams:
+
+1. every rank all-gathers the expert ids and computes the same global plan
+   (each expert's rows in global token order, capacity applied globally);
+2. each rank sends the x rows of its kept pairs to the experts' ranks with
+   one ``all_to_all`` (fixed-size slots: T*K rows per peer);
+3. the receiving rank regroups them by local expert in global order and runs
+   the expert FFN (the ``mok_expert_ffn_fwd`` FFI kernel);
+4. the outputs go back with a second ``all_to_all`` and the source rank
+   combines over k in ascending order (the ``mok_combine`` FFI kernel).
+
+Steps 3 and 4 are the very C++ code the single-device kernel runs, each row's
+arithmetic does not depend on its neighbours, and each expert's rows arrive
+in the global order, so results and gradients are bitwise equal to EP=1.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mok_jax import primitives
+
+_I32 = jnp.int32
+
+
+class _Config(NamedTuple):
+    axis_name: str
+    ep_size: int
+    capacity: int  # primitives.NO_CAPACITY for none
+
+
+class _Route(NamedTuple):
+    """Where each local pair goes and where each received slot lands."""
+
+    kept: jax.Array         # [T, K] int32, 1 where the pair has a row
+    dest: jax.Array         # [T*K] destination rank (P for pairs without a row)
+    slot: jax.Array         # [T*K] slot in the message to `dest`
+    recv_row: jax.Array     # [P, C] row of x_rows for each received slot (R = P*C: none)
+    group_sizes: jax.Array  # [E_local] rows per local expert
+
+
+def _exclusive_cumsum(a, axis=-1):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _plan(expert_ids, cfg: _Config, experts_local: int):
+    """The global routing plan, computed identically on every rank."""
+    P, axis = cfg.ep_size, cfg.axis_name
+    T, K = expert_ids.shape
+    E = experts_local * P
+    C = T * K                                                   # slots per peer
+    me = jax.lax.axis_index(axis)
+
+    ids_all = jax.lax.all_gather(expert_ids, axis)              # [P, T, K]
+    flat = ids_all.reshape(-1)                                  # global (rank, t, k) order
+    n = flat.shape[0]
+    valid = (flat >= 0) & (flat < E)
+    key = jnp.where(valid, flat, E)
+    order = jnp.argsort(key, stable=True)                       # by expert, then global order
+    seg_start = jnp.searchsorted(key[order], jnp.arange(E + 1, dtype=key.dtype), side="left")
+    pos_sorted = jnp.arange(n, dtype=_I32) - seg_start[key[order]].astype(_I32)
+    pos = jnp.zeros(n, _I32).at[order].set(pos_sorted)          # rank within its expert
+    kept = valid if cfg.capacity < 0 else valid & (pos < cfg.capacity)
+    routed = (seg_start[1:] - seg_start[:-1]).astype(_I32)      # [E] valid pairs
+
+    src = jnp.arange(n, dtype=_I32) // C
+    cell = jnp.where(kept, src * E + flat, P * E)
+    counts = jnp.zeros(P * E + 1, _I32).at[cell].add(1)[:-1].reshape(P, E)  # kept [src, e]
+
+    # Sending side: my kept pairs sorted by (expert id, t, k); the message to rank
+    # d holds my pairs of d's experts in that order.
+    my_kept = kept.reshape(P, C)[me]
+    my_ids = expert_ids.reshape(-1)
+    my_key = jnp.where(my_kept, my_ids, E)
+    my_order = jnp.argsort(my_key, stable=True)
+    my_rank = jnp.zeros(C, _I32).at[my_order].set(jnp.arange(C, dtype=_I32))
+    my_counts = counts[me]                                      # [E]
+    first_of_expert = _exclusive_cumsum(my_counts)              # [E] in my sorted order
+    dest = jnp.where(my_kept, my_ids // experts_local, P)
+    first_of_dest = first_of_expert[jnp.clip(dest, 0, P - 1) * experts_local]
+    slot = jnp.where(my_kept, my_rank - first_of_dest, 0)
+
+    # Receiving side: slot j of the message from s belongs to my local expert l
+    # where cum[s, l] <= j < cum[s, l + 1]; rows of l are ordered by source rank.
+    mine = jax.lax.dynamic_slice_in_dim(counts, me * experts_local, experts_local, axis=1)
+    group_sizes = mine.sum(axis=0)                              # [E_local]
+    group_begin = _exclusive_cumsum(group_sizes)
+    before = _exclusive_cumsum(mine, axis=0)                    # [P, E_local]
+    cum = _exclusive_cumsum(mine, axis=1)                       # [P, E_local]
+    total = mine.sum(axis=1)                                    # [P]
+    j = jnp.arange(C, dtype=_I32)
+    local = jax.vmap(lambda c: jnp.searchsorted(c, j, side="right") - 1)(cum)  # [P, C]
+    local = jnp.clip(local, 0, experts_local - 1)
+    s = jnp.arange(P)[:, None]
+    row = group_begin[local] + before[s, local] + j[None, :] - cum[s, local]
+    recv_row = jnp.where(j[None, :] < total[:, None], row, P * C)
+
+    stats = (routed, jnp.sum(valid & ~kept).astype(_I32), jnp.sum(~valid).astype(_I32))
+    route = _Route(my_kept.reshape(T, K).astype(_I32), dest, slot, recv_row, group_sizes)
+    return route, stats
+
+
+def _send(values, route: _Route, P: int, C: int, axis: str):
+    """values [T*K, ...] by local pair -> received [P*C, ...] slots (zeros if empty)."""
+    buf = jnp.zeros((P * C + 1,) + values.shape[1:], values.dtype)
+    idx = jnp.where(route.dest < P, route.dest * C + route.slot, P * C)
+    buf = buf.at[idx].set(values)[:-1].reshape((P, C) + values.shape[1:])
+    return jax.lax.all_to_all(buf, axis, 0, 0).reshape((P * C,) + values.shape[1:])
+
+
+def _to_rows(received, route: _Route, R: int):
+    """Received slots [P*C, ...] -> expert-grouped rows [R, ...]."""
+    rows = jnp.zeros((R + 1,) + received.shape[1:], received.dtype)
+    return rows.at[route.recv_row.reshape(-1)].set(received)[:-1]
+
+
+def _from_rows(rows, route: _Route, P: int, C: int, axis: str):
+    """Expert-grouped rows [R, ...] -> back to the senders, by their local pair."""
+    padded = jnp.concatenate([rows, jnp.zeros((1,) + rows.shape[1:], rows.dtype)])
+    out = padded[route.recv_row.reshape(-1)].reshape((P, C) + rows.shape[1:])
+    back = jax.lax.all_to_all(out, axis, 0, 0).reshape((P * C,) + rows.shape[1:])
+    idx = jnp.where(route.dest < P, route.dest * C + route.slot, 0)
+    return back[idx]                                            # [T*K, ...]
+
+
+def _forward(cfg, x, expert_ids, expert_weights, w_gate_up, w_down, save):
+    P, axis = cfg.ep_size, cfg.axis_name
+    T, K = expert_ids.shape
+    C, R = T * K, cfg.ep_size * T * K
+    route, stats = _plan(expert_ids, cfg, w_gate_up.shape[0])
+    x_pairs = jnp.repeat(x, K, axis=0)                          # [T*K, H] by pair
+    x_rows = _to_rows(_send(x_pairs, route, P, C, axis), route, R)
+    out_rows, gate_up = primitives.expert_ffn_fwd_p.bind(
+        x_rows, route.group_sizes, w_gate_up, w_down, save_gate_up=save)
+    o_pairs = _from_rows(out_rows, route, P, C, axis)
+    (y,) = primitives.combine_p.bind(o_pairs, expert_weights, route.kept, weighted=True)
+    return y, stats, (route, x_rows, gate_up)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def moe_ep(cfg: _Config, x, expert_ids, expert_weights, w_gate_up, w_down):
+    """The EP layer under shard_map: local shards in, ``(y, stats)`` out."""
+    y, stats, _ = _forward(cfg, x, expert_ids, expert_weights, w_gate_up, w_down, False)
+    return y, stats
+
+
+def _moe_ep_fwd(cfg, x, expert_ids, expert_weights, w_gate_up, w_down):
+    y, stats, (route, x_rows, gate_up) = _forward(
+        cfg, x, expert_ids, expert_weights, w_gate_up, w_down, True)
+    return (y, stats), (route, x_rows, gate_up, expert_ids, expert_weights, w_gate_up, w_down)
+
+
+def _moe_ep_bwd(cfg, residuals, cotangents):
+    route, x_rows, gate_up, expert_ids, expert_weights, w_gate_up, w_down = residuals
+    dy, _ = cotangents
+    P, axis = cfg.ep_size, cfg.axis_name
+    T, K = expert_ids.shape
+    C, R = T * K, P * T * K
+    dy_rows = _to_rows(_send(jnp.repeat(dy.astype(x_rows.dtype), K, axis=0), route, P, C, axis),
+                       route, R)
+    w_rows = _to_rows(_send(expert_weights.reshape(-1), route, P, C, axis), route, R)
+    dx_rows, dw_rows, d_w_gate_up, d_w_down = primitives.expert_ffn_bwd_p.bind(
+        x_rows, dy_rows, w_rows, route.group_sizes, w_gate_up, w_down, gate_up)
+    dx_pairs = _from_rows(dx_rows, route, P, C, axis)
+    dw_pairs = _from_rows(dw_rows, route, P, C, axis).reshape(T, K)
+    (dx,) = primitives.combine_p.bind(dx_pairs, expert_weights, route.kept, weighted=False)
+    d_weights = jnp.where(route.kept != 0, dw_pairs, jnp.zeros_like(dw_pairs))
+    d_ids = np.zeros(expert_ids.shape, dtype=jax.dtypes.float0)
+    return dx, d_ids, d_weights, d_w_gate_up, d_w_down
+
+
+moe_ep.defvjp(_moe_ep_fwd, _moe_ep_bwd)

@@ -1,0 +1,382 @@
+"""Flax NNX Mixture-of-Experts layer on top of `mok_jax.moe`.
+
+`MoE` holds a router (``nnx.Linear``, f32 math), ``E`` SwiGLU experts as two
+stacked parameters ``[E, H, 2F]`` / ``[E, F, H]``, an optional shared expert and
+an optional DeepSeek-V3 style balancing bias. Its ``__call__`` returns
+``(y, MoEAux)``: the layer output and the router's auxiliary values
+(load-balancing loss, z-loss, tokens per expert, dropped pairs).
+
+Sharding is parameter metadata in *logical* axes (``nnx.with_partitioning``):
+
+=================  ==========================  ===========================
+parameter          shape                       logical axes
+=================  ==========================  ===========================
+``router.kernel``  ``[H, E]``                  ``("embed", None)``
+``w_gate_up``      ``[E, H, 2F]``              ``("expert", "embed", "mlp")``
+``w_down``         ``[E, F, H]``               ``("expert", "mlp", "embed")``
+``shared_gate_up`` ``[H, 2Fs]``                ``("embed", "mlp")``
+``shared_down``    ``[Fs, H]``                 ``("mlp", "embed")``
+``balance_bias``   ``[E]``                     ``(None,)`` (replicated)
+=================  ==========================  ===========================
+
+`logical_axis_rules` maps them onto a mesh: ``"expert"`` to the expert-parallel
+axis ``"ep"``, ``"batch"`` (tokens) to every data axis (``"dp"`` and ``"ep"``:
+tokens are sharded over all devices), everything else replicated. Under
+``jax.jit`` with parameters placed by those rules, expert parallelism is the
+business of `mok_jax.moe`'s sharding rule; inside ``jax.shard_map`` pass
+``axis_name`` (and ``batch_axis_names``) so that the layer calls ``moe`` with the
+EP axis and makes its statistics global.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import mok_jax
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+#: Logical axis -> mesh axis, for a mesh with axes ``("dp", "ep")``. Use
+#: `logical_axis_rules` for meshes that lack one of them.
+LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("dp", "ep")),
+    ("expert", "ep"),
+    ("embed", None),
+    ("mlp", None),
+    ("heads", None),
+    ("vocab", None),
+)
+
+
+def logical_axis_rules(mesh_axis_names: Sequence[str], *, expert_axis: str = "ep",
+                       data_axes: Sequence[str] = ("dp", "ep")) -> tuple[tuple[str, Any], ...]:
+    """Logical axis rules for a mesh with the given axis names.
+
+    ``"batch"`` (tokens) goes to every axis of ``data_axes`` the mesh has,
+    ``"expert"`` to ``expert_axis`` if the mesh has it; the other logical axes of
+    `LOGICAL_AXIS_RULES` are replicated. Use with ``nnx.logical_axis_rules`` or
+    ``nnx.get_partition_spec``.
+
+    Example:
+      >>> logical_axis_rules(("dp",))[:2]
+      (('batch', ('dp',)), ('expert', None))
+    """
+    names = tuple(mesh_axis_names)
+    batch = tuple(a for a in data_axes if a in names)
+    rules = {name: target for name, target in LOGICAL_AXIS_RULES}
+    rules["batch"] = batch or None
+    rules["expert"] = expert_axis if expert_axis in names else None
+    return tuple(rules.items())
+
+
+def named_shardings(tree: Any, mesh: jax.sharding.Mesh, *,
+                    rules: Sequence[tuple[str, Any]] | None = None) -> Any:
+    """``NamedSharding`` for every array of ``tree`` from its logical metadata.
+
+    ``tree`` is an ``nnx.State`` (or any pytree holding nnx Variables, such as an
+    optax state over ``nnx.State`` parameters); arrays without metadata are
+    replicated. ``rules`` defaults to ``logical_axis_rules(mesh.axis_names)``.
+    The result has the structure of ``tree``: use it for ``jax.device_put`` or
+    as ``in_shardings``/``out_shardings`` of ``jax.jit``.
+    """
+    rules = logical_axis_rules(mesh.axis_names) if rules is None else tuple(rules)
+    with nnx.logical_axis_rules(rules):
+        specs = nnx.get_partition_spec(tree)
+    return jax.tree.map(lambda spec: jax.sharding.NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+class BalanceBias(nnx.Variable):
+    """Per-expert routing bias ``[E]`` f32 for auxiliary-loss-free balancing.
+
+    Not an ``nnx.Param``: optimizers built with ``wrt=nnx.Param`` leave it alone;
+    `MoE.update_balance_bias` changes it from routing counts.
+    """
+
+
+class MoEAux(NamedTuple):
+    """Auxiliary outputs of one `MoE` call (global over the batch).
+
+    Attributes:
+      aux_loss: ``[]`` f32 load-balancing loss ``E * sum_e f_e * p_e`` (Switch /
+        GShard), where ``f_e`` is the fraction of routed (token, k) pairs that
+        chose expert e (``sum_e f_e = 1``; not differentiated) and ``p_e`` the
+        mean over tokens of the router probability of e. Equals 1 for perfectly
+        balanced routing, whatever K; grows to E when everything collapses on
+        one expert.
+      z_loss: ``[]`` f32 router z-loss ``mean_t logsumexp(logits_t) ** 2``.
+      tokens_per_expert: ``[E]`` int32 pairs routed to each expert (before
+        capacity drops), from `mok_jax.MoEStats`.
+      dropped: ``[]`` int32 pairs dropped by the capacity limit.
+    """
+
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    tokens_per_expert: jax.Array
+    dropped: jax.Array
+
+
+def _expert_init(fan_in_axis: int):
+    # LeCun normal per expert: the experts axis is a batch axis, not a fan.
+    return nnx.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=fan_in_axis, out_axis=-1, batch_axis=(0,))
+
+
+def logical_partitioning(init: nnx.Initializer, axes: tuple) -> nnx.Initializer:
+    """``init`` with logical sharding metadata (``nnx.with_partitioning``).
+
+    Flax shards a variable at creation when a mesh is active (eager sharding);
+    without a mesh that would fail, so the metadata is then kept for later
+    (``nnx.get_partition_spec``) without sharding eagerly.
+    """
+    if jax.sharding.get_abstract_mesh().empty:
+        return nnx.with_partitioning(init, axes, eager_sharding=False)
+    return nnx.with_partitioning(init, axes)
+
+
+class MoE(nnx.Module):
+    """Mixture-of-Experts SwiGLU layer: router, top-k, ``mok_jax.moe``.
+
+    Per token ``x_t`` (``[H]``): router logits ``l_t = x_t @ W_r`` in f32;
+    scores ``s_t = softmax(l_t)`` or ``sigmoid(l_t)``; the K experts with the
+    largest ``s_t + balance_bias`` are selected (the bias only selects); their
+    weights are ``s_t[ids]``, divided by their sum if ``renormalize``, times
+    ``route_scale``; then ``y_t = sum_k w_tk FFN_{id_tk}(x_t)`` (+ the shared
+    expert's ``FFN_s(x_t)``) with ``FFN(v) = (silu(v @ Wg) * (v @ Wu)) @ Wd``.
+
+    Router math (logits, scores, top-k, weights, aux losses) is f32 with
+    ``Precision.HIGHEST``; experts run in ``dtype`` (float32 or bfloat16).
+
+    Args:
+      hidden_size: H, the model width.
+      ffn_size: F, the hidden width of each expert.
+      num_experts: E, global number of experts.
+      top_k: K, experts per token (``1 <= K <= E``).
+      score_fn: "softmax" (Switch, Mixtral) or "sigmoid" (DeepSeek-V3).
+      renormalize: divide the K selected scores by their sum (Mixtral, Qwen,
+        DeepSeek-V3). With K = 1 this makes every weight 1 and the router gets
+        no gradient from the output, only from the auxiliary losses.
+      route_scale: constant factor on the combine weights (DeepSeek-V3: 2.5).
+      balance_bias: keep a `BalanceBias` ``[E]`` added to the scores for
+        selection only, updated by `update_balance_bias` (auxiliary-loss-free
+        balancing, DeepSeek-V3).
+      shared_ffn_size: hidden width of an always-on shared SwiGLU expert
+        (0: none).
+      capacity_factor: passed to `mok_jax.moe` (None: never drop).
+      axis_name: expert-parallel mesh axis, only when the layer is called
+        inside ``jax.shard_map`` (parameters are then the local shards, ``E/P``
+        experts). None under ``jax.jit``, where sharded parameters are handled
+        by ``moe``'s sharding rule.
+      batch_axis_names: inside ``shard_map``, every mesh axis the tokens are
+        sharded over (usually ``("dp", "ep")``). `MoEAux` is then reduced over
+        them, so it is global, as under ``jax.jit``.
+      backend: passed to `mok_jax.moe`.
+      dtype: computation dtype of the experts (float32 or bfloat16); None
+        infers it from the input and ``param_dtype``.
+      param_dtype: dtype of every parameter.
+      router_kernel_init, expert_kernel_init: initializers (default LeCun
+        normal; for experts with the experts axis as a batch axis).
+      rngs: ``nnx.Rngs`` with a ``params`` stream.
+
+    Call: ``y, aux = layer(x)`` with ``x`` ``[..., H]`` (any leading shape,
+    flattened to tokens), ``y`` ``[..., H]`` in the computation dtype and
+    ``aux`` a `MoEAux`. The auxiliary values are returned rather than sown, so
+    the layer works the same under ``jax.jit``, ``jax.grad``, ``shard_map``,
+    remat and ``nnx.scan`` with no ``nnx.capture``/``nnx.pop`` step; add
+    ``coef * aux.aux_loss`` and ``coef * aux.z_loss`` to the training loss.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from mok_jax.nn import MoE
+      >>> layer = MoE(hidden_size=16, ffn_size=32, num_experts=4, top_k=2,
+      ...             rngs=nnx.Rngs(0))
+      >>> layer.w_gate_up.shape, layer.w_down.shape
+      ((4, 16, 64), (4, 32, 16))
+      >>> x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+      >>> y, aux = layer(x)
+      >>> y.shape, aux.tokens_per_expert.shape, int(aux.tokens_per_expert.sum())
+      ((2, 8, 16), (4,), 32)
+      >>> def loss(layer, x):
+      ...     y, aux = layer(x)
+      ...     return jnp.mean(y ** 2) + 1e-2 * aux.aux_loss + 1e-3 * aux.z_loss
+      >>> grads = nnx.grad(loss)(layer, x)
+      >>> grads.w_gate_up.shape
+      (4, 16, 64)
+    """
+
+    def __init__(self, *, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
+                 score_fn: str = "softmax", renormalize: bool = False,
+                 route_scale: float = 1.0, balance_bias: bool = False,
+                 shared_ffn_size: int = 0, capacity_factor: float | None = None,
+                 axis_name: str | None = None, batch_axis_names: Sequence[str] = (),
+                 backend: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32,
+                 router_kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
+                 expert_kernel_init: nnx.Initializer | None = None,
+                 rngs: nnx.Rngs):
+        for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size),
+                            ("num_experts", num_experts), ("top_k", top_k)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"MoE: {name} must be a positive int, got {value!r}")
+        if top_k > num_experts:
+            raise ValueError(f"MoE: top_k={top_k} exceeds num_experts={num_experts}")
+        if score_fn not in SCORE_FUNCTIONS:
+            raise ValueError(f"MoE: score_fn must be one of {SCORE_FUNCTIONS}, got {score_fn!r}")
+        if shared_ffn_size < 0:
+            raise ValueError(f"MoE: shared_ffn_size must be >= 0, got {shared_ffn_size}")
+        self.hidden_size = int(hidden_size)
+        self.ffn_size = int(ffn_size)
+        self.num_experts = int(num_experts)
+        self.top_k = int(top_k)
+        self.score_fn = score_fn
+        self.renormalize = bool(renormalize)
+        self.route_scale = float(route_scale)
+        self.shared_ffn_size = int(shared_ffn_size)
+        self.capacity_factor = capacity_factor
+        self.axis_name = axis_name
+        self.batch_axis_names = tuple(batch_axis_names)
+        self.backend = backend
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+        H, F, E = self.hidden_size, self.ffn_size, self.num_experts
+        self.router = nnx.Linear(
+            H, E, use_bias=False, dtype=jnp.float32, param_dtype=param_dtype,
+            precision=jax.lax.Precision.HIGHEST,
+            kernel_init=logical_partitioning(router_kernel_init, ("embed", None)), rngs=rngs)
+        gate_up_init = expert_kernel_init or _expert_init(fan_in_axis=1)
+        down_init = expert_kernel_init or _expert_init(fan_in_axis=1)
+        self.w_gate_up = nnx.Param(logical_partitioning(gate_up_init, ("expert", "embed", "mlp"))(
+            rngs.params(), (E, H, 2 * F), param_dtype))
+        self.w_down = nnx.Param(logical_partitioning(down_init, ("expert", "mlp", "embed"))(
+            rngs.params(), (E, F, H), param_dtype))
+        if self.shared_ffn_size:
+            Fs = self.shared_ffn_size
+            dense_init = nnx.initializers.lecun_normal()
+            self.shared_gate_up = nnx.Param(logical_partitioning(dense_init, ("embed", "mlp"))(
+                rngs.params(), (H, 2 * Fs), param_dtype))
+            self.shared_down = nnx.Param(logical_partitioning(dense_init, ("mlp", "embed"))(
+                rngs.params(), (Fs, H), param_dtype))
+        else:
+            self.shared_gate_up = nnx.data(None)
+            self.shared_down = nnx.data(None)
+        if balance_bias:
+            self.balance_bias = BalanceBias(jnp.zeros((E,), jnp.float32))
+        else:
+            self.balance_bias = nnx.data(None)
+
+    # --- routing -------------------------------------------------------------
+
+    def route(self, tokens: jax.Array):
+        """Routes ``tokens`` ``[T, H]``.
+
+        Returns ``(expert_ids [T, K] int32, expert_weights [T, K] f32,
+        logits [T, E] f32, probs [T, E] f32)`` where ``probs`` rows sum to 1
+        (softmax, or sigmoid scores normalised per token) and feed the
+        load-balancing loss.
+        """
+        logits = self.router(tokens.astype(jnp.float32))
+        if self.score_fn == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+            probs = scores
+        else:
+            scores = jax.nn.sigmoid(logits)
+            probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        select = scores
+        if self.balance_bias is not None:
+            select = scores + jax.lax.stop_gradient(self.balance_bias[...])
+        _, expert_ids = jax.lax.top_k(select, self.top_k)
+        expert_ids = expert_ids.astype(jnp.int32)
+        weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+        if self.renormalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
+        return expert_ids, weights, logits, probs
+
+    # --- forward -------------------------------------------------------------
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+        """``x`` ``[..., H]`` -> ``(y [..., H], MoEAux)``; see the class docstring."""
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoE: x's last dimension must be hidden_size={self.hidden_size}, "
+                             f"got shape {x.shape}")
+        lead = x.shape[:-1]
+        tokens = x.reshape(-1, self.hidden_size)
+        expert_ids, weights, logits, probs = self.route(tokens)
+
+        w_gate_up, w_down = self.w_gate_up[...], self.w_down[...]
+        dtype = self.dtype or jnp.result_type(tokens.dtype, w_gate_up.dtype, w_down.dtype)
+        xt, w_gate_up, w_down = (a.astype(dtype) for a in (tokens, w_gate_up, w_down))
+        y, stats = mok_jax.moe(xt, expert_ids, weights, w_gate_up, w_down,
+                               axis_name=self.axis_name, capacity_factor=self.capacity_factor,
+                               backend=self.backend, return_stats=True)
+        if self.shared_gate_up is not None:
+            y = y + self._shared_expert(xt)
+        aux = self._aux(logits, probs, stats)
+        return y.reshape(*lead, self.hidden_size), aux
+
+    def _shared_expert(self, x: jax.Array) -> jax.Array:
+        wgu, wd = (w.astype(x.dtype) for w in (self.shared_gate_up[...], self.shared_down[...]))
+        gate_up = jnp.dot(x, wgu, preferred_element_type=jnp.float32)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        h = (jax.nn.silu(gate) * up).astype(x.dtype)
+        return jnp.dot(h, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    def _aux(self, logits, probs, stats: mok_jax.MoEStats) -> MoEAux:
+        tokens_local = logits.shape[0]
+        # moe's statistics are already global over the EP axis; the other token
+        # axes of a shard_map are summed here.
+        other_axes = tuple(a for a in self.batch_axis_names if a != self.axis_name)
+        tokens_per_expert, dropped = stats.tokens_per_expert, stats.dropped
+        shards = 1
+        if self.batch_axis_names:
+            shards = math.prod(jax.lax.axis_size(a) for a in self.batch_axis_names)
+        if other_axes:
+            tokens_per_expert = jax.lax.psum(tokens_per_expert, other_axes)
+            dropped = jax.lax.psum(dropped, other_axes)
+
+        routed_fraction = tokens_per_expert.astype(jnp.float32) / (
+            tokens_local * shards * self.top_k)
+        mean_prob = jnp.mean(probs, axis=0)
+        z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+        if self.batch_axis_names:
+            # Equal token counts per shard: the mean of the shard means is the mean.
+            mean_prob = jax.lax.pmean(mean_prob, self.batch_axis_names)
+            z = jax.lax.pmean(z, self.batch_axis_names)
+        aux_loss = self.num_experts * jnp.sum(routed_fraction * mean_prob)
+        return MoEAux(aux_loss=aux_loss, z_loss=z, tokens_per_expert=tokens_per_expert,
+                      dropped=dropped)
+
+    # --- balancing -----------------------------------------------------------
+
+    def update_balance_bias(self, tokens_per_expert: jax.Array, rate: float | jax.Array) -> None:
+        """Auxiliary-loss-free balancing step (DeepSeek-V3):
+        ``bias_e += rate * sign(mean(counts) - counts_e)``.
+
+        Overloaded experts become less likely to be selected, underloaded ones
+        more. Call once per training step with the global ``tokens_per_expert``
+        ``[E]`` of `MoEAux` (sum them first if the layer ran on several
+        micro-batches). Works eagerly and under ``jax.jit``.
+        """
+        if self.balance_bias is None:
+            raise ValueError("MoE.update_balance_bias: this layer was built with "
+                             "balance_bias=False")
+        counts = jnp.asarray(tokens_per_expert, jnp.float32)
+        if counts.shape != (self.num_experts,):
+            raise ValueError("MoE.update_balance_bias: tokens_per_expert must have shape "
+                             f"[E] = ({self.num_experts},), got {counts.shape}")
+        step = jnp.asarray(rate, jnp.float32) * jnp.sign(jnp.mean(counts) - counts)
+        self.balance_bias[...] = self.balance_bias[...] + step
+
+
+def moe_layers(model: nnx.Module) -> list[tuple[tuple, MoE]]:
+    """Every `MoE` in ``model`` as ``(path, layer)``, in graph order."""
+    return [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, MoE)]

@@ -33,9 +33,20 @@ _I32 = jnp.int32
 
 
 class _Config(NamedTuple):
-    axis_name: str
+    """Static description of one EP call.
+
+    axis_name: the mesh axis the experts are sharded over (None: experts
+      replicated, no exchange). ep_size: its size (1 when None).
+    token_axes: every mesh axis the tokens are sharded over, major to minor;
+      the plan (capacity, statistics) is global over all of them. Ranks that
+      differ only in `axis_name` form one exchange group. Under shard_map this
+      is (axis_name,).
+    """
+
+    axis_name: str | None
     ep_size: int
     capacity: int  # primitives.NO_CAPACITY for none
+    token_axes: tuple[str, ...]
 
 
 class _Route(NamedTuple):
@@ -52,16 +63,24 @@ def _exclusive_cumsum(a, axis=-1):
     return jnp.cumsum(a, axis=axis) - a
 
 
+def _axis_sizes(axes):
+    return [jax.lax.axis_size(a) for a in axes]
+
+
 def _plan(expert_ids, cfg: _Config, experts_local: int):
     """The global routing plan, computed identically on every rank."""
-    P, axis = cfg.ep_size, cfg.axis_name
+    P = cfg.ep_size
     T, K = expert_ids.shape
     E = experts_local * P
     C = T * K                                                   # slots per peer
-    me = jax.lax.axis_index(axis)
 
-    ids_all = jax.lax.all_gather(expert_ids, axis)              # [P, T, K]
-    flat = ids_all.reshape(-1)                                  # global (rank, t, k) order
+    if cfg.token_axes:
+        ids_all = jax.lax.all_gather(expert_ids, cfg.token_axes)  # [G, T, K]
+        g_me = jax.lax.axis_index(cfg.token_axes)               # my linear token shard
+    else:
+        ids_all, g_me = expert_ids[None], 0
+    G = ids_all.shape[0]
+    flat = ids_all.reshape(-1)                                  # global (shard, t, k) order
     n = flat.shape[0]
     valid = (flat >= 0) & (flat < E)
     key = jnp.where(valid, flat, E)
@@ -73,12 +92,24 @@ def _plan(expert_ids, cfg: _Config, experts_local: int):
     routed = (seg_start[1:] - seg_start[:-1]).astype(_I32)      # [E] valid pairs
 
     src = jnp.arange(n, dtype=_I32) // C
-    cell = jnp.where(kept, src * E + flat, P * E)
-    counts = jnp.zeros(P * E + 1, _I32).at[cell].add(1)[:-1].reshape(P, E)  # kept [src, e]
+    cell = jnp.where(kept, src * E + flat, G * E)
+    counts = jnp.zeros(G * E + 1, _I32).at[cell].add(1)[:-1].reshape(G, E)  # kept [shard, e]
+
+    # My exchange group: the token shards that differ from mine in the EP axis only.
+    if cfg.axis_name is None:
+        me, counts_group = 0, counts[g_me][None]
+    else:
+        sizes = _axis_sizes(cfg.token_axes)
+        i = cfg.token_axes.index(cfg.axis_name)
+        stride = int(np.prod(sizes[i + 1:], dtype=np.int64))
+        me = jax.lax.axis_index(cfg.axis_name)
+        members = g_me + (jnp.arange(P) - me) * stride
+        counts_group = counts[members]                          # [P, E]
+    counts = counts_group
 
     # Sending side: my kept pairs sorted by (expert id, t, k); the message to rank
     # d holds my pairs of d's experts in that order.
-    my_kept = kept.reshape(P, C)[me]
+    my_kept = kept.reshape(G, C)[g_me]
     my_ids = expert_ids.reshape(-1)
     my_key = jnp.where(my_kept, my_ids, E)
     my_order = jnp.argsort(my_key, stable=True)
@@ -109,12 +140,17 @@ def _plan(expert_ids, cfg: _Config, experts_local: int):
     return route, stats
 
 
-def _send(values, route: _Route, P: int, C: int, axis: str):
+def _exchange(buf, axis):
+    """all_to_all over the EP axis ([P, C, ...] in, slot blocks by peer out)."""
+    return buf if axis is None else jax.lax.all_to_all(buf, axis, 0, 0)
+
+
+def _send(values, route: _Route, P: int, C: int, axis: str | None):
     """values [T*K, ...] by local pair -> received [P*C, ...] slots (zeros if empty)."""
     buf = jnp.zeros((P * C + 1,) + values.shape[1:], values.dtype)
     idx = jnp.where(route.dest < P, route.dest * C + route.slot, P * C)
     buf = buf.at[idx].set(values)[:-1].reshape((P, C) + values.shape[1:])
-    return jax.lax.all_to_all(buf, axis, 0, 0).reshape((P * C,) + values.shape[1:])
+    return _exchange(buf, axis).reshape((P * C,) + values.shape[1:])
 
 
 def _to_rows(received, route: _Route, R: int):
@@ -123,11 +159,11 @@ def _to_rows(received, route: _Route, R: int):
     return rows.at[route.recv_row.reshape(-1)].set(received)[:-1]
 
 
-def _from_rows(rows, route: _Route, P: int, C: int, axis: str):
+def _from_rows(rows, route: _Route, P: int, C: int, axis: str | None):
     """Expert-grouped rows [R, ...] -> back to the senders, by their local pair."""
     padded = jnp.concatenate([rows, jnp.zeros((1,) + rows.shape[1:], rows.dtype)])
     out = padded[route.recv_row.reshape(-1)].reshape((P, C) + rows.shape[1:])
-    back = jax.lax.all_to_all(out, axis, 0, 0).reshape((P * C,) + rows.shape[1:])
+    back = _exchange(out, axis).reshape((P * C,) + rows.shape[1:])
     idx = jnp.where(route.dest < P, route.dest * C + route.slot, 0)
     return back[idx]                                            # [T*K, ...]
 
@@ -154,14 +190,14 @@ def moe_ep(cfg: _Config, x, expert_ids, expert_weights, w_gate_up, w_down):
 
 
 def _moe_ep_fwd(cfg, x, expert_ids, expert_weights, w_gate_up, w_down):
-    y, stats, (route, x_rows, gate_up) = _forward(
-        cfg, x, expert_ids, expert_weights, w_gate_up, w_down, True)
-    return (y, stats), (route, x_rows, gate_up, expert_ids, expert_weights, w_gate_up, w_down)
+    y, stats, residuals = forward_with_residuals(
+        cfg, x, expert_ids, expert_weights, w_gate_up, w_down)
+    return (y, stats), residuals
 
 
-def _moe_ep_bwd(cfg, residuals, cotangents):
+def backward(cfg, residuals, dy):
+    """Gradients w.r.t. (x, expert_weights, w_gate_up, w_down) from the residuals."""
     route, x_rows, gate_up, expert_ids, expert_weights, w_gate_up, w_down = residuals
-    dy, _ = cotangents
     P, axis = cfg.ep_size, cfg.axis_name
     T, K = expert_ids.shape
     C, R = T * K, P * T * K
@@ -170,11 +206,30 @@ def _moe_ep_bwd(cfg, residuals, cotangents):
     w_rows = _to_rows(_send(expert_weights.reshape(-1), route, P, C, axis), route, R)
     dx_rows, dw_rows, d_w_gate_up, d_w_down = primitives.expert_ffn_bwd_p.bind(
         x_rows, dy_rows, w_rows, route.group_sizes, w_gate_up, w_down, gate_up)
+    # Replicas of an expert in other exchange groups saw other tokens: sum them.
+    data_axes = tuple(a for a in cfg.token_axes if a != axis)
+    if data_axes:
+        d_w_gate_up = jax.lax.psum(d_w_gate_up, data_axes)
+        d_w_down = jax.lax.psum(d_w_down, data_axes)
     dx_pairs = _from_rows(dx_rows, route, P, C, axis)
     dw_pairs = _from_rows(dw_rows, route, P, C, axis).reshape(T, K)
     (dx,) = primitives.combine_p.bind(dx_pairs, expert_weights, route.kept, weighted=False)
     d_weights = jnp.where(route.kept != 0, dw_pairs, jnp.zeros_like(dw_pairs))
-    d_ids = np.zeros(expert_ids.shape, dtype=jax.dtypes.float0)
+    return dx, d_weights, d_w_gate_up, d_w_down
+
+
+def forward_with_residuals(cfg, x, expert_ids, expert_weights, w_gate_up, w_down):
+    """``(y, stats, residuals)`` for `backward` (used by mok_jax.sharding)."""
+    y, stats, (route, x_rows, gate_up) = _forward(
+        cfg, x, expert_ids, expert_weights, w_gate_up, w_down, True)
+    return y, stats, (route, x_rows, gate_up, expert_ids, expert_weights, w_gate_up, w_down)
+
+
+
+def _moe_ep_bwd(cfg, residuals, cotangents):
+    dy, _ = cotangents
+    dx, d_weights, d_w_gate_up, d_w_down = backward(cfg, residuals, dy)
+    d_ids = np.zeros(residuals[3].shape, dtype=jax.dtypes.float0)
     return dx, d_ids, d_weights, d_w_gate_up, d_w_down
 
 

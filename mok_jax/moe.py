@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import ep, primitives
+from mok_jax import ep, primitives, sharding
 
 BACKENDS = ("auto", "fused", "xla")
 _X_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
@@ -70,7 +70,11 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
       w_gate_up: ``[E_local, H, 2F]`` gate and up projections, ``x.dtype``.
       w_down: ``[E_local, F, H]`` down projections, ``x.dtype``.
       axis_name: expert-parallel mesh axis when called inside ``shard_map``
-        (``E_local = E / axis_size``); None for a single device.
+        (``E_local = E / axis_size``; tokens are this rank's shard, ids are
+        global). None otherwise: on one device, or under ``jax.jit`` on arrays
+        sharded over a mesh (explicit-axis shardings, or any sharding inside
+        ``jax.set_mesh``), where the layer is partitioned by
+        `mok_jax.sharding` (experts dim along the EP axis, tokens along any).
       capacity_factor: None never drops. A float c keeps at most
         ``ceil(c * T * K / E)`` pairs per expert, the lowest token indices
         first; dropped pairs contribute 0 and are counted.
@@ -100,11 +104,15 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
     cap = capacity(capacity_factor, tokens * ep_size, top_k, num_experts)
     cap = primitives.NO_CAPACITY if cap is None else cap
     with jax.named_scope("mok_jax"):
+        operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if ep_size > 1:
-            cfg = ep._Config(axis_name=axis_name, ep_size=ep_size, capacity=cap)
-            y, stats = ep.moe_ep(cfg, x, expert_ids, expert_weights, w_gate_up, w_down)
+            cfg = ep._Config(axis_name=axis_name, ep_size=ep_size, capacity=cap,
+                             token_axes=(axis_name,))
+            y, stats = ep.moe_ep(cfg, *operands)
+        elif axis_name is None and sharding.on_a_mesh(operands):
+            y, stats = sharding.moe_partitioned(cap, *operands)
         else:
-            y, stats = _moe_core(cap, x, expert_ids, expert_weights, w_gate_up, w_down)
+            y, stats = _moe_core(cap, *operands)
     if return_stats:
         return y, MoEStats(*stats)
     return y

@@ -1,0 +1,199 @@
+"""Partitioning of `mok_jax.moe` under plain ``jax.jit`` on sharded arrays.
+
+`moe` on global arrays is wrapped in ``custom_partitioning`` (forward and
+backward separately) with a Shardy sharding rule. The partitioner gives us
+the operands' shardings; we read the layout from them:
+
+* the mesh axes sharding the tokens (dim 0 of x, expert_ids,
+  expert_weights) — any axes, in mesh-spec order;
+* the EP axis: the (single) mesh axis sharding the experts (dim 0 of
+  w_gate_up and w_down). Tokens are also split along it if they were not.
+
+Each device then runs the expert-parallel layer of `mok_jax.ep` on its shard:
+the routing plan is global over all token axes (capacity and statistics are
+those of the single-device call on the global arrays), rows move only along
+the EP axis, and replicated experts (data-parallel axes) sum their weight
+gradients with ``psum``. Neither tokens nor weights are ever gathered; y, dx
+and d expert_weights are bitwise equal to the single-device result, and so
+are the weight gradients when no data-parallel axis exists.
+
+The backward recomputes the expert forward (one grouped GEMM and the
+exchange) instead of carrying per-device residuals across the partitioning
+boundary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mok_jax import ep, primitives
+
+# Factors: t tokens, k top-k, h hidden, e experts, g 2F, f F, s packed statistics.
+_FWD_RULE = "t h, t k, t k, e h g, e f h -> t h, s"
+_BWD_RULE = "t h, t k, t k, e h g, e f h, t h -> t h, t k, e h g, e f h"
+
+
+def _axes(spec, dim) -> tuple[str, ...]:
+    entry = spec[dim] if len(spec) > dim else None
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _layout(mesh, x_sharding, w_sharding):
+    """(token_axes, ep_axis) from the shardings of x and w_gate_up."""
+    token_axes = _axes(x_sharding.spec, 0) if isinstance(x_sharding, NamedSharding) else ()
+    expert_axes = _axes(w_sharding.spec, 0) if isinstance(w_sharding, NamedSharding) else ()
+    if len(expert_axes) > 1:
+        raise NotImplementedError(
+            "mok_jax.moe: the experts dimension of w_gate_up/w_down is sharded over "
+            f"{expert_axes}; shard it over one mesh axis (the EP axis)")
+    ep_axis = expert_axes[0] if expert_axes else None
+    if ep_axis is not None and ep_axis not in token_axes:
+        token_axes = token_axes + (ep_axis,)
+    return token_axes, ep_axis
+
+
+def _pack_stats(stats):
+    routed, dropped, invalid = stats
+    return jnp.concatenate([routed, dropped[None], invalid[None]])
+
+
+def _config(mesh, token_axes, ep_axis, cap):
+    return ep._Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
+                      capacity=cap, token_axes=token_axes)
+
+
+def _shardings(mesh, token_axes, ep_axis):
+    tok = NamedSharding(mesh, P(token_axes or None, None))
+    wts = NamedSharding(mesh, P(ep_axis, None, None))
+    rep = NamedSharding(mesh, P(None))
+    return tok, wts, rep
+
+
+def _unmanaged_size(mesh) -> int:
+    """Devices along the mesh axes that are not manual (shard_map) axes."""
+    manual = set(getattr(mesh, "manual_axes", ()))
+    return int(np.prod([size for name, size in zip(mesh.axis_names, mesh.axis_sizes)
+                        if name not in manual], dtype=np.int64))
+
+
+def on_a_mesh(operands) -> bool:
+    """Whether `moe` should partition itself: some operand is sharded over a
+    mesh of several devices (explicit-axis sharding in its type, or a mesh set
+    with ``jax.set_mesh``), outside shard_map's manual axes, and none is being
+    vmapped (custom_partitioning has no batching rule; vmap of an unsharded
+    call takes the plain path)."""
+    # jax exports no BatchTracer type; its name is stable and enough here.
+    if any(type(a).__name__ == "BatchTracer" for a in operands):
+        return False
+    meshes = [jax.sharding.get_abstract_mesh()]
+    for a in operands:
+        meshes.append(getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None))
+    return any(m is not None and not m.empty and _unmanaged_size(m) > 1 for m in meshes)
+
+
+# --- forward -------------------------------------------------------------------
+
+@functools.partial(custom_partitioning, static_argnums=(5,))
+def _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap):
+    y, _, *stats = primitives.moe_fwd_p.bind(
+        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=False)
+    return y, _pack_stats(stats)
+
+
+def _forward_infer(cap, mesh, arg_shapes, result_shape):
+    del cap, result_shape
+    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding)
+    tok, _, rep = _shardings(mesh, token_axes, ep_axis)
+    return tok, rep
+
+
+def _forward_partition(cap, mesh, arg_shapes, result_shape):
+    del result_shape
+    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding)
+    tok, wts, rep = _shardings(mesh, token_axes, ep_axis)
+    cfg = _config(mesh, token_axes, ep_axis, cap)
+
+    def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
+        y, stats, _ = ep._forward(cfg, x, expert_ids, expert_weights, w_gate_up, w_down, False)
+        return y, _pack_stats(stats)
+
+    return mesh, lower_fn, (tok, rep), (tok, tok, tok, wts, wts)
+
+
+_forward.def_partition(
+    partition=_forward_partition,
+    infer_sharding_from_operands=_forward_infer,
+    sharding_rule=_FWD_RULE,
+    need_replication_factors=("h", "k", "g", "f", "s"))  # in order of first use
+
+
+# --- backward ------------------------------------------------------------------
+
+@functools.partial(custom_partitioning, static_argnums=(6,))
+def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, cap):
+    _, gate_up, *_ = primitives.moe_fwd_p.bind(
+        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=True)
+    return tuple(primitives.moe_bwd_p.bind(
+        x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity=cap))
+
+
+def _backward_infer(cap, mesh, arg_shapes, result_shape):
+    del cap, result_shape
+    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding)
+    tok, wts, _ = _shardings(mesh, token_axes, ep_axis)
+    return tok, tok, wts, wts
+
+
+def _backward_partition(cap, mesh, arg_shapes, result_shape):
+    del result_shape
+    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding)
+    tok, wts, _ = _shardings(mesh, token_axes, ep_axis)
+    cfg = _config(mesh, token_axes, ep_axis, cap)
+
+    def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy):
+        _, _, residuals = ep.forward_with_residuals(
+            cfg, x, expert_ids, expert_weights, w_gate_up, w_down)
+        return ep.backward(cfg, residuals, dy)
+
+    return mesh, lower_fn, (tok, tok, wts, wts), (tok, tok, tok, wts, wts, tok)
+
+
+_backward.def_partition(
+    partition=_backward_partition,
+    infer_sharding_from_operands=_backward_infer,
+    sharding_rule=_BWD_RULE,
+    need_replication_factors=("h", "k", "g", "f"))  # in order of first use
+
+
+# --- the differentiable layer ----------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def moe_partitioned(cap, x, expert_ids, expert_weights, w_gate_up, w_down):
+    """`moe` on global (possibly sharded) arrays: ``(y, stats)``."""
+    y, packed = _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap)
+    return y, (packed[:-2], packed[-2], packed[-1])
+
+
+def _fwd(cap, x, expert_ids, expert_weights, w_gate_up, w_down):
+    out = moe_partitioned(cap, x, expert_ids, expert_weights, w_gate_up, w_down)
+    return out, (x, expert_ids, expert_weights, w_gate_up, w_down)
+
+
+def _bwd(cap, residuals, cotangents):
+    x, expert_ids, expert_weights, w_gate_up, w_down = residuals
+    dy, _ = cotangents
+    dx, d_weights, d_w_gate_up, d_w_down = _backward(
+        x, expert_ids, expert_weights, w_gate_up, w_down, dy.astype(x.dtype), cap)
+    d_ids = np.zeros(expert_ids.shape, dtype=jax.dtypes.float0)
+    return dx, d_ids, d_weights, d_w_gate_up, d_w_down
+
+
+moe_partitioned.defvjp(_fwd, _bwd)

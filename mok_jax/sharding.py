@@ -46,7 +46,7 @@ def _axes(spec, dim) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _layout(mesh, x_sharding, w_sharding):
+def _layout(mesh, x_sharding, w_sharding, num_experts):
     """(token_axes, ep_axis) from the shardings of x and w_gate_up."""
     token_axes = _axes(x_sharding.spec, 0) if isinstance(x_sharding, NamedSharding) else ()
     expert_axes = _axes(w_sharding.spec, 0) if isinstance(w_sharding, NamedSharding) else ()
@@ -55,6 +55,11 @@ def _layout(mesh, x_sharding, w_sharding):
             "mok_jax.moe: the experts dimension of w_gate_up/w_down is sharded over "
             f"{expert_axes}; shard it over one mesh axis (the EP axis)")
     ep_axis = expert_axes[0] if expert_axes else None
+    if ep_axis is not None and num_experts % mesh.shape[ep_axis]:
+        # XLA would pad the experts dim; padded experts must never receive rows.
+        raise ValueError(
+            f"mok_jax.moe: E={num_experts} experts do not split evenly over mesh axis "
+            f"{ep_axis!r} of size {mesh.shape[ep_axis]} (E % P != 0)")
     if ep_axis is not None and ep_axis not in token_axes:
         token_axes = token_axes + (ep_axis,)
     return token_axes, ep_axis
@@ -110,14 +115,16 @@ def _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap):
 
 def _forward_infer(cap, mesh, arg_shapes, result_shape):
     del cap, result_shape
-    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding)
+    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
+                                  arg_shapes[3].shape[0])
     tok, _, rep = _shardings(mesh, token_axes, ep_axis)
     return tok, rep
 
 
 def _forward_partition(cap, mesh, arg_shapes, result_shape):
     del result_shape
-    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding)
+    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
+                                  arg_shapes[3].shape[0])
     tok, wts, rep = _shardings(mesh, token_axes, ep_axis)
     cfg = _config(mesh, token_axes, ep_axis, cap)
 
@@ -147,14 +154,16 @@ def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, cap):
 
 def _backward_infer(cap, mesh, arg_shapes, result_shape):
     del cap, result_shape
-    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding)
+    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
+                                  arg_shapes[3].shape[0])
     tok, wts, _ = _shardings(mesh, token_axes, ep_axis)
     return tok, tok, wts, wts
 
 
 def _backward_partition(cap, mesh, arg_shapes, result_shape):
     del result_shape
-    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding)
+    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
+                                  arg_shapes[3].shape[0])
     tok, wts, _ = _shardings(mesh, token_axes, ep_axis)
     cfg = _config(mesh, token_axes, ep_axis, cap)
 

@@ -35,6 +35,9 @@ nb::dict registrations() {
   nb::dict gpu;
   gpu["mok_moe_fwd"] = encapsulate(MokMoeForwardCuda);
   gpu["mok_moe_bwd"] = encapsulate(MokMoeBackwardCuda);
+  gpu["mok_expert_ffn_fwd"] = encapsulate(MokExpertFfnForwardCuda);
+  gpu["mok_expert_ffn_bwd"] = encapsulate(MokExpertFfnBackwardCuda);
+  gpu["mok_combine"] = encapsulate(MokCombineCuda);
   out["CUDA"] = gpu;
 #endif
   return out;

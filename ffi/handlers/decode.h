@@ -89,4 +89,88 @@ inline ffi::Error check_backward_operands(const char* op, const Decoded& d,
   return ffi::Error::Success();
 }
 
+// Checks the expert-side operands: rows [R, H], group_sizes [E], weights.
+inline ffi::Error decode_expert_side(const char* op, const ffi::AnyBuffer& x_rows,
+                              const ffi::Buffer<ffi::S32>& group_sizes,
+                              const ffi::AnyBuffer& w_gate_up, const ffi::AnyBuffer& w_down,
+                              MoeShape* shape, DType* x_dtype) {
+  if (x_rows.dimensions().size() != 2 || w_gate_up.dimensions().size() != 3) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": x_rows must be rank 2 and w_gate_up rank 3");
+  }
+  const int64_t R = x_rows.dimensions()[0], H = x_rows.dimensions()[1];
+  const int64_t E = w_gate_up.dimensions()[0], two_f = w_gate_up.dimensions()[2];
+  if (two_f % 2 != 0) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": w_gate_up's last dimension is odd");
+  }
+  auto dt = to_mok_dtype(x_rows.element_type());
+  if (!dt) return ffi::Error::InvalidArgument(std::string(op) + ": x_rows must be f32 or bf16");
+  MOK_RETURN_IF_ERROR(expect_shape(op, "group_sizes", group_sizes, {E}));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "w_gate_up", w_gate_up, {E, H, two_f}));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "w_down", w_down, {E, two_f / 2, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "w_gate_up", w_gate_up, *dt));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "w_down", w_down, *dt));
+  *shape = MoeShape{R, 1, E, H, two_f / 2};
+  *x_dtype = *dt;
+  return ffi::Error::Success();
+}
+
+// The expert-side backward's other operands and results; sets the weight dtype.
+inline ffi::Error check_expert_backward(const char* op, const MoeShape& s, DType dt,
+                                        const ffi::AnyBuffer& dy_rows,
+                                        const ffi::AnyBuffer& w_rows,
+                                        const ffi::AnyBuffer& gate_up,
+                                        const ffi::AnyBuffer& dx_rows,
+                                        const ffi::AnyBuffer& dw_rows,
+                                        const ffi::AnyBuffer& d_w_gate_up,
+                                        const ffi::AnyBuffer& d_w_down, DType* weight_dtype) {
+  auto wdt = to_mok_dtype(w_rows.element_type());
+  if (!wdt || (dt == DType::kF32 && *wdt != DType::kF32)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": w_rows must be f32 or x.dtype");
+  }
+  const int64_t R = s.tokens, H = s.hidden, F = s.ffn, E = s.experts;
+  MOK_RETURN_IF_ERROR(expect_shape(op, "dy_rows", dy_rows, {R, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "dy_rows", dy_rows, dt));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "w_rows", w_rows, {R}));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "gate_up", gate_up, {R, 2 * F}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "gate_up", gate_up, dt));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "dx_rows", dx_rows, {R, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "dx_rows", dx_rows, dt));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "dw_rows", dw_rows, {R}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "dw_rows", dw_rows, *wdt));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "d_w_gate_up", d_w_gate_up, {E, H, 2 * F}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "d_w_gate_up", d_w_gate_up, dt));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "d_w_down", d_w_down, {E, F, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "d_w_down", d_w_down, dt));
+  *weight_dtype = *wdt;
+  return ffi::Error::Success();
+}
+
+struct CombineShape {
+  int64_t tokens, top_k, hidden;
+  DType x_dtype, weight_dtype;
+};
+
+// rows [T*K, H], weights [T, K] (when weighted), kept [T, K], out [T, H].
+inline ffi::Error decode_combine(const char* op, const ffi::AnyBuffer& rows,
+                                 const ffi::AnyBuffer& weights,
+                                 const ffi::Buffer<ffi::S32>& kept, bool weighted,
+                                 const ffi::AnyBuffer& out, CombineShape* c) {
+  if (kept.dimensions().size() != 2 || rows.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": kept must be [T, K], rows [T*K, H]");
+  }
+  const int64_t T = kept.dimensions()[0], K = kept.dimensions()[1], H = rows.dimensions()[1];
+  auto dt = to_mok_dtype(rows.element_type());
+  auto wdt = to_mok_dtype(weights.element_type());
+  if (!dt || !wdt || (*dt == DType::kF32 && *wdt != DType::kF32)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": unsupported dtypes");
+  }
+  MOK_RETURN_IF_ERROR(expect_shape(op, "rows", rows, {T * K, H}));
+  if (weighted) MOK_RETURN_IF_ERROR(expect_shape(op, "weights", weights, {T, K}));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "out", out, {T, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "out", out, *dt));
+  *c = CombineShape{T, K, H, *dt, *wdt};
+  return ffi::Error::Success();
+}
+
 }  // namespace mok::ffi_checks

@@ -118,32 +118,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 namespace mok {
 namespace {
 
-// Checks the expert-side operands: rows [R, H], group_sizes [E], weights.
-ffi::Error decode_expert_side(const char* op, const ffi::AnyBuffer& x_rows,
-                              const ffi::Buffer<ffi::S32>& group_sizes,
-                              const ffi::AnyBuffer& w_gate_up, const ffi::AnyBuffer& w_down,
-                              MoeShape* shape, DType* x_dtype) {
-  if (x_rows.dimensions().size() != 2 || w_gate_up.dimensions().size() != 3) {
-    return ffi::Error::InvalidArgument(std::string(op) +
-                                       ": x_rows must be rank 2 and w_gate_up rank 3");
-  }
-  const int64_t R = x_rows.dimensions()[0], H = x_rows.dimensions()[1];
-  const int64_t E = w_gate_up.dimensions()[0], two_f = w_gate_up.dimensions()[2];
-  if (two_f % 2 != 0) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": w_gate_up's last dimension is odd");
-  }
-  auto dt = ffi_checks::to_mok_dtype(x_rows.element_type());
-  if (!dt) return ffi::Error::InvalidArgument(std::string(op) + ": x_rows must be f32 or bf16");
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "group_sizes", group_sizes, {E}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "w_gate_up", w_gate_up, {E, H, two_f}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "w_down", w_down, {E, two_f / 2, H}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "w_gate_up", w_gate_up, *dt));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "w_down", w_down, *dt));
-  *shape = MoeShape{R, 1, E, H, two_f / 2};
-  *x_dtype = *dt;
-  return ffi::Error::Success();
-}
-
 ffi::Error ExpertFfnForwardCpu(ffi::AnyBuffer x_rows, ffi::Buffer<ffi::S32> group_sizes,
                                ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
                                bool save_gate_up, ffi::Result<ffi::AnyBuffer> out_rows,
@@ -151,7 +125,7 @@ ffi::Error ExpertFfnForwardCpu(ffi::AnyBuffer x_rows, ffi::Buffer<ffi::S32> grou
   constexpr const char* op = "mok_expert_ffn_fwd";
   MoeShape s;
   DType dt;
-  MOK_RETURN_IF_ERROR(decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "out_rows", *out_rows, {s.tokens, s.hidden}));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "out_rows", *out_rows, dt));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "gate_up", *gate_up,
@@ -182,32 +156,19 @@ ffi::Error ExpertFfnBackwardCpu(ffi::AnyBuffer x_rows, ffi::AnyBuffer dy_rows,
   constexpr const char* op = "mok_expert_ffn_bwd";
   MoeShape s;
   DType dt;
-  MOK_RETURN_IF_ERROR(decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
-  auto wdt = ffi_checks::to_mok_dtype(w_rows.element_type());
-  if (!wdt || (dt == DType::kF32 && *wdt != DType::kF32)) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": w_rows must be f32 or x.dtype");
-  }
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
+  DType wdt;
+  MOK_RETURN_IF_ERROR(ffi_checks::check_expert_backward(op, s, dt, dy_rows, w_rows, gate_up,
+                                                        *dx_rows, *dw_rows, *d_w_gate_up,
+                                                        *d_w_down, &wdt));
   const int64_t R = s.tokens, H = s.hidden, F = s.ffn, E = s.experts;
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "dy_rows", dy_rows, {R, H}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "dy_rows", dy_rows, dt));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "w_rows", w_rows, {R}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "gate_up", gate_up, {R, 2 * F}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "gate_up", gate_up, dt));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "dx_rows", *dx_rows, {R, H}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "dx_rows", *dx_rows, dt));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "dw_rows", *dw_rows, {R}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "dw_rows", *dw_rows, *wdt));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "d_w_gate_up", *d_w_gate_up, {E, H, 2 * F}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "d_w_gate_up", *d_w_gate_up, dt));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "d_w_down", *d_w_down, {E, F, H}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "d_w_down", *d_w_down, dt));
   cpu::ExpertFfnBackwardArgs a{};
   a.rows = R;
   a.experts = E;
   a.hidden = H;
   a.ffn = F;
   a.x_dtype = dt;
-  a.weight_dtype = *wdt;
+  a.weight_dtype = wdt;
   a.x_rows = x_rows.untyped_data();
   a.dy_rows = dy_rows.untyped_data();
   a.w_rows = w_rows.untyped_data();
@@ -226,25 +187,15 @@ ffi::Error ExpertFfnBackwardCpu(ffi::AnyBuffer x_rows, ffi::AnyBuffer dy_rows,
 ffi::Error CombineCpu(ffi::AnyBuffer rows, ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> kept,
                       bool weighted, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* op = "mok_combine";
-  if (kept.dimensions().size() != 2 || rows.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": kept must be [T, K], rows [T*K, H]");
-  }
-  const int64_t T = kept.dimensions()[0], K = kept.dimensions()[1], H = rows.dimensions()[1];
-  auto dt = ffi_checks::to_mok_dtype(rows.element_type());
-  auto wdt = ffi_checks::to_mok_dtype(weights.element_type());
-  if (!dt || !wdt || (*dt == DType::kF32 && *wdt != DType::kF32)) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": unsupported dtypes");
-  }
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "rows", rows, {T * K, H}));
-  if (weighted) MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "weights", weights, {T, K}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "out", *out, {T, H}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "out", *out, *dt));
+  ffi_checks::CombineShape c;
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_combine(op, rows, weights, kept, weighted, *out, &c));
+  const int64_t T = c.tokens, K = c.top_k, H = c.hidden;
   cpu::CombineArgs a{};
   a.tokens = T;
   a.top_k = K;
   a.hidden = H;
-  a.x_dtype = *dt;
-  a.weight_dtype = *wdt;
+  a.x_dtype = c.x_dtype;
+  a.weight_dtype = c.weight_dtype;
   a.rows = rows.untyped_data();
   a.weights = weighted ? weights.untyped_data() : nullptr;
   a.kept = kept.typed_data();

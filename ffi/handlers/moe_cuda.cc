@@ -11,6 +11,7 @@
 
 #include "checks.h"
 #include "decode.h"
+#include "kernels/expert_ffn_cuda.h"
 #include "kernels/moe_cuda.h"
 
 namespace mok {
@@ -120,6 +121,75 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("mok_jax: " + err);
 }
 
+
+ffi::Error ExpertFfnForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                                ffi::AnyBuffer x_rows, ffi::Buffer<ffi::S32> group_sizes,
+                                ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
+                                bool save_gate_up, ffi::Result<ffi::AnyBuffer> out_rows,
+                                ffi::Result<ffi::AnyBuffer> gate_up) {
+  constexpr const char* op = "mok_expert_ffn_fwd (CUDA)";
+  MoeShape s;
+  DType dt;
+  MOK_RETURN_IF_ERROR(
+      ffi_checks::decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "out_rows", *out_rows, {s.tokens, s.hidden}));
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "out_rows", *out_rows, dt));
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "gate_up", *gate_up,
+                                               {save_gate_up ? s.tokens : 0, 2 * s.ffn}));
+  const cuda::ExpertFfnShape shape{s.tokens, s.experts, s.hidden, s.ffn};
+  const size_t bytes = cuda::expert_ffn_forward_workspace_bytes(shape, dt, save_gate_up);
+  void* ws = nullptr;
+  MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
+  std::string err = cuda::expert_ffn_forward(
+      shape, dt, x_rows.untyped_data(), group_sizes.typed_data(), w_gate_up.untyped_data(),
+      w_down.untyped_data(), out_rows->untyped_data(),
+      save_gate_up ? gate_up->untyped_data() : nullptr, ws, bytes, stream);
+  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("mok_jax: " + err);
+}
+
+ffi::Error ExpertFfnBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                                 ffi::AnyBuffer x_rows, ffi::AnyBuffer dy_rows,
+                                 ffi::AnyBuffer w_rows, ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
+                                 ffi::AnyBuffer gate_up, ffi::Result<ffi::AnyBuffer> dx_rows,
+                                 ffi::Result<ffi::AnyBuffer> dw_rows,
+                                 ffi::Result<ffi::AnyBuffer> d_w_gate_up,
+                                 ffi::Result<ffi::AnyBuffer> d_w_down) {
+  constexpr const char* op = "mok_expert_ffn_bwd (CUDA)";
+  MoeShape s;
+  DType dt, wdt;
+  MOK_RETURN_IF_ERROR(
+      ffi_checks::decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
+  MOK_RETURN_IF_ERROR(ffi_checks::check_expert_backward(op, s, dt, dy_rows, w_rows, gate_up,
+                                                        *dx_rows, *dw_rows, *d_w_gate_up,
+                                                        *d_w_down, &wdt));
+  const cuda::ExpertFfnShape shape{s.tokens, s.experts, s.hidden, s.ffn};
+  const size_t bytes = cuda::expert_ffn_backward_workspace_bytes(shape, dt);
+  void* ws = nullptr;
+  MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
+  std::string err = cuda::expert_ffn_backward(
+      shape, dt, wdt, x_rows.untyped_data(), dy_rows.untyped_data(), w_rows.untyped_data(),
+      group_sizes.typed_data(), w_gate_up.untyped_data(), w_down.untyped_data(),
+      gate_up.untyped_data(), dx_rows->untyped_data(), dw_rows->untyped_data(),
+      d_w_gate_up->untyped_data(), d_w_down->untyped_data(), ws, bytes, stream);
+  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("mok_jax: " + err);
+}
+
+ffi::Error CombineCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer rows,
+                       ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> kept, bool weighted,
+                       ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* op = "mok_combine (CUDA)";
+  ffi_checks::CombineShape c;
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_combine(op, rows, weights, kept, weighted, *out, &c));
+  const size_t bytes = cuda::combine_workspace_bytes(c.tokens * c.top_k);
+  void* ws = nullptr;
+  MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
+  std::string err = cuda::combine_kept_rows(
+      c.x_dtype, c.weight_dtype, rows.untyped_data(), weighted ? weights.untyped_data() : nullptr,
+      kept.typed_data(), c.tokens, c.top_k, c.hidden, out->untyped_data(), ws, bytes, stream);
+  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("mok_jax: " + err);
+}
+
 }  // namespace
 }  // namespace mok
 
@@ -158,3 +228,44 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d_expert_weights [T, K]
         .Ret<xla::ffi::AnyBuffer>()                     // d_w_gate_up [E, H, 2F]
         .Ret<xla::ffi::AnyBuffer>());                   // d_w_down [E, F, H]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokExpertFfnForwardCuda, mok::ExpertFfnForwardCuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+        .Ctx<xla::ffi::ScratchAllocator>()              // workspace
+        .Arg<xla::ffi::AnyBuffer>()                     // x_rows [R, H], grouped by expert
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes [E_local]
+        .Arg<xla::ffi::AnyBuffer>()                     // w_gate_up [E_local, H, 2F]
+        .Arg<xla::ffi::AnyBuffer>()                     // w_down [E_local, F, H]
+        .Attr<bool>("save_gate_up")                     // write gate_up for the backward
+        .Ret<xla::ffi::AnyBuffer>()                     // out_rows [R, H]
+        .Ret<xla::ffi::AnyBuffer>());                   // gate_up [R or 0, 2F]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokExpertFfnBackwardCuda, mok::ExpertFfnBackwardCuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+        .Ctx<xla::ffi::ScratchAllocator>()              // workspace
+        .Arg<xla::ffi::AnyBuffer>()                     // x_rows [R, H]
+        .Arg<xla::ffi::AnyBuffer>()                     // dy_rows [R, H]
+        .Arg<xla::ffi::AnyBuffer>()                     // w_rows [R]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes [E_local]
+        .Arg<xla::ffi::AnyBuffer>()                     // w_gate_up [E_local, H, 2F]
+        .Arg<xla::ffi::AnyBuffer>()                     // w_down [E_local, F, H]
+        .Arg<xla::ffi::AnyBuffer>()                     // gate_up [R, 2F]
+        .Ret<xla::ffi::AnyBuffer>()                     // dx_rows [R, H]
+        .Ret<xla::ffi::AnyBuffer>()                     // dw_rows [R]
+        .Ret<xla::ffi::AnyBuffer>()                     // d_w_gate_up [E_local, H, 2F]
+        .Ret<xla::ffi::AnyBuffer>());                   // d_w_down [E_local, F, H]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokCombineCuda, mok::CombineCuda,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+        .Ctx<xla::ffi::ScratchAllocator>()              // workspace
+        .Arg<xla::ffi::AnyBuffer>()                     // rows [T*K, H] by pair
+        .Arg<xla::ffi::AnyBuffer>()                     // weights [T, K]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // kept [T, K]
+        .Attr<bool>("weighted")                         // multiply by weights, else by 1
+        .Ret<xla::ffi::AnyBuffer>());                   // out [T, H]

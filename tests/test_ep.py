@@ -17,20 +17,24 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import mok_jax
 
 T, K, E, H, F = 64, 3, 8, 16, 12
+# These tests run on the 8 host CPU devices (conftest), also on a GPU machine;
+# tests/test_ep_gpu.py runs the same checks across GPUs.
+CPUS = jax.devices("cpu")
 
 
-def _problem(dtype, seed=0):
+def _problem(dtype, seed=0, device=None, shape=(T, K, E, H, F)):
+    T, K, E, H, F = shape
     ks = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(ks[0], (T, H)).astype(dtype)
     w, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(ks[1], (T, E))), K)
     ids = ids.astype(jnp.int32).at[3, 1].set(-1).at[5, 0].set(E + 7).at[40, 2].set(-9)
     wgu = (jax.random.normal(ks[2], (E, H, 2 * F)) * H**-0.5).astype(dtype)
     wd = (jax.random.normal(ks[3], (E, F, H)) * F**-0.5).astype(dtype)
-    return x, ids, w, wgu, wd
+    return jax.device_put((x, ids, w, wgu, wd), device or CPUS[0])
 
 
-def _cot():
-    return jnp.cos(jnp.arange(H, dtype=jnp.float32))
+def _cot(h=H):
+    return jnp.cos(jnp.arange(h, dtype=jnp.float32))
 
 
 def _bits(a):
@@ -44,7 +48,7 @@ def _assert_same_bits(a, b, what):
 def _single_device(x, ids, w, wgu, wd, cf):
     def loss(x, w, wgu, wd):
         y, s = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=cf, return_stats=True)
-        return jnp.sum(y.astype(jnp.float32) * _cot()), (y, s)
+        return jnp.sum(y.astype(jnp.float32) * _cot(x.shape[1])), (y, s)
     (_, (y, s)), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, w, wgu, wd)
     return y, s, g
 
@@ -63,7 +67,7 @@ def _shard_map_ep(mesh, token_spec, x, ids, w, wgu, wd, cf, axis="ep"):
 
     def loss(x, w, wgu, wd):
         y, s = layer(x, ids, w, wgu, wd)
-        return jnp.sum(y.astype(jnp.float32) * _cot()), (y, s)
+        return jnp.sum(y.astype(jnp.float32) * _cot(x.shape[1])), (y, s)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
     (_, (y, s)), g = step(x, w, wgu, wd)
@@ -76,7 +80,7 @@ def _shard_map_ep(mesh, token_spec, x, ids, w, wgu, wd, cf, axis="ep"):
 def test_shard_map_ep_is_bitwise_equal_to_one_device(ep, capacity_factor, dtype):
     x, ids, w, wgu, wd = _problem(dtype)
     y1, s1, g1 = _single_device(x, ids, w, wgu, wd, capacity_factor)
-    mesh = jax.make_mesh((ep,), ("ep",), devices=jax.devices()[:ep])
+    mesh = jax.make_mesh((ep,), ("ep",), devices=CPUS[:ep])
     y, s, g = _shard_map_ep(mesh, P("ep"), x, ids, w, wgu, wd, capacity_factor)
     _assert_same_bits(y, y1, "y")
     for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):
@@ -92,7 +96,7 @@ def test_shard_map_dp2_ep4_matches_each_data_parallel_group():
     """(dp=2, ep=4): each dp group is its own EP=4 layer over its half of the tokens;
     the replicated experts' gradients are the sum over the two groups."""
     x, ids, w, wgu, wd = _problem(jnp.float32, seed=1)
-    mesh = jax.make_mesh((2, 4), ("dp", "ep"))
+    mesh = jax.make_mesh((2, 4), ("dp", "ep"), devices=CPUS[:8])
     y, s, g = _shard_map_ep(mesh, P(("dp", "ep")), x, ids, w, wgu, wd, None)
     half = T // 2
     parts = [_single_device(x[i * half:(i + 1) * half], ids[i * half:(i + 1) * half],
@@ -112,7 +116,7 @@ def _jit_on_mesh(mesh, token_spec, expert_spec, x, ids, w, wgu, wd, cf):
 
     def loss(x, w, wgu, wd, ids):
         y, s = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=cf, return_stats=True)
-        return jnp.sum(y.astype(jnp.float32) * _cot()), (y, s)
+        return jnp.sum(y.astype(jnp.float32) * _cot(x.shape[1])), (y, s)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
     (_, (y, s)), g = step(*args, ids)
@@ -129,7 +133,7 @@ def _gathered_types(hlo):
 def test_plain_jit_on_ep_mesh_is_bitwise_equal_and_gathers_no_floats(capacity_factor):
     x, ids, w, wgu, wd = _problem(jnp.float32, seed=2)
     y1, s1, g1 = _single_device(x, ids, w, wgu, wd, capacity_factor)
-    mesh = jax.make_mesh((8,), ("ep",))
+    mesh = jax.make_mesh((8,), ("ep",), devices=CPUS[:8])
     y, s, g, hlo = _jit_on_mesh(mesh, P("ep"), P("ep"), x, ids, w, wgu, wd, capacity_factor)
     _assert_same_bits(y, y1, "y")
     for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):
@@ -145,7 +149,7 @@ def test_plain_jit_on_ep_mesh_is_bitwise_equal_and_gathers_no_floats(capacity_fa
 def test_plain_jit_dp_ep_mesh_keeps_global_semantics():
     x, ids, w, wgu, wd = _problem(jnp.float32, seed=3)
     y1, s1, g1 = _single_device(x, ids, w, wgu, wd, 0.6)
-    mesh = jax.make_mesh((2, 4), ("dp", "ep"))
+    mesh = jax.make_mesh((2, 4), ("dp", "ep"), devices=CPUS[:8])
     y, s, g, hlo = _jit_on_mesh(mesh, P(("dp", "ep")), P("ep"), x, ids, w, wgu, wd, 0.6)
     _assert_same_bits(y, y1, "y")
     _assert_same_bits(g[0], g1[0], "dx")
@@ -160,7 +164,7 @@ def test_plain_jit_dp_ep_mesh_keeps_global_semantics():
 def test_replicated_experts_are_pure_data_parallelism():
     x, ids, w, wgu, wd = _problem(jnp.float32, seed=4)
     y1, _, g1 = _single_device(x, ids, w, wgu, wd, None)
-    mesh = jax.make_mesh((4,), ("dp",), devices=jax.devices()[:4])
+    mesh = jax.make_mesh((4,), ("dp",), devices=CPUS[:4])
     y, _, g, hlo = _jit_on_mesh(mesh, P("dp"), P(), x, ids, w, wgu, wd, None)
     _assert_same_bits(y, y1, "y")
     _assert_same_bits(g[0], g1[0], "dx")
@@ -170,8 +174,8 @@ def test_replicated_experts_are_pure_data_parallelism():
 
 def test_experts_not_divisible_by_the_ep_axis_is_an_error():
     x, ids, w, wgu, wd = _problem(jnp.float32)
-    mesh = jax.make_mesh((8,), ("ep",))
-    wgu6, wd6 = jnp.zeros((6, H, 2 * F)), jnp.zeros((6, F, H))
+    mesh = jax.make_mesh((8,), ("ep",), devices=CPUS[:8])
+    wgu6, wd6 = jax.device_put((jnp.zeros((6, H, 2 * F)), jnp.zeros((6, F, H))), CPUS[0])
     # Under shard_map, jax refuses to split 6 experts over 8 ranks.
     with pytest.raises(ValueError, match="evenly divid"):
         jax.shard_map(lambda *a: mok_jax.moe(*a, axis_name="ep"), mesh=mesh,
@@ -185,7 +189,7 @@ def test_experts_not_divisible_by_the_ep_axis_is_an_error():
 
 def test_unknown_axis_name_is_an_error():
     x, ids, w, wgu, wd = _problem(jnp.float32)
-    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+    mesh = jax.make_mesh((2,), ("ep",), devices=CPUS[:2])
     args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ids, w, wgu, wd)]
     with pytest.raises(ValueError, match="axis_name='tp' is not a bound mesh axis"):
         jax.shard_map(lambda *a: mok_jax.moe(*a, axis_name="tp"), mesh=mesh,

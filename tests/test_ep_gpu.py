@@ -1,0 +1,49 @@
+"""Expert parallelism across the GPUs of one process (scripts/gpu_ci.sh on 2+ GPUs).
+
+The same contract as tests/test_ep.py on host devices: every EP size gives the
+bits of one GPU, for y and every gradient, through shard_map and through plain
+jit on sharded arrays. Shapes are multiples of 8, so the tensor-core grouped
+GEMMs run.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from test_ep import (_assert_same_bits, _jit_on_mesh, _problem, _shard_map_ep,
+                     _single_device)
+
+pytestmark = pytest.mark.multigpu
+
+SHAPE = (256, 4, 8, 128, 64)  # T, K, E, H, F
+
+
+def _gpus():
+    return jax.devices("gpu")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_shard_map_ep_on_gpus_is_bitwise_equal_to_one_gpu(dtype, capacity_factor):
+    gpus = _gpus()
+    x, ids, w, wgu, wd = _problem(dtype, seed=5, device=gpus[0], shape=SHAPE)
+    y1, s1, g1 = _single_device(x, ids, w, wgu, wd, capacity_factor)
+    mesh = jax.make_mesh((len(gpus),), ("ep",), devices=gpus)
+    y, s, g = _shard_map_ep(mesh, P("ep"), x, ids, w, wgu, wd, capacity_factor)
+    _assert_same_bits(y, y1, "y")
+    for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):
+        _assert_same_bits(a, b, name)
+    assert int(s.dropped) == int(s1.dropped)
+
+
+def test_plain_jit_on_gpus_is_bitwise_equal_to_one_gpu():
+    gpus = _gpus()
+    x, ids, w, wgu, wd = _problem(jnp.bfloat16, seed=6, device=gpus[0], shape=SHAPE)
+    y1, _, g1 = _single_device(x, ids, w, wgu, wd, None)
+    mesh = jax.make_mesh((len(gpus),), ("ep",), devices=gpus)
+    y, _, g, hlo = _jit_on_mesh(mesh, P("ep"), P("ep"), x, ids, w, wgu, wd, None)
+    _assert_same_bits(y, y1, "y")
+    for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):
+        _assert_same_bits(a, b, name)
+    assert "all-to-all" in hlo

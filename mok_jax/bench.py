@@ -13,6 +13,7 @@ Examples::
     python -m mok_jax.bench --quick --repeats 5            # scaled-down shapes (CPU)
     python -m mok_jax.bench --shapes ep --impls moe,tokamax --passes fwd --json out.json
     python -m mok_jax.bench --check                        # + errors vs the reference
+    python -m mok_jax.bench --shapes ep --impls moe --ep 2  # + EP=2 over 2 devices
 
 --check also compares every pipeline's y and gradients with the dense reference
 (relative Frobenius error per output), so that a fast but wrong pipeline shows.
@@ -277,6 +278,52 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
     return record
 
 
+def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: str,
+             seed: int, warmup: int, repeats: int, verbose: bool = False) -> dict:
+    """`moe` under jit on a mesh of `ep_size` devices (experts sharded, EP over
+    XLA collectives), with `shape.tokens` tokens per device: the per-device work
+    of the single-device record of the same shape, so the two times compare."""
+    from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+    impl = f"moe_ep{ep_size}"
+    record = {
+        "shape": shape.name, "T": shape.tokens, "K": shape.top_k, "E": shape.experts,
+        "H": shape.hidden, "F": shape.ffn, "dtype": dtype_name, "impl": impl,
+        "pass": pass_name, "gemm_flops": shape.gemm_flops(pass_name), "ep_size": ep_size,
+        "warmup": warmup, "repeats": repeats, "status": "ok", "error": None,
+        "compile_s": None, "median_ms": None, "min_ms": None, "mean_ms": None,
+        "tflops": None, "times_ms": None, "rel_err": None, "check_error": None,
+    }
+    if len(jax.devices()) < ep_size:
+        record.update(status="unavailable",
+                      error=f"needs {ep_size} devices, found {len(jax.devices())}")
+        return record
+    try:
+        fn, why = resolve_impl(MOK)
+        if fn is None:
+            record.update(status="unavailable", error=why)
+            return record
+        global_shape = dataclasses.replace(shape, tokens=shape.tokens * ep_size)
+        inputs = make_inputs(global_shape, dtype, seed)
+        mesh = jax.make_mesh((ep_size,), ("ep",), devices=jax.devices()[:ep_size])
+        spec = {"w_gate_up": PartitionSpec("ep"), "w_down": PartitionSpec("ep")}
+        inputs = {k: jax.device_put(v, NamedSharding(mesh, spec.get(k, PartitionSpec("ep"))))
+                  for k, v in inputs.items()}
+        step, names = build_step(fn, pass_name)
+        compile_s, times_ms, _ = time_step(step, [inputs[n] for n in names], warmup=warmup,
+                                           repeats=repeats)
+    except Exception as err:  # pylint: disable=broad-except
+        record.update(status="error", error=_error_string(err))
+        if verbose:
+            traceback.print_exc()
+        return record
+    median_ms = statistics.median(times_ms)
+    record.update(
+        compile_s=compile_s, median_ms=median_ms, min_ms=min(times_ms),
+        mean_ms=statistics.fmean(times_ms), times_ms=times_ms,
+        tflops=record["gemm_flops"] / (median_ms * 1e-3) / 1e12)
+    return record
+
+
 def add_speedups(records: list[dict]) -> None:
     """Sets `mok_speedup` = baseline median / moe median on each measured baseline."""
     mok_ms = {(r["shape"], r["pass"]): r["median_ms"] for r in records
@@ -328,6 +375,8 @@ def format_table(records: list[dict]) -> str:
 
 
 def _git_commit() -> str | None:
+    if os.environ.get("MOK_GIT_COMMIT"):  # set by scripts/gpu_ci.sh (no .git there)
+        return os.environ["MOK_GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
@@ -397,6 +446,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "with the dense reference; costs memory and time")
     parser.add_argument("--verbose", action="store_true",
                         help="print the traceback of each failing pipeline")
+    parser.add_argument("--ep", type=int, default=0, metavar="N",
+                        help="also time moe on a mesh of N devices (experts and tokens "
+                             "sharded; T tokens per device) for each shape")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write machine info, argv and records here")
     args = parser.parse_args(argv)
@@ -448,6 +500,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 print(f"  {shape.name} {impl} {pass_name}: {done}", file=sys.stderr,
                       flush=True)
             del reference
+            if args.ep > 1:
+                record = bench_ep(shape, args.ep, pass_name, dtype=DTYPES[args.dtype],
+                                  dtype_name=args.dtype, seed=args.seed, warmup=args.warmup,
+                                  repeats=args.repeats, verbose=args.verbose)
+                records.append(record)
+                done = (f"{record['median_ms']:.3f} ms, {record['tflops']:.3g} TFLOP/s"
+                        if record["median_ms"] is not None else record["status"])
+                print(f"  {shape.name} {record['impl']} {pass_name}: {done}",
+                      file=sys.stderr, flush=True)
         del inputs
     elapsed_s = time.perf_counter() - start
     add_speedups(records)
@@ -461,7 +522,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                      "warmup": args.warmup,
                      "repeats": args.repeats, "seed": args.seed,
                      "shapes": args.shapes, "impls": args.impls,
-                     "passes": args.passes},
+                     "passes": args.passes, "ep": args.ep},
         "elapsed_s": elapsed_s,
         "records": records,
     }

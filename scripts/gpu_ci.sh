@@ -26,6 +26,8 @@ step() {  # step NAME CMD...: runs CMD, logs to OUTDIR/NAME.log, remembers failu
   return $rc
 }
 
+# The tree arrives without .git: the commit can travel as .whl/COMMIT.
+if [ -f .whl/COMMIT ]; then export MOK_GIT_COMMIT=$(cat .whl/COMMIT); fi
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/mok_site .whl/*.whl || exit 1
@@ -33,7 +35,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 
 { nvidia-smi; nvcc --version; $PY -c 'import jax; print(jax.__version__, jax.devices())'; \
-  git rev-parse HEAD 2>/dev/null; } > "$OUTDIR/machine.txt" 2>&1
+  echo "commit: ${MOK_GIT_COMMIT:-unknown}"; } > "$OUTDIR/machine.txt" 2>&1
 
 # Steps to run (all by default): build gpu memcheck bench suite cpu
 STEPS=" ${MOK_GPU_CI_STEPS:-build gpu memcheck bench suite cpu} "

@@ -245,3 +245,15 @@ def test_check_reports_relative_errors():
         assert r["status"] == "ok" and r["check_error"] is None, r
         assert set(r["rel_err"]) == set(bench.OUTPUT_NAMES[r["pass"]])
         assert max(r["rel_err"].values()) < 1e-5, r["rel_err"]
+
+
+def test_ep_mode_times_moe_on_a_mesh():
+    result = bench.main(["--quick", "--shapes", "ep", "--impls", "moe", "--passes", "fwd",
+                         "--repeats", "1", "--warmup", "0", "--dtype", "f32", "--ep", "2"])
+    by_impl = {r["impl"]: r for r in result["records"]}
+    assert set(by_impl) == {"moe", "moe_ep2"}
+    ep = by_impl["moe_ep2"]
+    assert ep["status"] == "ok", ep["error"]
+    assert ep["ep_size"] == 2 and ep["median_ms"] > 0
+    # Same per-device work, so the same FLOPs are credited to both records.
+    assert ep["gemm_flops"] == by_impl["moe"]["gemm_flops"]

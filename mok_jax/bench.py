@@ -324,6 +324,54 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
     return record
 
 
+TORCH_IMPLS = ("torch_pipeline", "torch_grouped_mm")
+
+
+def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int,
+                  repeats: int, timeout_s: float = 1800) -> list[dict]:
+    """PyTorch baselines (mok_jax/_torch_moe.py) timed in a subprocess.
+
+    Call this before JAX touches the GPU: JAX reserves most of its memory.
+    Returns bench records (status "unavailable" when torch or CUDA is missing).
+    """
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_moe.py")
+    cmd = [sys.executable, script, "--passes", ",".join(passes), "--warmup", str(warmup),
+           "--repeats", str(repeats)]
+    for shape in shapes:
+        cmd += ["--shape", ",".join(str(v) for v in (shape.tokens, shape.top_k, shape.experts,
+                                                      shape.hidden, shape.ffn))]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              check=False)
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except Exception as err:  # pylint: disable=broad-except
+        result = {"records": [], "error": _error_string(err)}
+    by_key = {(tuple(r["shape"]), r["impl"], r["pass"]): r for r in result["records"]}
+    records = []
+    for shape in shapes:
+        key_shape = (shape.tokens, shape.top_k, shape.experts, shape.hidden, shape.ffn)
+        for pass_name in passes:
+            for impl in TORCH_IMPLS:
+                got = by_key.get((key_shape, impl, pass_name), {})
+                record = {
+                    "shape": shape.name, "T": shape.tokens, "K": shape.top_k,
+                    "E": shape.experts, "H": shape.hidden, "F": shape.ffn, "dtype": "bf16",
+                    "impl": impl, "pass": pass_name,
+                    "gemm_flops": shape.gemm_flops(pass_name), "warmup": warmup,
+                    "repeats": repeats, "status": got.get("status", "unavailable"),
+                    "error": got.get("error", result.get("error")), "compile_s": None,
+                    "median_ms": got.get("median_ms"), "min_ms": got.get("min_ms"),
+                    "mean_ms": (statistics.fmean(got["times_ms"]) if got.get("times_ms")
+                                else None),
+                    "tflops": None, "times_ms": got.get("times_ms"), "rel_err": None,
+                    "check_error": None, "torch_version": result.get("torch_version"),
+                }
+                if record["median_ms"]:
+                    record["tflops"] = record["gemm_flops"] / (record["median_ms"] * 1e-3) / 1e12
+                records.append(record)
+    return records
+
+
 def add_speedups(records: list[dict]) -> None:
     """Sets `mok_speedup` = baseline median / moe median on each measured baseline."""
     mok_ms = {(r["shape"], r["pass"]): r["median_ms"] for r in records
@@ -446,6 +494,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "with the dense reference; costs memory and time")
     parser.add_argument("--verbose", action="store_true",
                         help="print the traceback of each failing pipeline")
+    parser.add_argument("--torch", action="store_true",
+                        help="also time PyTorch baselines (torch._grouped_mm pipeline and "
+                             "GEMMs alone) in a subprocess; needs torch with CUDA")
     parser.add_argument("--ep", type=int, default=0, metavar="N",
                         help="also time moe on a mesh of N devices (experts and tokens "
                              "sharded; T tokens per device) for each shape")
@@ -461,6 +512,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the benchmark; prints the table; returns (and maybe writes) the results."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    pre_records = []
+    if args.torch:  # before JAX initialises the GPU and reserves its memory
+        torch_shapes = [(QUICK_SHAPES if args.quick else FULL_SHAPES)[n] for n in args.shapes]
+        pre_records = torch_records(torch_shapes, args.passes, warmup=args.warmup,
+                                    repeats=args.repeats)
     info = machine_info()
     quick = args.quick
     if info["backend"] == "cpu" and not quick and not args.full_on_cpu:
@@ -511,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                       file=sys.stderr, flush=True)
         del inputs
     elapsed_s = time.perf_counter() - start
+    records += pre_records
     add_speedups(records)
 
     print(format_table(records))
@@ -522,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                      "warmup": args.warmup,
                      "repeats": args.repeats, "seed": args.seed,
                      "shapes": args.shapes, "impls": args.impls,
-                     "passes": args.passes, "ep": args.ep},
+                     "passes": args.passes, "ep": args.ep, "torch": args.torch},
         "elapsed_s": elapsed_s,
         "records": records,
     }

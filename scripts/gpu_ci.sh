@@ -57,7 +57,7 @@ if want memcheck; then
 fi
 cd /tmp
 if want bench; then
-  step bench timeout 1200 $PY -m mok_jax.bench --json "$OUTDIR/bench.json" ${MOK_BENCH_ARGS:-}
+  step bench timeout 1200 $PY -m mok_jax.bench --torch --json "$OUTDIR/bench.json" ${MOK_BENCH_ARGS:-}
 fi
 cd - > /dev/null
 if want suite; then  # the whole suite with the GPU as default device

@@ -257,3 +257,14 @@ def test_ep_mode_times_moe_on_a_mesh():
     assert ep["ep_size"] == 2 and ep["median_ms"] > 0
     # Same per-device work, so the same FLOPs are credited to both records.
     assert ep["gemm_flops"] == by_impl["moe"]["gemm_flops"]
+
+
+def test_torch_baselines_are_recorded_even_when_unavailable():
+    result = bench.main(["--quick", "--shapes", "ep", "--impls", "moe", "--passes", "fwd",
+                         "--repeats", "1", "--warmup", "0", "--dtype", "f32", "--torch"])
+    torch_recs = [r for r in result["records"] if r["impl"].startswith("torch_")]
+    assert {r["impl"] for r in torch_recs} == set(bench.TORCH_IMPLS)
+    for r in torch_recs:
+        # Either measured (torch with CUDA here) or marked unavailable with a reason.
+        assert (r["status"] == "ok" and r["median_ms"] > 0) or (
+            r["status"] in ("unavailable", "error") and r["error"])

@@ -1,0 +1,170 @@
+"""PyTorch baselines for `python -m mok_jax.bench --torch`, run as a separate script.
+
+    python _torch_moe.py --shape T,K,E,H,F [--shape ...] --passes fwd,fwdbwd \
+        --repeats 20 --warmup 3 --json out.json
+
+Run in its own process (before JAX takes the GPU's memory) and never imported by
+mok_jax. For each shape it times, bf16 on one CUDA GPU:
+
+* ``torch_pipeline``: the eager MoE layer a PyTorch user writes with
+  ``torch._grouped_mm``: gather the routed rows in expert order (each expert's
+  group padded to 16 rows, as the grouped GEMM requires), grouped GEMM gate/up,
+  SwiGLU, grouped GEMM down, weighted ``index_add_`` combine. Routing (sorting
+  the pairs, offsets) is done outside the timed region, as for mok_jax.
+* ``torch_grouped_mm``: the two grouped GEMMs alone on pre-permuted rows (and
+  their backward for fwdbwd): the GEMM time the whole layer is compared with.
+
+Prints one JSON document (and writes it to --json): {"records": [...]} with
+shape, impl, pass, median_ms, min_ms, times_ms, or status/error.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+ALIGN_ROWS = 16
+
+
+def _routing(torch, T, K, E, H, F, device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    logits = torch.randn(T, E, generator=g)
+    top, ids = torch.topk(logits, K, dim=1)
+    weights = torch.softmax(top, dim=1)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    padded = (counts + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    rows = int(ends[-1])
+    # Row r of the padded, expert-sorted buffer holds pair src_pair[r] (or padding).
+    src_pair = torch.full((rows,), -1, dtype=torch.long)
+    sorted_ids = flat[order]
+    first = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat.numel()) - first[sorted_ids]
+    src_pair[starts[sorted_ids] + rank] = order
+    valid = src_pair >= 0
+    src_token = torch.where(valid, src_pair // K, torch.full_like(src_pair, T))  # T: zero row
+    row_weight = torch.where(valid, weights.reshape(-1)[src_pair.clamp(min=0)], 0.0)
+    to = lambda t: t.to(device)  # noqa: E731
+    return (to(src_token), to(row_weight.to(torch.float32)), to(ends.to(torch.int32)),
+            to(torch.where(valid, src_pair // K, 0)), rows)
+
+
+def _time(torch, fn, warmup, repeats):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def bench_shape(torch, shape, passes, warmup, repeats):
+    T, K, E, H, F = shape
+    dev, bf16 = "cuda", torch.bfloat16
+    src_token, row_weight, offs, row_token, rows = _routing(torch, T, K, E, H, F, dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(T, H, device=dev, generator=g).to(bf16)
+    # Weights stored [E, N, K] and used transposed: the layout grouped_mm wants for B.
+    w1 = (torch.randn(E, 2 * F, H, device=dev, generator=g) * H ** -0.5).to(bf16)
+    w2 = (torch.randn(E, H, F, device=dev, generator=g) * F ** -0.5).to(bf16)
+    dy = torch.randn(T, H, device=dev, generator=g).to(bf16)
+    zero = torch.zeros(1, H, device=dev, dtype=bf16)
+
+    def layer(x, w1, w2, row_weight):
+        xs = torch.cat([x, zero])[src_token]                                  # permute
+        gu = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs, out_dtype=bf16)
+        h = (torch.nn.functional.silu(gu[:, :F].float()) * gu[:, F:].float()).to(bf16)
+        o = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs, out_dtype=bf16)
+        y = torch.zeros(T, H, device=dev, dtype=torch.float32)
+        y.index_add_(0, row_token, o.float() * row_weight[:, None])           # combine
+        return y.to(bf16)
+
+    xs_fixed = torch.cat([x, zero])[src_token].contiguous()
+    h_fixed = torch.randn(rows, F, device=dev, generator=g).to(bf16)
+
+    def gemms(xs, h, w1, w2):
+        gu = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs, out_dtype=bf16)
+        o = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs, out_dtype=bf16)
+        return gu, o
+
+    records = []
+    for pass_name in passes:
+        for impl in ("torch_pipeline", "torch_grouped_mm"):
+            rec = {"shape": list(shape), "impl": impl, "pass": pass_name, "status": "ok",
+                   "error": None, "rows_padded": rows}
+            try:
+                if impl == "torch_pipeline" and pass_name == "fwd":
+                    fn = lambda: layer(x, w1, w2, row_weight)  # noqa: E731
+                elif impl == "torch_pipeline":
+                    leaves = [t.detach().requires_grad_() for t in (x, w1, w2, row_weight)]
+
+                    def fn(leaves=leaves):
+                        y = layer(*leaves)
+                        torch.autograd.grad(y, leaves, dy)
+                elif pass_name == "fwd":
+                    fn = lambda: gemms(xs_fixed, h_fixed, w1, w2)  # noqa: E731
+                else:
+                    leaves = [t.detach().requires_grad_() for t in (xs_fixed, h_fixed, w1, w2)]
+                    dgu = torch.randn(rows, 2 * F, device=dev, generator=g).to(bf16)
+                    do = torch.randn(rows, H, device=dev, generator=g).to(bf16)
+
+                    def fn(leaves=leaves, dgu=dgu, do=do):
+                        gu, o = gemms(*leaves)
+                        torch.autograd.grad((gu, o), leaves, (dgu, do))
+                with torch.no_grad() if pass_name == "fwd" else _null():
+                    times = _time(torch, fn, warmup, repeats)
+                rec.update(median_ms=statistics.median(times), min_ms=min(times),
+                           times_ms=times)
+            except Exception as err:  # pylint: disable=broad-except
+                rec.update(status="error", error=f"{type(err).__name__}: {err}"[:2000])
+            records.append(rec)
+    return records
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", action="append", required=True,
+                        help="T,K,E,H,F (repeatable)")
+    parser.add_argument("--passes", default="fwd,fwdbwd")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    result = {"records": []}
+    try:
+        import torch  # pylint: disable=import-outside-toplevel
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device for torch")
+        result["torch_version"] = torch.__version__
+        for text in args.shape:
+            shape = tuple(int(v) for v in text.split(","))
+            result["records"] += bench_shape(torch, shape, args.passes.split(","),
+                                             args.warmup, args.repeats)
+    except Exception as err:  # pylint: disable=broad-except
+        result["error"] = f"{type(err).__name__}: {err}"
+    text = json.dumps(result)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -141,6 +141,25 @@ def logical_partitioning(init: nnx.Initializer, axes: tuple) -> nnx.Initializer:
     return nnx.with_partitioning(init, axes)
 
 
+def _top_k(select: jax.Array, values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Indices ``[T, k]`` int32 of the k largest ``select`` per row (ties: lower
+    index first, as ``jax.lax.top_k``) and ``values`` at them ``[T, k]``.
+
+    K rounds of argmax rather than ``lax.top_k``: XLA's partitioner runs its TopK
+    custom call replicated, gathering the scores of every token onto every
+    device, while argmax and masks stay sharded along the tokens.
+    """
+    num_experts = select.shape[-1]
+    ids, picked = [], []
+    for _ in range(k):
+        best = jnp.argmax(select, axis=-1)
+        chosen = best[:, None] == jnp.arange(num_experts)[None, :]
+        ids.append(best)
+        picked.append(jnp.sum(jnp.where(chosen, values, 0.0), axis=-1))  # exact: one term
+        select = jnp.where(chosen, -jnp.inf, select)
+    return jnp.stack(ids, axis=-1).astype(jnp.int32), jnp.stack(picked, axis=-1)
+
+
 class MoE(nnx.Module):
     """Mixture-of-Experts SwiGLU layer: router, top-k, ``mok_jax.moe``.
 
@@ -292,9 +311,7 @@ class MoE(nnx.Module):
         select = scores
         if self.balance_bias is not None:
             select = scores + jax.lax.stop_gradient(self.balance_bias[...])
-        _, expert_ids = jax.lax.top_k(select, self.top_k)
-        expert_ids = expert_ids.astype(jnp.int32)
-        weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+        expert_ids, weights = _top_k(select, scores, self.top_k)
         if self.renormalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         if self.route_scale != 1.0:

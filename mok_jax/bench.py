@@ -228,6 +228,29 @@ def _error_string(err: BaseException) -> str:
     return text if len(text) <= 2000 else text[:2000] + " ...[truncated]"
 
 
+def new_record(shape: Shape, impl: str, pass_name: str, *, dtype_name: str, warmup: int,
+               repeats: int) -> dict:
+    """A measurement record with no result yet (status "ok" until told otherwise)."""
+    return {
+        "shape": shape.name, "T": shape.tokens, "K": shape.top_k, "E": shape.experts,
+        "H": shape.hidden, "F": shape.ffn, "dtype": dtype_name, "impl": impl,
+        "pass": pass_name, "gemm_flops": shape.gemm_flops(pass_name),
+        "warmup": warmup, "repeats": repeats, "status": "ok", "error": None,
+        "compile_s": None, "median_ms": None, "min_ms": None, "mean_ms": None,
+        "tflops": None, "times_ms": None, "rel_err": None, "check_error": None,
+    }
+
+
+def finish_record(record: dict, times_ms: list[float], compile_s: float | None) -> dict:
+    """Fills the timing fields: median, min, mean and TFLOP/s at the median."""
+    median_ms = statistics.median(times_ms)
+    record.update(
+        compile_s=compile_s, median_ms=median_ms, min_ms=min(times_ms),
+        mean_ms=statistics.fmean(times_ms), times_ms=times_ms,
+        tflops=record["gemm_flops"] / (median_ms * 1e-3) / 1e12)
+    return record
+
+
 def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
               dtype_name: str, warmup: int, repeats: int,
               reference: list[jax.Array] | None = None,
@@ -238,14 +261,8 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
     with it and the record gets `rel_err` per output (or `check_error`).
     `verbose` prints the traceback of a failure to stderr.
     """
-    record = {
-        "shape": shape.name, "T": shape.tokens, "K": shape.top_k, "E": shape.experts,
-        "H": shape.hidden, "F": shape.ffn, "dtype": dtype_name, "impl": impl,
-        "pass": pass_name, "gemm_flops": shape.gemm_flops(pass_name),
-        "warmup": warmup, "repeats": repeats, "status": "ok", "error": None,
-        "compile_s": None, "median_ms": None, "min_ms": None, "mean_ms": None,
-        "tflops": None, "times_ms": None, "rel_err": None, "check_error": None,
-    }
+    record = new_record(shape, impl, pass_name, dtype_name=dtype_name, warmup=warmup,
+                        repeats=repeats)
     fn, why = resolve_impl(impl)
     if fn is None:
         record.update(status="unavailable", error=why)
@@ -270,12 +287,7 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
             record["check_error"] = _error_string(err)
             if verbose:
                 traceback.print_exc()
-    median_ms = statistics.median(times_ms)
-    record.update(
-        compile_s=compile_s, median_ms=median_ms, min_ms=min(times_ms),
-        mean_ms=statistics.fmean(times_ms), times_ms=times_ms,
-        tflops=record["gemm_flops"] / (median_ms * 1e-3) / 1e12)
-    return record
+    return finish_record(record, times_ms, compile_s)
 
 
 def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: str,
@@ -285,14 +297,9 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
     of the single-device record of the same shape, so the two times compare."""
     from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
     impl = f"moe_ep{ep_size}"
-    record = {
-        "shape": shape.name, "T": shape.tokens, "K": shape.top_k, "E": shape.experts,
-        "H": shape.hidden, "F": shape.ffn, "dtype": dtype_name, "impl": impl,
-        "pass": pass_name, "gemm_flops": shape.gemm_flops(pass_name), "ep_size": ep_size,
-        "warmup": warmup, "repeats": repeats, "status": "ok", "error": None,
-        "compile_s": None, "median_ms": None, "min_ms": None, "mean_ms": None,
-        "tflops": None, "times_ms": None, "rel_err": None, "check_error": None,
-    }
+    record = new_record(shape, impl, pass_name, dtype_name=dtype_name, warmup=warmup,
+                        repeats=repeats)
+    record["ep_size"] = ep_size
     if len(jax.devices()) < ep_size:
         record.update(status="unavailable",
                       error=f"needs {ep_size} devices, found {len(jax.devices())}")
@@ -316,12 +323,7 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
         if verbose:
             traceback.print_exc()
         return record
-    median_ms = statistics.median(times_ms)
-    record.update(
-        compile_s=compile_s, median_ms=median_ms, min_ms=min(times_ms),
-        mean_ms=statistics.fmean(times_ms), times_ms=times_ms,
-        tflops=record["gemm_flops"] / (median_ms * 1e-3) / 1e12)
-    return record
+    return finish_record(record, times_ms, compile_s)
 
 
 TORCH_IMPLS = ("torch_pipeline", "torch_grouped_mm")
@@ -353,21 +355,14 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
         for pass_name in passes:
             for impl in TORCH_IMPLS:
                 got = by_key.get((key_shape, impl, pass_name), {})
-                record = {
-                    "shape": shape.name, "T": shape.tokens, "K": shape.top_k,
-                    "E": shape.experts, "H": shape.hidden, "F": shape.ffn, "dtype": "bf16",
-                    "impl": impl, "pass": pass_name,
-                    "gemm_flops": shape.gemm_flops(pass_name), "warmup": warmup,
-                    "repeats": repeats, "status": got.get("status", "unavailable"),
-                    "error": got.get("error", result.get("error")), "compile_s": None,
-                    "median_ms": got.get("median_ms"), "min_ms": got.get("min_ms"),
-                    "mean_ms": (statistics.fmean(got["times_ms"]) if got.get("times_ms")
-                                else None),
-                    "tflops": None, "times_ms": got.get("times_ms"), "rel_err": None,
-                    "check_error": None, "torch_version": result.get("torch_version"),
-                }
-                if record["median_ms"]:
-                    record["tflops"] = record["gemm_flops"] / (record["median_ms"] * 1e-3) / 1e12
+                record = new_record(shape, impl, pass_name, dtype_name="bf16",
+                                    warmup=warmup, repeats=repeats)
+                record["torch_version"] = result.get("torch_version")
+                if got.get("times_ms"):
+                    finish_record(record, got["times_ms"], None)
+                else:
+                    record.update(status=got.get("status", "unavailable"),
+                                  error=got.get("error", result.get("error")))
                 records.append(record)
     return records
 

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "checks.h"
+#include "mok/moe_args.h"
 #include "mok/types.h"
 
 namespace mok::ffi_checks {
@@ -171,6 +172,62 @@ inline ffi::Error decode_combine(const char* op, const ffi::AnyBuffer& rows,
   MOK_RETURN_IF_ERROR(expect_dtype(op, "out", out, *dt));
   *c = CombineShape{T, K, H, *dt, *wdt};
   return ffi::Error::Success();
+}
+
+// Launcher arguments of the forward from its decoded, checked buffers.
+inline MoeForwardArgs forward_args(const Decoded& d, const ffi::AnyBuffer& x,
+                                   const ffi::Buffer<ffi::S32>& expert_ids,
+                                   const ffi::AnyBuffer& expert_weights,
+                                   const ffi::AnyBuffer& w_gate_up, const ffi::AnyBuffer& w_down,
+                                   int64_t capacity, bool save_gate_up, ffi::AnyBuffer& y,
+                                   ffi::AnyBuffer& gate_up,
+                                   ffi::Buffer<ffi::S32>& tokens_per_expert,
+                                   ffi::Buffer<ffi::S32>& dropped,
+                                   ffi::Buffer<ffi::S32>& invalid) {
+  MoeForwardArgs a{};
+  a.shape = d.shape;
+  a.x_dtype = d.x_dtype;
+  a.weight_dtype = d.weight_dtype;
+  a.capacity = capacity < 0 ? kNoCapacity : capacity;
+  a.x = x.untyped_data();
+  a.expert_ids = expert_ids.typed_data();
+  a.expert_weights = expert_weights.untyped_data();
+  a.w_gate_up = w_gate_up.untyped_data();
+  a.w_down = w_down.untyped_data();
+  a.y = y.untyped_data();
+  a.gate_up_out = save_gate_up ? gate_up.untyped_data() : nullptr;
+  a.tokens_per_expert = tokens_per_expert.typed_data();
+  a.dropped = dropped.typed_data();
+  a.invalid = invalid.typed_data();
+  return a;
+}
+
+// Launcher arguments of the backward from its decoded, checked buffers.
+inline MoeBackwardArgs backward_args(const Decoded& d, const ffi::AnyBuffer& x,
+                                     const ffi::Buffer<ffi::S32>& expert_ids,
+                                     const ffi::AnyBuffer& expert_weights,
+                                     const ffi::AnyBuffer& w_gate_up,
+                                     const ffi::AnyBuffer& w_down, const ffi::AnyBuffer& gate_up,
+                                     const ffi::AnyBuffer& dy, int64_t capacity,
+                                     ffi::AnyBuffer& dx, ffi::AnyBuffer& d_expert_weights,
+                                     ffi::AnyBuffer& d_w_gate_up, ffi::AnyBuffer& d_w_down) {
+  MoeBackwardArgs a{};
+  a.shape = d.shape;
+  a.x_dtype = d.x_dtype;
+  a.weight_dtype = d.weight_dtype;
+  a.capacity = capacity < 0 ? kNoCapacity : capacity;
+  a.x = x.untyped_data();
+  a.expert_ids = expert_ids.typed_data();
+  a.expert_weights = expert_weights.untyped_data();
+  a.w_gate_up = w_gate_up.untyped_data();
+  a.w_down = w_down.untyped_data();
+  a.gate_up = gate_up.untyped_data();
+  a.dy = dy.untyped_data();
+  a.dx = dx.untyped_data();
+  a.d_expert_weights = d_expert_weights.untyped_data();
+  a.d_w_gate_up = d_w_gate_up.untyped_data();
+  a.d_w_down = d_w_down.untyped_data();
+  return a;
 }
 
 }  // namespace mok::ffi_checks

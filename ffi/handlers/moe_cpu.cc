@@ -27,21 +27,9 @@ ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *tokens_per_expert, save_gate_up));
 
-  cpu::MoeForwardArgs args{};
-  args.shape = d.shape;
-  args.x_dtype = d.x_dtype;
-  args.weight_dtype = d.weight_dtype;
-  args.capacity = capacity < 0 ? kNoCapacity : capacity;
-  args.x = x.untyped_data();
-  args.expert_ids = expert_ids.typed_data();
-  args.expert_weights = expert_weights.untyped_data();
-  args.w_gate_up = w_gate_up.untyped_data();
-  args.w_down = w_down.untyped_data();
-  args.y = y->untyped_data();
-  args.gate_up_out = save_gate_up ? gate_up->untyped_data() : nullptr;
-  args.tokens_per_expert = tokens_per_expert->typed_data();
-  args.dropped = dropped->typed_data();
-  args.invalid = invalid->typed_data();
+  const MoeForwardArgs args = ffi_checks::forward_args(
+      d, x, expert_ids, expert_weights, w_gate_up, w_down, capacity, save_gate_up, *y,
+      *gate_up, *tokens_per_expert, *dropped, *invalid);
   std::string err = cpu::moe_forward(args);
   return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(err);
 }
@@ -58,22 +46,9 @@ ffi::Error MoeBackwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, dy, *dx, *d_expert_weights,
                                               *d_w_gate_up, *d_w_down));
-  cpu::MoeBackwardArgs args{};
-  args.shape = d.shape;
-  args.x_dtype = d.x_dtype;
-  args.weight_dtype = d.weight_dtype;
-  args.capacity = capacity < 0 ? kNoCapacity : capacity;
-  args.x = x.untyped_data();
-  args.expert_ids = expert_ids.typed_data();
-  args.expert_weights = expert_weights.untyped_data();
-  args.w_gate_up = w_gate_up.untyped_data();
-  args.w_down = w_down.untyped_data();
-  args.gate_up = gate_up.untyped_data();
-  args.dy = dy.untyped_data();
-  args.dx = dx->untyped_data();
-  args.d_expert_weights = d_expert_weights->untyped_data();
-  args.d_w_gate_up = d_w_gate_up->untyped_data();
-  args.d_w_down = d_w_down->untyped_data();
+  const MoeBackwardArgs args = ffi_checks::backward_args(
+      d, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity, *dx,
+      *d_expert_weights, *d_w_gate_up, *d_w_down);
   std::string err = cpu::moe_backward(args);
   return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(err);
 }

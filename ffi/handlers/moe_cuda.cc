@@ -57,21 +57,9 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
     return ffi::Error::InvalidArgument(std::string(op) + ": T * K must be below 2^31");
   }
 
-  cuda::MoeForwardArgs args{};
-  args.shape = d.shape;
-  args.x_dtype = d.x_dtype;
-  args.weight_dtype = d.weight_dtype;
-  args.capacity = capacity < 0 ? kNoCapacity : capacity;
-  args.x = x.untyped_data();
-  args.expert_ids = expert_ids.typed_data();
-  args.expert_weights = expert_weights.untyped_data();
-  args.w_gate_up = w_gate_up.untyped_data();
-  args.w_down = w_down.untyped_data();
-  args.y = y->untyped_data();
-  args.gate_up_out = save_gate_up ? gate_up->untyped_data() : nullptr;
-  args.tokens_per_expert = tokens_per_expert->typed_data();
-  args.dropped = dropped->typed_data();
-  args.invalid = invalid->typed_data();
+  const MoeForwardArgs args = ffi_checks::forward_args(
+      d, x, expert_ids, expert_weights, w_gate_up, w_down, capacity, save_gate_up, *y,
+      *gate_up, *tokens_per_expert, *dropped, *invalid);
 
   const size_t bytes = cuda::moe_forward_workspace_bytes(d.shape, d.x_dtype, save_gate_up);
   void* ws = nullptr;
@@ -97,22 +85,9 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
     return ffi::Error::InvalidArgument(std::string(op) + ": T * K must be below 2^31");
   }
 
-  cuda::MoeBackwardArgs args{};
-  args.shape = d.shape;
-  args.x_dtype = d.x_dtype;
-  args.weight_dtype = d.weight_dtype;
-  args.capacity = capacity < 0 ? kNoCapacity : capacity;
-  args.x = x.untyped_data();
-  args.expert_ids = expert_ids.typed_data();
-  args.expert_weights = expert_weights.untyped_data();
-  args.w_gate_up = w_gate_up.untyped_data();
-  args.w_down = w_down.untyped_data();
-  args.gate_up = gate_up.untyped_data();
-  args.dy = dy.untyped_data();
-  args.dx = dx->untyped_data();
-  args.d_expert_weights = d_expert_weights->untyped_data();
-  args.d_w_gate_up = d_w_gate_up->untyped_data();
-  args.d_w_down = d_w_down->untyped_data();
+  const MoeBackwardArgs args = ffi_checks::backward_args(
+      d, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity, *dx,
+      *d_expert_weights, *d_w_gate_up, *d_w_down);
 
   const size_t bytes = cuda::moe_backward_workspace_bytes(d.shape, d.x_dtype);
   void* ws = nullptr;

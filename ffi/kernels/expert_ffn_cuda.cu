@@ -1,6 +1,7 @@
 #include "expert_ffn_cuda.h"
 
 #include "cuda_check.h"
+#include "workspace.h"
 #include "grouped_gemm.h"
 #include "mok/bf16.h"
 #include "moe_elementwise.h"
@@ -9,24 +10,7 @@
 namespace mok::cuda {
 namespace {
 
-constexpr size_t kAlign = 256;
-size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-class Carver {
- public:
-  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
-  void* take(size_t bytes) {
-    char* at = base_ ? base_ + used_ : nullptr;
-    used_ += aligned(bytes);
-    return at;
-  }
-  size_t used() const { return used_; }
-
- private:
-  char* base_;
-  size_t used_ = 0;
-};
 
 // expert_begin / tile_begin from group sizes (one thread: E is small).
 __global__ void group_offsets(const int32_t* __restrict__ sizes, int64_t experts, int64_t rows,
@@ -176,7 +160,9 @@ std::string expert_ffn_backward(const ExpertFfnShape& s, DType dtype, DType weig
   return run_weight_grad_gemm(wgrad_gate_up, gemm_ws, gemm_bytes, stream);
 }
 
-size_t combine_workspace_bytes(int64_t pairs) { return aligned(pairs * sizeof(int32_t)); }
+size_t combine_workspace_bytes(int64_t pairs) {
+  return workspace_aligned(pairs * sizeof(int32_t));
+}
 
 std::string combine_kept_rows(DType dtype, DType weight_dtype, const void* rows,
                               const void* weights, const int32_t* kept, int64_t tokens,

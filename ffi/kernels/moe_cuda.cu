@@ -1,6 +1,7 @@
 #include "moe_cuda.h"
 
 #include "cuda_check.h"
+#include "workspace.h"
 #include "grouped_gemm.h"
 #include "moe_elementwise.h"
 #include "routing.h"
@@ -8,25 +9,7 @@
 namespace mok::cuda {
 namespace {
 
-constexpr size_t kAlign = 256;
-size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-// Bump allocator over the caller's workspace; with a null base it only measures.
-class Carver {
- public:
-  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
-  void* take(size_t bytes) {
-    char* at = base_ ? base_ + used_ : nullptr;
-    used_ += aligned(bytes);
-    return at;
-  }
-  size_t used() const { return used_; }
-
- private:
-  char* base_;
-  size_t used_ = 0;
-};
 
 struct ForwardBuffers {
   RoutingPlanDevice plan;

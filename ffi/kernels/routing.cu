@@ -4,12 +4,10 @@
 #include <cub/block/block_scan.cuh>
 
 #include "cuda_check.h"
+#include "workspace.h"
 
 namespace mok::cuda {
 namespace {
-
-constexpr size_t kAlign = 256;
-size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 __device__ __forceinline__ bool valid_expert(int32_t e, int64_t experts) {
   return e >= 0 && e < experts;
@@ -145,30 +143,30 @@ __global__ void place_rows(const int32_t* __restrict__ ids, int64_t pairs, int64
   }
 }
 
+RoutingPlanDevice carve_routing_plan_into(Carver& c, int64_t pairs, int64_t experts) {
+  const int64_t chunks = routing_chunks(pairs);
+  RoutingPlanDevice plan;
+  plan.expert_begin = static_cast<int64_t*>(c.take((experts + 1) * sizeof(int64_t)));
+  plan.tile_begin = static_cast<int64_t*>(c.take((experts + 1) * sizeof(int64_t)));
+  plan.pair_row = static_cast<int32_t*>(c.take(pairs * sizeof(int32_t)));
+  plan.row_pair = static_cast<int32_t*>(c.take(pairs * sizeof(int32_t)));
+  plan.chunk_hist = static_cast<int32_t*>(c.take(chunks * experts * sizeof(int32_t)));
+  plan.chunk_invalid = static_cast<int32_t*>(c.take(chunks * sizeof(int32_t)));
+  return plan;
+}
+
 }  // namespace
 
 size_t routing_plan_bytes(int64_t pairs, int64_t experts) {
   const int64_t chunks = routing_chunks(pairs);
-  return 2 * aligned((experts + 1) * sizeof(int64_t)) + 2 * aligned(pairs * sizeof(int32_t)) +
-         aligned(chunks * experts * sizeof(int32_t)) + aligned(chunks * sizeof(int32_t));
+  Carver c(nullptr);
+  carve_routing_plan_into(c, pairs, experts);
+  return c.used();
 }
 
 RoutingPlanDevice carve_routing_plan(void* scratch, int64_t pairs, int64_t experts) {
-  char* p = static_cast<char*>(scratch);
-  auto take = [&](size_t bytes) {
-    char* at = p;
-    p += aligned(bytes);
-    return at;
-  };
-  const int64_t chunks = routing_chunks(pairs);
-  RoutingPlanDevice plan;
-  plan.expert_begin = reinterpret_cast<int64_t*>(take((experts + 1) * sizeof(int64_t)));
-  plan.tile_begin = reinterpret_cast<int64_t*>(take((experts + 1) * sizeof(int64_t)));
-  plan.pair_row = reinterpret_cast<int32_t*>(take(pairs * sizeof(int32_t)));
-  plan.row_pair = reinterpret_cast<int32_t*>(take(pairs * sizeof(int32_t)));
-  plan.chunk_hist = reinterpret_cast<int32_t*>(take(chunks * experts * sizeof(int32_t)));
-  plan.chunk_invalid = reinterpret_cast<int32_t*>(take(chunks * sizeof(int32_t)));
-  return plan;
+  Carver c(scratch);
+  return carve_routing_plan_into(c, pairs, experts);
 }
 
 std::string build_routing_plan(const int32_t* ids, int64_t pairs, int64_t experts,

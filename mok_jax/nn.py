@@ -8,16 +8,12 @@ an optional DeepSeek-V3 style balancing bias. Its ``__call__`` returns
 
 Sharding is parameter metadata in *logical* axes (``nnx.with_partitioning``):
 
-=================  ==========================  ===========================
-parameter          shape                       logical axes
-=================  ==========================  ===========================
-``router.kernel``  ``[H, E]``                  ``("embed", None)``
-``w_gate_up``      ``[E, H, 2F]``              ``("expert", "embed", "mlp")``
-``w_down``         ``[E, F, H]``               ``("expert", "mlp", "embed")``
-``shared_gate_up`` ``[H, 2Fs]``                ``("embed", "mlp")``
-``shared_down``    ``[Fs, H]``                 ``("mlp", "embed")``
-``balance_bias``   ``[E]``                     ``(None,)`` (replicated)
-=================  ==========================  ===========================
+    router.kernel   [H, E]       ("embed", None)
+    w_gate_up       [E, H, 2F]   ("expert", "embed", "mlp")
+    w_down          [E, F, H]    ("expert", "mlp", "embed")
+    shared_gate_up  [H, 2Fs]     ("embed", "mlp")
+    shared_down     [Fs, H]      ("mlp", "embed")
+    balance_bias    [E]          replicated
 
 `logical_axis_rules` maps them onto a mesh: ``"expert"`` to the expert-parallel
 axis ``"ep"``, ``"batch"`` (tokens) to every data axis (``"dp"`` and ``"ep"``:
@@ -109,8 +105,8 @@ class MoEAux(NamedTuple):
         GShard), where ``f_e`` is the fraction of routed (token, k) pairs that
         chose expert e (``sum_e f_e = 1``; not differentiated) and ``p_e`` the
         mean over tokens of the router probability of e. Equals 1 for perfectly
-        balanced routing, whatever K; grows to E when everything collapses on
-        one expert.
+        balanced routing, whatever K; E / K when every token puts all of its
+        probability on one expert and that expert among its K choices.
       z_loss: ``[]`` f32 router z-loss ``mean_t logsumexp(logits_t) ** 2``.
       tokens_per_expert: ``[E]`` int32 pairs routed to each expert (before
         capacity drops), from `mok_jax.MoEStats`.
@@ -121,6 +117,9 @@ class MoEAux(NamedTuple):
     z_loss: jax.Array
     tokens_per_expert: jax.Array
     dropped: jax.Array
+
+
+_LECUN_NORMAL = nnx.initializers.lecun_normal()
 
 
 def _expert_init(fan_in_axis: int):
@@ -237,7 +236,7 @@ class MoE(nnx.Module):
                  shared_ffn_size: int = 0, capacity_factor: float | None = None,
                  axis_name: str | None = None, batch_axis_names: Sequence[str] = (),
                  backend: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32,
-                 router_kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
+                 router_kernel_init: nnx.Initializer = _LECUN_NORMAL,
                  expert_kernel_init: nnx.Initializer | None = None,
                  rngs: nnx.Rngs):
         for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size),
@@ -278,7 +277,7 @@ class MoE(nnx.Module):
             rngs.params(), (E, F, H), param_dtype))
         if self.shared_ffn_size:
             Fs = self.shared_ffn_size
-            dense_init = nnx.initializers.lecun_normal()
+            dense_init = _LECUN_NORMAL
             self.shared_gate_up = nnx.Param(logical_partitioning(dense_init, ("embed", "mlp"))(
                 rngs.params(), (H, 2 * Fs), param_dtype))
             self.shared_down = nnx.Param(logical_partitioning(dense_init, ("mlp", "embed"))(
@@ -330,7 +329,8 @@ class MoE(nnx.Module):
         expert_ids, weights, logits, probs = self.route(tokens)
 
         w_gate_up, w_down = self.w_gate_up[...], self.w_down[...]
-        dtype = self.dtype or jnp.result_type(tokens.dtype, w_gate_up.dtype, w_down.dtype)
+        dtype = (self.dtype if self.dtype is not None
+                 else jnp.result_type(tokens.dtype, w_gate_up.dtype, w_down.dtype))
         xt, w_gate_up, w_down = (a.astype(dtype) for a in (tokens, w_gate_up, w_down))
         y, stats = mok_jax.moe(xt, expert_ids, weights, w_gate_up, w_down,
                                axis_name=self.axis_name, capacity_factor=self.capacity_factor,

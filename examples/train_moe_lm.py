@@ -1,0 +1,750 @@
+"""Train a byte-level MoE transformer on the Python standard library's source.
+
+    python examples/train_moe_lm.py                     # tiny preset: CPU, a few minutes
+    python examples/train_moe_lm.py --preset h200       # sized for one H200 (bf16)
+    python examples/train_moe_lm.py --dp 4 --ep 2       # over 8 devices (tokens on all)
+    python examples/train_moe_lm.py --host-devices 8 --dp 8    # 8 CPU devices
+    python examples/train_moe_lm.py --resume            # continue from OUT/ckpt
+
+The corpus is every ``*.py`` file of the running Python's standard library
+(``sysconfig.get_paths()['stdlib']``, site-packages excluded), read as bytes in
+sorted path order; about 5% of the files (chosen by a hash of their path) are
+held out for evaluation. The model is a decoder-only transformer (RMSNorm,
+causal self-attention with RoPE, a `mok_jax.nn.MoE` feed-forward in every
+block), trained with AdamW, linear warm-up and cosine decay under one
+``jax.jit`` step. Parameters are sharded by their logical axes: experts over
+``ep``, everything else replicated; tokens over ``dp`` and ``ep``.
+
+Writes to ``--out`` (default ``runs/<preset>``): ``log.json`` (config, every
+step's losses, eval losses, tokens/s, MFU), ``loss.png`` and orbax checkpoints
+under ``ckpt/``. A run continued with ``--resume`` is bitwise identical to an
+uninterrupted one (batches depend only on the seed and the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import sysconfig
+import time
+import zlib
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from mok_jax import nn as mnn
+
+VOCAB = 256  # bytes
+
+# --------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Model and training hyper-parameters (one preset = one Config)."""
+
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_experts: int = 8
+    top_k: int = 2
+    expert_ffn: int = 256
+    shared_ffn: int = 0
+    score_fn: str = "softmax"
+    capacity_factor: float | None = None
+    dtype: str = "float32"           # computation dtype; parameters are float32
+    attention: str = "xla"           # jax.nn.dot_product_attention implementation
+    seq: int = 128
+    batch: int = 16
+    steps: int = 400
+    lr: float = 3e-3
+    warmup: int = 40
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    balance: str = "aux"             # "aux" (loss), "bias" (DeepSeek-V3) or "none"
+    aux_coef: float = 1e-2
+    z_coef: float = 1e-3
+    bias_rate: float = 1e-3
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 20
+    ckpt_every: int = 200
+    seed: int = 0
+
+
+PRESETS: dict[str, Config] = {
+    # 1.8M parameters (0.6M active per token), 2k tokens per step: ~2 minutes on 2 CPU cores.
+    "tiny": Config(),
+    # One H200: 1.26B parameters (0.2B active per token), 32k tokens per step.
+    "h200": Config(d_model=1024, n_layers=12, n_heads=16, n_experts=32, top_k=4,
+                   expert_ffn=1024, shared_ffn=0, dtype="bfloat16", seq=1024, batch=32,
+                   steps=2000, lr=1e-3, warmup=200, eval_every=250, eval_batches=16,
+                   log_every=25, ckpt_every=500),
+}
+
+
+def param_counts(cfg: Config) -> dict[str, int]:
+    """Parameter counts: total, and active per token (what one token multiplies)."""
+    d, L = cfg.d_model, cfg.n_layers
+    attention = 4 * d * d
+    norms = 2 * d
+    router = d * cfg.n_experts
+    expert = 3 * d * cfg.expert_ffn
+    shared = 3 * d * cfg.shared_ffn
+    embed = VOCAB * d
+    unembed = d * VOCAB
+    total = L * (attention + norms + router + cfg.n_experts * expert + shared) + embed + d + unembed
+    active = L * (attention + norms + router + cfg.top_k * expert + shared) + embed + d + unembed
+    return {"total": total, "active": active}
+
+
+def flops_per_token(cfg: Config) -> float:
+    """Training FLOPs per token (forward + backward), PaLM appendix B convention:
+    ``6 * N_matmul + 12 * L * d * S``, where N_matmul counts the weights a token
+    multiplies (attention, router, K experts, shared expert, unembedding; not the
+    embedding lookup or norms) and the second term is the attention scores and
+    values over the full (uncausal) sequence."""
+    d, L = cfg.d_model, cfg.n_layers
+    per_layer = 4 * d * d + d * cfg.n_experts + cfg.top_k * 3 * d * cfg.expert_ffn \
+        + 3 * d * cfg.shared_ffn
+    n_matmul = L * per_layer + d * VOCAB
+    return 6.0 * n_matmul + 12.0 * L * d * cfg.seq
+
+
+# --------------------------------------------------------------------------------------
+# Corpus: the standard library's Python sources, as bytes
+# --------------------------------------------------------------------------------------
+
+
+class Corpus(NamedTuple):
+    train: np.ndarray   # [N] uint8
+    eval: np.ndarray    # [M] uint8
+    root: str
+    train_files: int
+    eval_files: int
+
+
+EVAL_FRACTION_PERCENT = 5
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def load_corpus(root: str | None = None) -> Corpus:
+    """Every ``*.py`` under ``root`` (default: the stdlib; site-packages and
+    caches skipped), sorted by relative path. A file is held out for evaluation
+    when ``crc32(relative path) % 100 < 5``: the split does not move when files
+    are added elsewhere. Files are joined with a NUL byte."""
+    root = os.path.abspath(root or stdlib_root())
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(".")]
+        for name in filenames:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
+                paths.append(rel)
+    paths.sort()
+    train, held_out = [], []
+    for rel in paths:
+        with open(os.path.join(root, rel), "rb") as f:
+            data = f.read()
+        split = held_out if zlib.crc32(rel.encode()) % 100 < EVAL_FRACTION_PERCENT else train
+        split.append(data)
+    if not train or not held_out:
+        raise SystemExit(f"corpus at {root} has too few .py files ({len(paths)}) to split")
+    join = lambda parts: np.frombuffer(b"\0".join(parts), np.uint8)  # noqa: E731
+    return Corpus(join(train), join(held_out), root, len(train), len(held_out))
+
+
+def batch_at(data: np.ndarray, step: int, cfg: Config, *, stream: int = 0) -> np.ndarray:
+    """The batch of ``step``: ``[batch, seq + 1]`` int32 windows at positions drawn
+    from ``(seed, stream, step)`` alone, so that a resumed run sees the same data."""
+    rng = np.random.default_rng([cfg.seed, stream, step])
+    starts = rng.integers(0, len(data) - cfg.seq - 1, size=cfg.batch)
+    return np.stack([data[s:s + cfg.seq + 1] for s in starts]).astype(np.int32)
+
+
+EVAL_STREAM = 1
+
+
+# --------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------
+
+
+def _dense_init(axes, scale=1.0):
+    init = nnx.initializers.variance_scaling(scale, "fan_in", "truncated_normal")
+    return mnn.logical_partitioning(init, axes)
+
+
+def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary position embedding over ``x`` ``[B, S, N, D]`` (positions 0..S-1)."""
+    _, seq, _, dim = x.shape
+    inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)        # [D/2]
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [S, D/2]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.astype(x.dtype)
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head causal self-attention with RoPE: ``[B, S, d] -> [B, S, d]``."""
+
+    def __init__(self, *, d_model: int, n_heads: int, n_layers: int, dtype, implementation: str,
+                 rngs: nnx.Rngs):
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not a multiple of n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.implementation = implementation
+        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype,
+                              kernel_init=_dense_init(("embed", "heads")), rngs=rngs)
+        # Residual branches scaled down with depth (GPT-2).
+        self.out = nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype,
+                              kernel_init=_dense_init(("heads", "embed"), 1.0 / (2 * n_layers)),
+                              rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        batch, seq, d_model = x.shape
+        heads = self.n_heads
+        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
+        q, k, v = (a.reshape(batch, seq, heads, d_model // heads) for a in (q, k, v))
+        o = jax.nn.dot_product_attention(rope(q), rope(k), v, is_causal=True,
+                                         implementation=self.implementation)
+        return self.out(o.reshape(batch, seq, d_model))
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: attention, then a `mok_jax.nn.MoE` FFN."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, moe_kwargs: dict | None = None):
+        dtype = jnp.dtype(cfg.dtype)
+        self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
+        self.attn = CausalSelfAttention(d_model=cfg.d_model, n_heads=cfg.n_heads,
+                                        n_layers=cfg.n_layers, dtype=dtype,
+                                        implementation=cfg.attention, rngs=rngs)
+        self.ffn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
+        self.moe = mnn.MoE(hidden_size=cfg.d_model, ffn_size=cfg.expert_ffn,
+                           num_experts=cfg.n_experts, top_k=cfg.top_k, score_fn=cfg.score_fn,
+                           renormalize=cfg.top_k > 1, balance_bias=cfg.balance == "bias",
+                           shared_ffn_size=cfg.shared_ffn, capacity_factor=cfg.capacity_factor,
+                           dtype=dtype, rngs=rngs, **(moe_kwargs or {}))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, mnn.MoEAux]:
+        x = x + self.attn(self.attn_norm(x))
+        h, aux = self.moe(self.ffn_norm(x))
+        return x + h, aux
+
+
+class MoELM(nnx.Module):
+    """Byte-level decoder: ``tokens [B, S] int32 -> (logits [B, S, 256] f32,
+    [MoEAux] * n_layers)``.
+
+    ``moe_kwargs`` go to every `mok_jax.nn.MoE` (e.g. ``axis_name`` and
+    ``batch_axis_names`` to run the model inside ``jax.shard_map``)."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, moe_kwargs: dict | None = None):
+        dtype = jnp.dtype(cfg.dtype)
+        self.embed = nnx.Embed(VOCAB, cfg.d_model, dtype=dtype, rngs=rngs,
+                               embedding_init=mnn.logical_partitioning(
+                                   nnx.initializers.normal(1.0), ("vocab", "embed")))
+        self.blocks = nnx.List([Block(cfg, rngs=rngs, moe_kwargs=moe_kwargs)
+                                for _ in range(cfg.n_layers)])
+        self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
+        self.unembed = nnx.Linear(cfg.d_model, VOCAB, use_bias=False, dtype=dtype,
+                                  kernel_init=_dense_init(("embed", "vocab")), rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, list[mnn.MoEAux]]:
+        x = self.embed(tokens)
+        auxes = []
+        for block in self.blocks:
+            x, aux = block(x)
+            auxes.append(aux)
+        return self.unembed(self.final_norm(x)).astype(jnp.float32), auxes
+
+
+# --------------------------------------------------------------------------------------
+# Training state, step, evaluation
+# --------------------------------------------------------------------------------------
+
+
+class TrainState(NamedTuple):
+    step: jax.Array        # [] int32
+    params: nnx.State      # nnx.Param leaves
+    bias: nnx.State        # mok_jax.nn.BalanceBias leaves (empty unless balance="bias")
+    opt: Any               # optax state
+
+
+def make_optimizer(cfg: Config):
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, warmup_steps=cfg.warmup, decay_steps=max(cfg.steps, cfg.warmup + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio)
+    # No weight decay on norms (vectors); matrices and expert stacks decay.
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
+                                 mask=decay_mask))
+    return tx, schedule
+
+
+def make_mesh(dp: int, ep: int, devices=None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    if dp < 1 or ep < 1 or dp * ep > len(devices):
+        raise SystemExit(f"--dp {dp} --ep {ep} needs {dp * ep} devices; {len(devices)} visible")
+    grid = np.array(devices[:dp * ep], dtype=object).reshape(dp, ep)
+    return Mesh(grid, ("dp", "ep"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Tokens (the batch dimension) over every mesh axis."""
+    return NamedSharding(mesh, P(("dp", "ep")))
+
+
+def abstract_model(cfg: Config, **moe_kwargs) -> MoELM:
+    return nnx.eval_shape(lambda: MoELM(cfg, rngs=nnx.Rngs(cfg.seed), moe_kwargs=moe_kwargs))
+
+
+def init_state(cfg: Config, mesh: Mesh, tx) -> tuple[nnx.GraphDef, TrainState, Any]:
+    """Builds the model and optimizer state directly in their shardings.
+
+    Returns ``(graphdef, state, state_shardings)``. Values do not depend on the
+    mesh (random bits are sharding-invariant)."""
+
+    def init():
+        model = MoELM(cfg, rngs=nnx.Rngs(cfg.seed))
+        _, params, bias = nnx.split(model, nnx.Param, mnn.BalanceBias)
+        return TrainState(jnp.zeros((), jnp.int32), params, bias, tx.init(params))
+
+    graphdef = nnx.split(abstract_model(cfg), nnx.Param, mnn.BalanceBias)[0]
+    shardings = mnn.named_shardings(jax.eval_shape(init), mesh)
+    state = jax.jit(init, out_shardings=shardings)()
+    return graphdef, state, shardings
+
+
+def _aux_totals(auxes: list[mnn.MoEAux]):
+    aux_loss = sum(a.aux_loss for a in auxes) / len(auxes)
+    z_loss = sum(a.z_loss for a in auxes) / len(auxes)
+    tokens_per_expert = jnp.stack([a.tokens_per_expert for a in auxes])   # [L, E]
+    dropped = sum(a.dropped for a in auxes)
+    return aux_loss, z_loss, tokens_per_expert, dropped
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def _global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)))
+
+
+def make_train_step(cfg: Config, graphdef, tx, schedule):
+    """``(state, batch [B, S+1] int32) -> (state, metrics)``, pure (jit it)."""
+    import optax
+
+    aux_coef = cfg.aux_coef if cfg.balance == "aux" else 0.0
+
+    def loss_fn(params, bias, batch):
+        model = nnx.merge(graphdef, params, bias)
+        logits, auxes = model(batch[:, :-1])
+        ce = cross_entropy(logits, batch[:, 1:])
+        aux_loss, z_loss, tokens_per_expert, dropped = _aux_totals(auxes)
+        loss = ce + aux_coef * aux_loss + cfg.z_coef * z_loss
+        return loss, (ce, aux_loss, z_loss, tokens_per_expert, dropped)
+
+    def train_step(state: TrainState, batch: jax.Array):
+        (loss, (ce, aux_loss, z_loss, tpe, dropped)), grads = jax.value_and_grad(
+            loss_fn, has_aux=True)(state.params, state.bias, batch)
+        updates, opt = tx.update(grads, state.opt, state.params)
+        params = optax.apply_updates(state.params, updates)
+        bias = state.bias
+        if cfg.balance == "bias":
+            model = nnx.merge(graphdef, params, state.bias)
+            for (_, layer), counts in zip(mnn.moe_layers(model), tpe):
+                layer.update_balance_bias(counts, cfg.bias_rate)
+            bias = nnx.state(model, mnn.BalanceBias)
+        counts = tpe.astype(jnp.float32)
+        metrics = {
+            "loss": loss, "ce": ce, "aux": aux_loss, "z": z_loss,
+            "grad_norm": _global_norm(grads), "lr": schedule(state.step),
+            # Busiest expert over the mean, worst layer: 1.0 is perfect balance.
+            "load_max": jnp.max(jnp.max(counts, axis=1) / jnp.mean(counts, axis=1)),
+            "dropped": dropped,
+        }
+        return TrainState(state.step + 1, params, bias, opt), metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef):
+    def eval_step(params, bias, batch):
+        logits, _ = nnx.merge(graphdef, params, bias)(batch[:, :-1])
+        return cross_entropy(logits, batch[:, 1:])
+
+    return eval_step
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoints, logs, plot
+# --------------------------------------------------------------------------------------
+
+
+def checkpoint_manager(directory: str):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+
+def save_checkpoint(manager, state: TrainState) -> None:
+    import orbax.checkpoint as ocp
+
+    manager.save(int(state.step), args=ocp.args.StandardSave(state._asdict()))
+
+
+def restore_checkpoint(manager, step: int, like: TrainState, shardings: TrainState) -> TrainState:
+    import orbax.checkpoint as ocp
+
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          like._asdict(), shardings._asdict())
+    return TrainState(**manager.restore(step, args=ocp.args.StandardRestore(target)))
+
+
+def write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def plot_losses(log: dict, path: str) -> None:
+    """Train loss (per step and smoothed) and eval loss against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in log["train"]]
+    ce = [r["ce"] for r in log["train"]]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    if steps:
+        ax.plot(steps, ce, color="tab:blue", alpha=0.25, lw=0.8, label="train (per step)")
+        smooth, ema = [], ce[0]
+        for v in ce:
+            ema = 0.95 * ema + 0.05 * v
+            smooth.append(ema)
+        ax.plot(steps, smooth, color="tab:blue", lw=1.6, label="train (EMA 0.95)")
+    if log["eval"]:
+        ax.plot([r["step"] for r in log["eval"]], [r["loss"] for r in log["eval"]], "o-",
+                color="tab:orange", lw=1.6, label="eval (held-out files)")
+    ax.axhline(math.log(VOCAB), color="gray", ls=":", lw=1, label="uniform (ln 256)")
+    summary = log.get("summary", {})
+    title = f"mok_jax MoE LM, preset {log['preset']}: {log['mesh_desc']}"
+    if summary.get("tokens_per_s"):
+        title += f", {summary['tokens_per_s']:,.0f} tokens/s"
+    ax.set(xlabel="step", ylabel="cross-entropy (nats / byte)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------
+
+
+def config_from_args(args) -> Config:
+    cfg = PRESETS[args.preset]
+    overrides = {name: getattr(args, name) for name in
+                 ("steps", "batch", "seq", "lr", "seed", "balance", "eval_every", "ckpt_every",
+                  "log_every", "eval_batches", "attention", "dtype")
+                 if getattr(args, name, None) is not None}
+    if overrides.get("steps") is not None:
+        overrides.setdefault("warmup", min(cfg.warmup, max(1, overrides["steps"] // 10)))
+    return dataclasses.replace(cfg, **overrides)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:8]))
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--steps", type=int, help="total optimizer steps (the schedule's length)")
+    parser.add_argument("--batch", type=int, help="sequences per step (global)")
+    parser.add_argument("--seq", type=int, help="bytes per sequence")
+    parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--balance", choices=["aux", "bias", "none"],
+                        help="load balancing: aux loss, DeepSeek-V3 bias, or none")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="computation dtype")
+    parser.add_argument("--attention", choices=["xla", "cudnn"],
+                        help="jax.nn.dot_product_attention implementation")
+    parser.add_argument("--eval-every", type=int)
+    parser.add_argument("--eval-batches", type=int)
+    parser.add_argument("--log-every", type=int)
+    parser.add_argument("--ckpt-every", type=int)
+    parser.add_argument("--out", help="output directory (default runs/<preset>)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in OUT/ckpt")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete OUT/ckpt's checkpoints and start from step 0")
+    parser.add_argument("--stop-after", type=int, metavar="N",
+                        help="stop (with a checkpoint) after N steps of this invocation, as if "
+                             "interrupted; the schedule still runs to --steps")
+    parser.add_argument("--dp", type=int, help="data-parallel mesh axis (default: devices / ep)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel mesh axis")
+    parser.add_argument("--host-devices", type=int, metavar="N",
+                        help="run on N CPU devices (sets jax_num_cpu_devices; CPU only)")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="per-device peak for MFU (default 989 on GPU, H200 bf16 dense)")
+    parser.add_argument("--data-dir", help="train on the *.py files under this directory "
+                                           "instead of the standard library")
+    parser.add_argument("--trace-only", action="store_true",
+                        help="build the model and trace one train step (jax.eval_shape), "
+                             "print sizes and FLOPs, exit; nothing runs")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return parser.parse_args(argv)
+
+
+def use_host_devices(n: int) -> None:
+    """N CPU devices; must run before JAX initializes its backends."""
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def describe(cfg: Config) -> str:
+    counts = param_counts(cfg)
+    return (f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
+            f"E={cfg.n_experts} top-{cfg.top_k} F={cfg.expert_ffn}"
+            + (f" shared {cfg.shared_ffn}" if cfg.shared_ffn else "")
+            + f", {counts['total'] / 1e6:.2f}M params ({counts['active'] / 1e6:.2f}M active), "
+            f"{cfg.dtype}, batch {cfg.batch} x seq {cfg.seq}")
+
+
+def trace_only(cfg: Config) -> dict:
+    """Shapes of one train step, traced with jax.eval_shape (nothing is computed)."""
+    tx, schedule = make_optimizer(cfg)
+    model = abstract_model(cfg)
+    graphdef, params, bias = nnx.split(model, nnx.Param, mnn.BalanceBias)
+    state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, bias,
+                       jax.eval_shape(tx.init, params))
+    batch = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
+    new_state, metrics = jax.eval_shape(make_train_step(cfg, graphdef, tx, schedule), state, batch)
+    n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(new_state.params))
+    return {"params": n_params, "metrics": {k: (v.shape, str(v.dtype)) for k, v in metrics.items()},
+            "flops_per_token": flops_per_token(cfg)}
+
+
+def train(args) -> dict:
+    """Runs training as configured by ``args`` (from `parse_args`); returns the log."""
+    if args.host_devices:
+        use_host_devices(args.host_devices)
+    cfg = config_from_args(args)
+    if args.trace_only:
+        info = trace_only(cfg)
+        print(f"preset {args.preset}: {describe(cfg)}")
+        print(f"traced one step: {info['params']:,} parameters, "
+              f"{info['flops_per_token'] / 1e9:.3f} GFLOP per token; metrics {info['metrics']}")
+        return {"trace": info}
+
+    out = args.out or os.path.join("runs", args.preset)
+    os.makedirs(out, exist_ok=True)
+
+    devices = jax.devices()
+    ep = args.ep
+    dp = args.dp if args.dp is not None else max(1, len(devices) // ep)
+    mesh = make_mesh(dp, ep, devices)
+    if cfg.batch % (dp * ep):
+        raise SystemExit(f"--batch {cfg.batch} must be a multiple of dp*ep = {dp * ep}")
+    platform = devices[0].platform
+    peak = args.peak_tflops or (989.0 if platform == "gpu" else None)
+
+    corpus = load_corpus(args.data_dir)
+    # Everything traced from here on sees the mesh (so that mok_jax.moe partitions
+    # itself over it) and the logical axis rules (so that Flax's eager sharding of
+    # new variables agrees with the shardings computed by named_shardings).
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(mnn.logical_axis_rules(mesh.axis_names)):
+        return _train_on_mesh(args, cfg, mesh, corpus, out, peak)
+
+
+def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak) -> dict:
+    ckpt_dir = os.path.join(out, "ckpt")
+    log_path = os.path.join(out, "log.json")
+    dp, ep = mesh.shape["dp"], mesh.shape["ep"]
+    platform = mesh.devices.flat[0].platform
+    device_kind = mesh.devices.flat[0].device_kind
+    tx, schedule = make_optimizer(cfg)
+    graphdef, state, shardings = init_state(cfg, mesh, tx)
+    manager = checkpoint_manager(ckpt_dir)
+    latest = manager.latest_step()
+    log = None
+    if args.resume and latest is not None:
+        state = restore_checkpoint(manager, latest, state, shardings)
+        if os.path.exists(log_path):
+            with open(log_path) as f:
+                log = json.load(f)
+            for key in ("train", "eval", "throughput"):
+                log[key] = [r for r in log[key] if r["step"] <= latest]
+        print(f"resumed from {ckpt_dir} at step {latest}")
+    elif latest is not None:
+        if not args.overwrite:
+            raise SystemExit(f"{ckpt_dir} holds checkpoints (latest step {latest}): pass --resume "
+                             "to continue or --overwrite to start over")
+        manager.close()
+        shutil.rmtree(ckpt_dir)
+        manager = checkpoint_manager(ckpt_dir)
+    elif args.resume:
+        print(f"no checkpoint in {ckpt_dir}: starting from step 0")
+
+    mesh_desc = f"dp={dp} ep={ep} on {dp * ep} {platform} device(s)"
+    if log is None:
+        log = {"preset": args.preset, "train": [], "eval": [], "throughput": []}
+    log.update({
+        "config": dataclasses.asdict(cfg), "mesh": {"dp": dp, "ep": ep}, "mesh_desc": mesh_desc,
+        "platform": platform, "device_kind": device_kind, "jax": jax.__version__,
+        "corpus": {"root": corpus.root, "train_files": corpus.train_files,
+                   "eval_files": corpus.eval_files, "train_bytes": int(corpus.train.size),
+                   "eval_bytes": int(corpus.eval.size)},
+        "param_counts": param_counts(cfg), "flops_per_token": flops_per_token(cfg),
+    })
+    print(f"preset {args.preset}: {describe(cfg)}")
+    print(f"mesh {mesh_desc}; corpus {corpus.root}: {corpus.train_files} train files "
+          f"({corpus.train.size / 1e6:.1f} MB), {corpus.eval_files} held out "
+          f"({corpus.eval.size / 1e6:.1f} MB)")
+
+    tokens_sharding = batch_sharding(mesh)
+    metric_sharding = NamedSharding(mesh, P())
+    train_step = jax.jit(make_train_step(cfg, graphdef, tx, schedule),
+                         in_shardings=(shardings, tokens_sharding),
+                         out_shardings=(shardings, metric_sharding), donate_argnums=(0,))
+    eval_step = jax.jit(make_eval_step(graphdef),
+                        in_shardings=(shardings.params, shardings.bias, tokens_sharding),
+                        out_shardings=metric_sharding)
+    eval_set = [batch_at(corpus.eval, i, cfg, stream=EVAL_STREAM)
+                for i in range(cfg.eval_batches)]
+
+    def evaluate(state: TrainState) -> float:
+        losses = [eval_step(state.params, state.bias, jax.device_put(b, tokens_sharding))
+                  for b in eval_set]
+        return float(np.mean([float(v) for v in losses]))
+
+    start = int(state.step)
+    stop = cfg.steps if args.stop_after is None else min(cfg.steps, start + args.stop_after)
+    if not any(r["step"] == start for r in log["eval"]):
+        log["eval"].append({"step": start, "loss": evaluate(state)})
+        print(f"step {start}: eval loss {log['eval'][-1]['loss']:.4f}")
+
+    progress = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True,
+                        desc=args.preset)
+    tokens_per_step = cfg.batch * cfg.seq
+    pending: list[tuple[int, dict]] = []
+    t_run = time.perf_counter()
+    t_mark, steps_since_mark, compile_s = None, 0, None
+
+    def flush():
+        for step_done, metrics in jax.device_get(pending):
+            log["train"].append({"step": step_done, **{k: float(v) for k, v in metrics.items()}})
+        pending.clear()
+
+    for step in range(start, stop):
+        batch = jax.device_put(batch_at(corpus.train, step, cfg), tokens_sharding)
+        state, metrics = train_step(state, batch)
+        pending.append((step + 1, metrics))
+        done = step + 1
+        if t_mark is None:  # the first step compiles: time it apart
+            jax.block_until_ready(metrics)
+            compile_s = time.perf_counter() - t_run
+            t_mark, steps_since_mark = time.perf_counter(), 0
+        else:
+            steps_since_mark += 1
+        if done % cfg.log_every == 0 or done == stop:
+            flush()
+            now = time.perf_counter()
+            if steps_since_mark:
+                dt = (now - t_mark) / steps_since_mark
+                row = {"step": done, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+                if peak:
+                    row["mfu"] = row["tokens_per_s"] * flops_per_token(cfg) / (
+                        peak * 1e12 * dp * ep)
+                log["throughput"].append(row)
+            last = log["train"][-1]
+            if progress is not None:
+                tps = log["throughput"][-1]["tokens_per_s"] if log["throughput"] else float("nan")
+                progress.set_postfix(loss=f"{last['ce']:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+            t_mark, steps_since_mark = time.perf_counter(), 0
+        if progress is not None:
+            progress.update(1)
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            flush()
+            log["eval"].append({"step": done, "loss": evaluate(state)})
+            msg = f"step {done}: eval loss {log['eval'][-1]['loss']:.4f}"
+            (progress.write if progress is not None else print)(msg)
+            t_mark, steps_since_mark = time.perf_counter(), 0  # evaluating is not training
+        if done % cfg.ckpt_every == 0 or done == stop:
+            flush()
+            save_checkpoint(manager, state)
+            write_json(log_path, log)
+            t_mark, steps_since_mark = time.perf_counter(), 0  # nor is saving
+    flush()
+    if progress is not None:
+        progress.close()
+    manager.wait_until_finished()
+    manager.close()
+
+    wall = time.perf_counter() - t_run
+    rates = [r["tokens_per_s"] for r in log["throughput"]]
+    summary = {"steps": int(state.step), "wall_s_this_run": wall, "compile_s": compile_s,
+               "initial_eval_loss": log["eval"][0]["loss"],
+               "final_eval_loss": log["eval"][-1]["loss"],
+               "tokens_per_s": statistics.median(rates) if rates else None}
+    if peak and rates:
+        summary["model_tflops_per_s"] = summary["tokens_per_s"] * flops_per_token(cfg) / 1e12
+        summary["mfu"] = summary["model_tflops_per_s"] / (peak * dp * ep)
+        summary["peak_tflops_per_device"] = peak
+    log["summary"] = summary
+    write_json(log_path, log)
+    plot_losses(log, os.path.join(out, "loss.png"))
+
+    line = (f"done: step {summary['steps']}, eval loss {summary['initial_eval_loss']:.4f} -> "
+            f"{summary['final_eval_loss']:.4f} ({summary['final_eval_loss'] / math.log(2):.3f} "
+            f"bits/byte) in {wall:.1f} s")
+    if summary["tokens_per_s"]:
+        line += f", {summary['tokens_per_s']:,.0f} tokens/s"
+    if "mfu" in summary:
+        line += (f", {summary['model_tflops_per_s']:.1f} model TFLOP/s, "
+                 f"MFU {100 * summary['mfu']:.1f}% of {peak:g} TFLOP/s x {dp * ep}")
+    print(line)
+    print(f"wrote {log_path}, {os.path.join(out, 'loss.png')}, checkpoints in {ckpt_dir}")
+    return log
+
+
+def main(argv=None) -> dict:
+    return train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

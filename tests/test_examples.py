@@ -1,0 +1,245 @@
+"""The examples: train_moe_lm.py (training falls, logs, plot, checkpoints, bitwise
+resume, the h200 preset traces) and mesh_experiments.py (every mesh agrees), from
+their command lines and in process."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_bitwise
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+sys.path.insert(0, EXAMPLES)
+
+import train_moe_lm as lm  # noqa: E402
+
+# The examples' dependencies (the `examples` extra) are required, not skipped on:
+# a missing one fails here, by name.
+import matplotlib  # noqa: E402,F401
+import optax  # noqa: E402,F401
+import orbax.checkpoint  # noqa: E402,F401
+import tqdm  # noqa: E402,F401
+
+# A short tiny-preset run: 8 x 64 bytes per step on one device.
+STEPS = 40
+SMALL = ["--batch", "8", "--seq", "64", "--eval-batches", "4", "--log-every", "5",
+         "--ckpt-every", "10", "--dp", "1", "--no-progress"]
+
+
+def _run_script(name, *args, timeout=240):
+    # The environment as it is: the scripts import whichever mok_jax this session
+    # would (the installed package in CI, never the uncompiled source tree).
+    return subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    log = lm.main(["--steps", str(STEPS), "--eval-every", "20", "--out", str(out), *SMALL])
+    return out, log
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resumed")
+    common = ["--steps", str(STEPS), "--eval-every", "20", "--out", str(out), *SMALL]
+    first = lm.main([*common, "--stop-after", str(STEPS // 2)])
+    log = lm.main([*common, "--resume"])
+    return out, first, log
+
+
+# --------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------
+
+
+def test_tiny_training_eval_loss_falls(straight_run):
+    _, log = straight_run
+    evals = log["eval"]
+    assert [e["step"] for e in evals] == [0, 20, 40]
+    initial, final = evals[0]["loss"], evals[-1]["loss"]
+    assert abs(initial - math.log(256)) < 1.0, initial  # starts near uniform over bytes
+    assert final < 0.8 * initial, (initial, final)
+    assert log["summary"]["final_eval_loss"] == final
+    assert log["summary"]["steps"] == STEPS
+
+
+def test_log_json_and_loss_png(straight_run):
+    out, log = straight_run
+    with open(out / "log.json") as f:
+        on_disk = json.load(f)
+    assert on_disk["train"] == log["train"] and on_disk["eval"] == log["eval"]
+    assert [r["step"] for r in on_disk["train"]] == list(range(1, STEPS + 1))
+    for r in on_disk["train"]:
+        assert all(math.isfinite(r[k]) for k in ("loss", "ce", "aux", "z", "grad_norm", "lr"))
+        assert r["load_max"] >= 1.0 and r["dropped"] == 0
+    # Warm-up then cosine decay.
+    lrs = [r["lr"] for r in on_disk["train"]]
+    peak = int(np.argmax(lrs))
+    assert lrs[0] == 0.0 and 0 < peak < STEPS - 1 and lrs[-1] < lrs[peak]
+    assert on_disk["throughput"] and all(r["tokens_per_s"] > 0 for r in on_disk["throughput"])
+    assert on_disk["summary"]["tokens_per_s"] > 0
+    corpus = on_disk["corpus"]
+    assert corpus["train_files"] > 10 * corpus["eval_files"] > 0
+    assert on_disk["param_counts"] == lm.param_counts(lm.Config(**on_disk["config"]))
+    with open(out / "loss.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(out / "loss.png") > 10_000
+
+
+def test_resume_is_bitwise_identical(straight_run, resumed_run):
+    straight_out, straight = straight_run
+    resumed_out, first, resumed = resumed_run
+    assert first["summary"]["steps"] == STEPS // 2
+    assert [r["step"] for r in resumed["train"]] == list(range(1, STEPS + 1))
+    # Every logged metric of every step, and every eval, is the same number.
+    assert resumed["train"] == straight["train"]
+    assert resumed["eval"] == straight["eval"]
+    # And the final parameters and optimizer state are the same bits.
+    cfg = lm.Config(**straight["config"])
+    mesh = lm.make_mesh(1, 1, jax.devices()[:1])
+    tx, _ = lm.make_optimizer(cfg)
+    _, like, shardings = lm.init_state(cfg, mesh, tx)
+    states = []
+    for out in (straight_out, resumed_out):
+        manager = lm.checkpoint_manager(os.path.join(out, "ckpt"))
+        assert manager.latest_step() == STEPS
+        states.append(lm.restore_checkpoint(manager, STEPS, like, shardings))
+        manager.close()
+    a, b = states
+    assert int(a.step) == int(b.step) == STEPS
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b) > 10
+    for x, y in zip(leaves_a, leaves_b):
+        assert_bitwise(x, y, "final state, straight vs resumed")
+
+
+def test_checkpoint_round_trip_is_bitwise(tmp_path):
+    cfg = lm.Config(balance="bias")  # with BalanceBias state too
+    mesh = lm.make_mesh(2, 1, jax.devices()[:2])
+    tx, _ = lm.make_optimizer(cfg)
+    _, state, shardings = lm.init_state(cfg, mesh, tx)
+    # Make the optimizer state non-trivial and the step non-zero.
+    state = state._replace(step=jnp.int32(7), opt=jax.tree.map(lambda a: a + 0.5, state.opt))
+    assert jax.tree.leaves(state.bias)
+    manager = lm.checkpoint_manager(str(tmp_path / "ckpt"))
+    lm.save_checkpoint(manager, state)
+    manager.wait_until_finished()
+    restored = lm.restore_checkpoint(manager, 7, state, shardings)
+    manager.close()
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for x, y, s in zip(jax.tree.leaves(restored), jax.tree.leaves(state),
+                       jax.tree.leaves(shardings)):
+        assert_bitwise(x, y, "restored checkpoint")
+        assert x.sharding == s
+
+
+def test_refuses_to_overwrite_checkpoints_without_flag(straight_run):
+    out, _ = straight_run
+    with pytest.raises(SystemExit, match="--resume"):
+        lm.main(["--steps", "2", "--out", str(out), *SMALL])
+
+
+def test_corpus_split_is_by_file_and_deterministic():
+    a, b = lm.load_corpus(), lm.load_corpus()
+    assert np.array_equal(a.train, b.train) and np.array_equal(a.eval, b.eval)
+    assert a.root == lm.stdlib_root()
+    # The held-out text does not occur in the training text (split by whole files).
+    probe = bytes(a.eval[1000:1400])
+    assert probe not in bytes(a.train)
+    cfg = lm.Config(batch=4, seq=32)
+    np.testing.assert_array_equal(lm.batch_at(a.train, 5, cfg), lm.batch_at(a.train, 5, cfg))
+    assert not np.array_equal(lm.batch_at(a.train, 5, cfg), lm.batch_at(a.train, 6, cfg))
+    assert lm.batch_at(a.train, 5, cfg).shape == (4, 33)
+
+
+def test_h200_preset_traces():
+    cfg = lm.PRESETS["h200"]
+    info = lm.trace_only(cfg)
+    assert info["params"] == lm.param_counts(cfg)["total"]
+    assert 1e9 < info["params"] < 2e9
+    assert info["metrics"]["loss"] == ((), "float32")
+    # Model FLOPs per token: 6 * active matmul weights + attention.
+    n = cfg.n_layers * (4 * cfg.d_model ** 2 + cfg.d_model * cfg.n_experts
+                        + cfg.top_k * 3 * cfg.d_model * cfg.expert_ffn) + cfg.d_model * 256
+    assert info["flops_per_token"] == 6 * n + 12 * cfg.n_layers * cfg.d_model * cfg.seq
+
+
+def test_param_counts_match_the_model():
+    from flax import nnx
+
+    cfg = lm.Config(shared_ffn=32)
+    model = lm.abstract_model(cfg)
+    n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n == lm.param_counts(cfg)["total"]
+
+
+# --------------------------------------------------------------------------------------
+# Command lines
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", ["train_moe_lm.py", "mesh_experiments.py"])
+def test_help(script):
+    proc = _run_script(script, "--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout
+    for flag in {"train_moe_lm.py": ["--preset", "--resume", "--dp", "--ep", "--out"],
+                 "mesh_experiments.py": ["--host-devices", "--mode", "--out"]}[script]:
+        assert flag in proc.stdout
+
+
+def test_train_smoke_command_line(tmp_path):
+    proc = _run_script("train_moe_lm.py", "--host-devices", "2", "--dp", "2", "--steps", "4",
+                       "--batch", "4", "--seq", "32", "--eval-every", "4", "--eval-batches", "1",
+                       "--log-every", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dp=2 ep=1 on 2 cpu device(s)" in proc.stdout
+    assert "done: step 4" in proc.stdout
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert log["mesh"] == {"dp": 2, "ep": 1} and len(log["train"]) == 4
+    assert (tmp_path / "loss.png").exists() and (tmp_path / "ckpt" / "4").exists()
+
+
+def test_mesh_experiments_smoke(tmp_path):
+    proc = _run_script("mesh_experiments.py", "--host-devices", "2", "--batch", "4", "--seq",
+                       "32", "--repeats", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "mesh.json").read_text())
+    assert report["devices"] == 2
+    rows = report["rows"]
+    assert [(r["mode"], r["dp"], r["ep"]) for r in rows] == [
+        ("jit", 2, 1), ("jit", 1, 2), ("shard_map", 2, 1), ("shard_map", 1, 2)]
+    for r in rows:
+        if r["ep"] == 1:
+            assert r["status"] == "ok" and r["vs"] == "baseline", r
+        elif r["status"] != "ok":  # a mesh moe cannot run yet is reported, not a crash
+            assert r["status"] == "EP not implemented yet", r
+            continue
+        assert r["step_s"] > 0 and math.isfinite(r["loss"])
+        if r["vs"] != "baseline":
+            # Same tokens on every device: only the experts move. Loss and logits are
+            # the same bits; gradients agree to summation order at least.
+            assert r["outputs_bitwise"], r
+            assert r["max_rel_diff"] < 1e-5, r
+    shard_map_rows = [r for r in rows if r["mode"] == "shard_map" and r["status"] == "ok"]
+    assert all(r["max_rel_diff_vs_jit"] < 1e-5 for r in shard_map_rows)
+    assert "| mode | dp | ep |" in proc.stdout
+    assert (tmp_path / "mesh.png").stat().st_size > 5_000
+
+
+def test_factorisations():
+    import mesh_experiments
+
+    assert mesh_experiments.factorisations(8) == [(8, 1), (4, 2), (2, 4), (1, 8)]
+    assert mesh_experiments.factorisations(6) == [(6, 1), (3, 2), (2, 3), (1, 6)]
+    assert mesh_experiments.factorisations(1) == [(1, 1)]

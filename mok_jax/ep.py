@@ -136,6 +136,10 @@ def _plan(expert_ids, cfg: _Config, experts_local: int):
     recv_row = jnp.where(j[None, :] < total[:, None], row, P * C)
 
     stats = (routed, jnp.sum(valid & ~kept).astype(_I32), jnp.sum(~valid).astype(_I32))
+    if cfg.token_axes:
+        # Every rank computed the same global numbers; pmax (tiny) says so in the
+        # type, so that they can leave shard_map replicated under check_vma.
+        stats = tuple(jax.lax.pmax(v, cfg.token_axes) for v in stats)
     route = _Route(my_kept.reshape(T, K).astype(_I32), dest, slot, recv_row, group_sizes)
     return route, stats
 

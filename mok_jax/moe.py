@@ -105,6 +105,8 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
     cap = primitives.NO_CAPACITY if cap is None else cap
     with jax.named_scope("mok_jax"):
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
+        if axis_name is not None:
+            operands = _vary_alike(operands)
         if ep_size > 1:
             cfg = ep._Config(axis_name=axis_name, ep_size=ep_size, capacity=cap,
                              token_axes=(axis_name,))
@@ -113,9 +115,21 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
             y, stats = sharding.moe_partitioned(cap, *operands)
         else:
             y, stats = _moe_core(cap, *operands)
+            if axis_name is not None:  # an EP axis of size 1: local stats are global;
+                stats = tuple(jax.lax.psum(v, axis_name) for v in stats)  # say so in the type
     if return_stats:
         return y, MoEStats(*stats)
     return y
+
+
+def _vary_alike(operands):
+    """Inside shard_map, makes every operand vary over the same axes (pcast), so
+    that the custom VJP's cotangents have their primals' types under check_vma;
+    the transpose of the cast sums the weight gradients over replicated axes."""
+    varying = [primitives._varying_axes(jax.typeof(a)) for a in operands]
+    union = frozenset().union(*varying)
+    return tuple(a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
+                 for a, v in zip(operands, varying))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

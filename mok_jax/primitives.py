@@ -73,10 +73,38 @@ def _map_batching(prim: Primitive):
     return rule
 
 
+def _varying_axes(aval) -> frozenset:
+    """The shard_map axes a value varies over (empty outside shard_map)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _with_varying_axes(abstract_eval):
+    """Results vary over every shard_map axis an operand varies over, as
+    shard_map's type check (check_vma) expects of an elementwise-like op."""
+
+    def rule(*avals, **params):
+        outs = abstract_eval(*avals, **params)
+        union = frozenset().union(*(_varying_axes(a) for a in avals))
+        if not union:
+            return outs
+        like = max(avals, key=lambda a: len(_varying_axes(a)))
+        if _varying_axes(like) != union:
+            like = like.update(manual_axis_type=like.manual_axis_type.update(varying=union))
+        replicated = lambda rank: like.sharding.update(spec=jax.sharding.PartitionSpec(  # noqa: E731
+            *([None] * rank)))
+        return tuple(like.update(shape=o.shape, dtype=o.dtype, weak_type=False,
+                                 sharding=replicated(len(o.shape))) for o in outs)
+
+    return rule
+
+
 def _register(prim: Primitive, target: str, abstract_eval, attrs_of) -> None:
     prim.multiple_results = True
     prim.def_impl(_jit_impl(prim))
-    prim.def_abstract_eval(abstract_eval)
+    prim.def_abstract_eval(_with_varying_axes(abstract_eval))
     for platform in ("cpu", "cuda"):
         mlir.register_lowering(prim, _lower_on(platform, target, attrs_of), platform=platform)
     batching.primitive_batchers[prim] = _map_batching(prim)

@@ -54,12 +54,18 @@ def _single_device(x, ids, w, wgu, wd, cf):
 
 
 def _shard_map_ep(mesh, token_spec, x, ids, w, wgu, wd, cf, axis="ep"):
+    other_axes = tuple(a for a in mesh.axis_names if a != axis)
+
     def local(x, ids, w, wgu, wd):
-        return mok_jax.moe(x, ids, w, wgu, wd, axis_name=axis, capacity_factor=cf,
-                           return_stats=True)
+        y, stats = mok_jax.moe(x, ids, w, wgu, wd, axis_name=axis, capacity_factor=cf,
+                               return_stats=True)
+        # moe's statistics are global over the EP group; other groups add theirs.
+        if other_axes:
+            stats = jax.tree.map(lambda v: jax.lax.psum(v, other_axes), stats)
+        return y, stats
 
     layer = jax.shard_map(local, mesh=mesh, in_specs=(token_spec,) * 3 + (P(axis),) * 2,
-                          out_specs=(token_spec, P()), check_vma=False)
+                          out_specs=(token_spec, P()), check_vma=True)
     tok = NamedSharding(mesh, token_spec)
     wts = NamedSharding(mesh, P(axis))
     x, ids, w = (jax.device_put(a, tok) for a in (x, ids, w))
@@ -179,7 +185,7 @@ def test_experts_not_divisible_by_the_ep_axis_is_an_error():
     # Under shard_map, jax refuses to split 6 experts over 8 ranks.
     with pytest.raises(ValueError, match="evenly divid"):
         jax.shard_map(lambda *a: mok_jax.moe(*a, axis_name="ep"), mesh=mesh,
-                      in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=False)(
+                      in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=True)(
             x, jnp.clip(ids, 0, 5), w, wgu6, wd6)
     # Under plain jit, mok_jax's partitioner refuses a padded experts dimension.
     with pytest.raises(ValueError, match=r"E % P != 0"):
@@ -193,4 +199,4 @@ def test_unknown_axis_name_is_an_error():
     args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ids, w, wgu, wd)]
     with pytest.raises(ValueError, match="axis_name='tp' is not a bound mesh axis"):
         jax.shard_map(lambda *a: mok_jax.moe(*a, axis_name="tp"), mesh=mesh,
-                      in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=False)(*args)
+                      in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=True)(*args)

@@ -199,6 +199,8 @@ def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
     top_k = expert_ids.shape[1]
     if top_k < 1:
         fail("expert_ids must have at least one column (K >= 1)")
+    if hidden < 1:
+        fail("x must have a hidden dimension H >= 1")
     experts_local, wgu_hidden, two_f = w_gate_up.shape
     if wgu_hidden != hidden:
         fail(f"w_gate_up's hidden dimension {wgu_hidden} does not match x's {hidden}")

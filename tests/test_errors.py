@@ -144,3 +144,11 @@ def test_error_names_shapes():
     msg = str(info.value)
     assert str(F + 1) in msg and "w_down" in msg, msg
     np.testing.assert_(str((E, F + 1, H)) in msg or f"{E}, {F + 1}, {H}" in msg, msg)
+
+
+def test_zero_hidden_size_is_rejected():
+    x = jnp.ones((4, 0), jnp.float32)
+    ids = jnp.zeros((4, 1), jnp.int32)
+    w = jnp.ones((4, 1), jnp.float32)
+    with pytest.raises(ValueError, match="hidden dimension H >= 1"):
+        mok_jax.moe(x, ids, w, jnp.ones((2, 0, 6)), jnp.ones((2, 3, 0)))

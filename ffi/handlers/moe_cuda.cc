@@ -41,6 +41,13 @@ ffi::Error take_scratch(ffi::ScratchAllocator& scratch, size_t bytes, void** out
   return ffi::Error::Success();
 }
 
+// Row and pair indices are int32 on the device.
+ffi::Error rows_fit_int32(const char* op, int64_t rows) {
+  if (rows <= INT32_MAX) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + std::to_string(rows) +
+                                     " rows (T * K, or P * T * K under EP) must be below 2^31");
+}
+
 ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                           ffi::Buffer<ffi::S32> expert_ids, ffi::AnyBuffer expert_weights,
                           ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down, int64_t capacity,
@@ -53,9 +60,7 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   Decoded d;
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *tokens_per_expert, save_gate_up));
-  if (d.shape.tokens * d.shape.top_k > INT32_MAX) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": T * K must be below 2^31");
-  }
+  MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
 
   const MoeForwardArgs args = ffi_checks::forward_args(
       d, x, expert_ids, expert_weights, w_gate_up, w_down, capacity, save_gate_up, *y,
@@ -81,9 +86,7 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, dy, *dx, *d_expert_weights,
                                               *d_w_gate_up, *d_w_down));
-  if (d.shape.tokens * d.shape.top_k > INT32_MAX) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": T * K must be below 2^31");
-  }
+  MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
 
   const MoeBackwardArgs args = ffi_checks::backward_args(
       d, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity, *dx,
@@ -107,6 +110,7 @@ ffi::Error ExpertFfnForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scrat
   DType dt;
   MOK_RETURN_IF_ERROR(
       ffi_checks::decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
+  MOK_RETURN_IF_ERROR(rows_fit_int32(op, s.tokens));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "out_rows", *out_rows, {s.tokens, s.hidden}));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "out_rows", *out_rows, dt));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "gate_up", *gate_up,
@@ -138,6 +142,7 @@ ffi::Error ExpertFfnBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scra
   MOK_RETURN_IF_ERROR(ffi_checks::check_expert_backward(op, s, dt, dy_rows, w_rows, gate_up,
                                                         *dx_rows, *dw_rows, *d_w_gate_up,
                                                         *d_w_down, &wdt));
+  MOK_RETURN_IF_ERROR(rows_fit_int32(op, s.tokens));
   const cuda::ExpertFfnShape shape{s.tokens, s.experts, s.hidden, s.ffn};
   const size_t bytes = cuda::expert_ffn_backward_workspace_bytes(shape, dt);
   void* ws = nullptr;
@@ -156,6 +161,7 @@ ffi::Error CombineCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   constexpr const char* op = "mok_combine (CUDA)";
   ffi_checks::CombineShape c;
   MOK_RETURN_IF_ERROR(ffi_checks::decode_combine(op, rows, weights, kept, weighted, *out, &c));
+  MOK_RETURN_IF_ERROR(rows_fit_int32(op, c.tokens * c.top_k));
   const size_t bytes = cuda::combine_workspace_bytes(c.tokens * c.top_k);
   void* ws = nullptr;
   MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));

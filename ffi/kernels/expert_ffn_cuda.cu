@@ -67,9 +67,10 @@ std::string launch_groups(const Groups& g, const int32_t* sizes, const ExpertFfn
 }  // namespace
 
 size_t expert_ffn_forward_workspace_bytes(const ExpertFfnShape& s, DType dtype, bool save) {
+  (void)save;  // the residual, when saved, is a result buffer, not workspace
   Carver c(nullptr);
   carve_groups(c, s.experts);
-  if (!save) c.take(s.rows * 2 * s.ffn * elem_bytes(dtype));
+  c.take(s.rows * 2 * s.ffn * sizeof(float));  // GEMM1's f32 accumulators
   c.take(s.rows * s.ffn * elem_bytes(dtype));
   c.take(grouped_gemm_workspace_bytes(s.experts));
   return c.used();
@@ -84,17 +85,18 @@ std::string expert_ffn_forward(const ExpertFfnShape& s, DType dtype, const void*
   }
   Carver c(workspace);
   const Groups g = carve_groups(c, s.experts);
-  void* gate_up = gate_up_out != nullptr ? gate_up_out : c.take(s.rows * 2 * s.ffn * elem_bytes(dtype));
+  auto* gate_up_f32 = static_cast<float*>(c.take(s.rows * 2 * s.ffn * sizeof(float)));
   void* h = c.take(s.rows * s.ffn * elem_bytes(dtype));
   const size_t gemm_bytes = grouped_gemm_workspace_bytes(s.experts);
   void* gemm_ws = c.take(gemm_bytes);
   const int64_t* num_rows = g.expert_begin + s.experts;
 
   MOK_RETURN_IF_MESSAGE(launch_groups(g, group_sizes, s, stream));
-  RowsGemm gemm1{s.experts, g.expert_begin, s.rows, 2 * s.ffn, s.hidden, false, dtype, dtype,
-                 x_rows, w_gate_up, gate_up};
+  RowsGemm gemm1{s.experts, g.expert_begin, s.rows, 2 * s.ffn, s.hidden, false, dtype,
+                 DType::kF32, x_rows, w_gate_up, gate_up_f32};
   MOK_RETURN_IF_MESSAGE(run_rows_gemm(gemm1, g.tile_begin, gemm_ws, gemm_bytes, stream));
-  MOK_RETURN_IF_MESSAGE(swiglu_forward(dtype, gate_up, num_rows, s.rows, s.ffn, h, stream));
+  MOK_RETURN_IF_MESSAGE(swiglu_forward(dtype, gate_up_f32, num_rows, s.rows, s.ffn, h,
+                                       gate_up_out, stream));
   RowsGemm gemm2{s.experts, g.expert_begin, s.rows, s.hidden, s.ffn, false, dtype, dtype,
                  h, w_down, out_rows};
   return run_rows_gemm(gemm2, g.tile_begin, gemm_ws, gemm_bytes, stream);

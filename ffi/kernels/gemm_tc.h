@@ -26,7 +26,9 @@ struct Operands {
   std::string NAME##_run(const Operands& op, int device, int sm_count, void* ws,          \
                          size_t ws_bytes, cudaStream_t stream);
 
-MOK_GROUPED_GEMM_DECLARE(rows_bf16)    // rows @ W_e            -> bf16 (forward)
+MOK_GROUPED_GEMM_DECLARE(rows_bf16)    // rows @ W_e            -> bf16 (forward GEMM2)
+MOK_GROUPED_GEMM_DECLARE(rows_f32)     // rows @ W_e            -> f32  (forward GEMM1: SwiGLU
+                                       //                          reads the f32 accumulators)
 MOK_GROUPED_GEMM_DECLARE(rows_t_bf16)  // rows @ W_e^T          -> bf16 (dgrad of GEMM1)
 MOK_GROUPED_GEMM_DECLARE(rows_t_f32)   // rows @ W_e^T          -> f32  (dgrad of GEMM2)
 MOK_GROUPED_GEMM_DECLARE(wgrad_bf16)   // A_e^T @ B_e, ragged K -> bf16 (weight gradients)

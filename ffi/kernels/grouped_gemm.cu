@@ -46,13 +46,15 @@ bool tensor_core_device(int cc) {
 
 bool rows_gemm_uses_tensor_cores(const RowsGemm& p, int cc) {
   if (!tensor_core_device(cc) || p.ab_dtype != DType::kBF16) return false;
-  if (p.n % 8 != 0 || p.k % 8 != 0) return false;  // 16-byte rows for TMA
-  if (p.d_dtype == DType::kF32) return p.transpose_b;  // only the dgrad instance has f32 D
-  return true;
+  // 16-byte rows for TMA; an empty reduction (k = 0) would leave CUTLASS's
+  // accumulators uninitialised, the SIMT kernel writes zeros.
+  if (p.n % 8 != 0 || p.k % 8 != 0 || p.k == 0 || p.n == 0) return false;
+  return true;  // every family has bf16 and f32 D instances
 }
 
 bool weight_grad_uses_tensor_cores(const WeightGradGemm& p, int cc) {
-  return tensor_core_device(cc) && p.dtype == DType::kBF16 && p.m % 8 == 0 && p.n % 8 == 0;
+  return tensor_core_device(cc) && p.dtype == DType::kBF16 && p.m % 8 == 0 && p.n % 8 == 0 &&
+         p.m > 0 && p.n > 0;
 }
 
 size_t grouped_gemm_workspace_bytes(int64_t experts) {
@@ -60,6 +62,7 @@ size_t grouped_gemm_workspace_bytes(int64_t experts) {
   DeviceInfo info;
   if (!device_info(&info).empty() || !tensor_core_device(info.cc)) return 0;
   return std::max({tc::rows_bf16_workspace_bytes(experts, info.device, info.sm_count),
+                   tc::rows_f32_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_bf16_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_f32_workspace_bytes(experts, info.device, info.sm_count),
                    tc::wgrad_bf16_workspace_bytes(experts, info.device, info.sm_count)});
@@ -78,6 +81,9 @@ std::string run_rows_gemm(const RowsGemm& p, const int64_t* simt_tile_begin, voi
   }
 #ifdef MOK_HAVE_SM90A
   const tc::Operands op{p.experts, p.expert_begin, p.n, p.k, p.a, p.b, p.d};
+  if (!p.transpose_b && p.d_dtype == DType::kF32) {
+    return tc::rows_f32_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream);
+  }
   if (!p.transpose_b) {
     return tc::rows_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream);
   }

@@ -14,7 +14,7 @@ size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 struct ForwardBuffers {
   RoutingPlanDevice plan;
   void* x_rows;     // [R, H]
-  void* gate_up;    // [R, 2F] (the saved residual when the caller keeps it)
+  float* gate_up_f32;  // [R, 2F] GEMM1's f32 accumulators
   void* h;          // [R, F]
   void* out_rows;   // [R, H]
   void* gemm_ws;
@@ -23,6 +23,7 @@ struct ForwardBuffers {
 
 ForwardBuffers carve_forward(void* ws, const MoeShape& s, DType dt, bool save_gate_up,
                              size_t* total) {
+  (void)save_gate_up;  // the residual, when saved, is a result buffer, not workspace
   const int64_t pairs = s.tokens * s.top_k;
   const size_t eb = elem_bytes(dt);
   Carver c(ws);
@@ -30,7 +31,7 @@ ForwardBuffers carve_forward(void* ws, const MoeShape& s, DType dt, bool save_ga
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
   b.x_rows = c.take(pairs * s.hidden * eb);
-  b.gate_up = save_gate_up ? nullptr : c.take(pairs * 2 * s.ffn * eb);
+  b.gate_up_f32 = static_cast<float*>(c.take(pairs * 2 * s.ffn * sizeof(float)));
   b.h = c.take(pairs * s.ffn * eb);
   b.out_rows = c.take(pairs * s.hidden * eb);
   b.gemm_ws_bytes = grouped_gemm_workspace_bytes(s.experts);
@@ -91,17 +92,18 @@ std::string moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspa
   size_t need = 0;
   ForwardBuffers b = carve_forward(workspace, a.shape, a.x_dtype, a.gate_up_out != nullptr, &need);
   if (need > workspace_bytes) return "MoE forward: workspace too small";
-  void* gate_up = a.gate_up_out != nullptr ? a.gate_up_out : b.gate_up;
   const int64_t* num_rows = b.plan.expert_begin + E;  // kept rows, on the device
 
   MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan,
                                            a.tokens_per_expert, a.dropped, a.invalid, stream));
   MOK_RETURN_IF_MESSAGE(gather_token_rows(a.x_dtype, a.x, b.plan.row_pair, num_rows, pairs, K, H,
                                           b.x_rows, stream));
-  RowsGemm gemm1{E, b.plan.expert_begin, pairs, 2 * F, H, false, a.x_dtype, a.x_dtype,
-                 b.x_rows, a.w_gate_up, gate_up};
+  // GEMM1 keeps f32 so that SwiGLU sees the accumulators (the residual is rounded).
+  RowsGemm gemm1{E, b.plan.expert_begin, pairs, 2 * F, H, false, a.x_dtype, DType::kF32,
+                 b.x_rows, a.w_gate_up, b.gate_up_f32};
   MOK_RETURN_IF_MESSAGE(run_rows_gemm(gemm1, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));
-  MOK_RETURN_IF_MESSAGE(swiglu_forward(a.x_dtype, gate_up, num_rows, pairs, F, b.h, stream));
+  MOK_RETURN_IF_MESSAGE(swiglu_forward(a.x_dtype, b.gate_up_f32, num_rows, pairs, F, b.h,
+                                       a.gate_up_out, stream));
   RowsGemm gemm2{E, b.plan.expert_begin, pairs, H, F, false, a.x_dtype, a.x_dtype,
                  b.h, a.w_down, b.out_rows};
   MOK_RETURN_IF_MESSAGE(run_rows_gemm(gemm2, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));

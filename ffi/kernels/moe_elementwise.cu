@@ -68,22 +68,27 @@ __global__ void gather_dy_kernel(const X* __restrict__ dy, const W* __restrict__
 }
 
 template <typename X, int V>
-__global__ void swiglu_forward_kernel(const X* __restrict__ gate_up,
+__global__ void swiglu_forward_kernel(const float* __restrict__ gate_up,
                                       const int64_t* __restrict__ num_rows, int64_t ffn,
-                                      X* __restrict__ h) {
+                                      X* __restrict__ h, X* __restrict__ gate_up_out) {
   const int64_t r = blockIdx.x;
   if (r >= *num_rows) return;
-  const X* g = gate_up + r * 2 * ffn;
-  const X* u = g + ffn;
+  const float* g = gate_up + r * 2 * ffn;
+  const float* u = g + ffn;
   for (int64_t f = int64_t(threadIdx.x) * V; f < ffn; f += int64_t(blockDim.x) * V) {
-    const Vec<X, V> gv = load_vec<X, V>(g + f), uv = load_vec<X, V>(u + f);
-    Vec<X, V> out;
+    const Vec<float, V> gv = load_vec<float, V>(g + f), uv = load_vec<float, V>(u + f);
+    Vec<X, V> out, gx, ux;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float gf = to_float(gv.v[i]);
-      out.v[i] = from_float<X>(gf * sigmoid(gf) * to_float(uv.v[i]));
+      out.v[i] = from_float<X>(gv.v[i] * sigmoid(gv.v[i]) * uv.v[i]);
+      gx.v[i] = from_float<X>(gv.v[i]);
+      ux.v[i] = from_float<X>(uv.v[i]);
     }
     store_vec<X, V>(h + r * ffn + f, out);
+    if (gate_up_out != nullptr) {
+      store_vec<X, V>(gate_up_out + r * 2 * ffn + f, gx);
+      store_vec<X, V>(gate_up_out + r * 2 * ffn + ffn + f, ux);
+    }
   }
 }
 
@@ -250,18 +255,20 @@ std::string gather_dy_rows(DType dtype, DType weight_dtype, const void* dy,
   });
 }
 
-std::string swiglu_forward(DType dtype, const void* gate_up, const int64_t* num_rows,
-                           int64_t max_rows, int64_t ffn, void* h, cudaStream_t stream) {
+std::string swiglu_forward(DType dtype, const float* gate_up_f32, const int64_t* num_rows,
+                           int64_t max_rows, int64_t ffn, void* h, void* gate_up_out,
+                           cudaStream_t stream) {
   if (max_rows == 0) return {};
   return with_dtype(dtype, [&]<typename X>() -> std::string {
-    const X* gu = static_cast<const X*>(gate_up);
     X* out = static_cast<X*>(h);
-    if (vector_width<X>(ffn) > 1) {
-      swiglu_forward_kernel<X, 16 / sizeof(X)><<<grid_rows(max_rows), kThreads, 0, stream>>>(
-          gu, num_rows, ffn, out);
+    X* residual = static_cast<X*>(gate_up_out);
+    // f32 input: 4 elements (16 bytes) at a time when F allows it.
+    if (ffn % 4 == 0) {
+      swiglu_forward_kernel<X, 4><<<grid_rows(max_rows), kThreads, 0, stream>>>(
+          gate_up_f32, num_rows, ffn, out, residual);
     } else {
-      swiglu_forward_kernel<X, 1><<<grid_rows(max_rows), kThreads, 0, stream>>>(gu, num_rows,
-                                                                                ffn, out);
+      swiglu_forward_kernel<X, 1><<<grid_rows(max_rows), kThreads, 0, stream>>>(
+          gate_up_f32, num_rows, ffn, out, residual);
     }
     MOK_CUDA_RETURN_IF_LAUNCH_FAILED("swiglu_forward_kernel");
     return {};

@@ -24,9 +24,12 @@ std::string gather_dy_rows(DType dtype, DType weight_dtype, const void* dy,
                            const int64_t* num_rows, int64_t max_rows, int64_t top_k,
                            int64_t hidden, void* dy_rows, void* dout_rows, cudaStream_t stream);
 
-// h[r, f] = round_x(silu(g) * u) from gate_up [R, 2F].
-std::string swiglu_forward(DType dtype, const void* gate_up, const int64_t* num_rows,
-                           int64_t max_rows, int64_t ffn, void* h, cudaStream_t stream);
+// From GEMM1's f32 accumulators gate_up_f32 [R, 2F]: h[r, f] = round_x(silu(g) * u)
+// computed in f32, and, when gate_up_out is not null, the residual
+// gate_up_out[r] = round_x(gate_up_f32[r]).
+std::string swiglu_forward(DType dtype, const float* gate_up_f32, const int64_t* num_rows,
+                           int64_t max_rows, int64_t ffn, void* h, void* gate_up_out,
+                           cudaStream_t stream);
 
 // Per kept row r (pair p): h = round_x(silu(g) u); d_expert_weights[p] = <dh_raw, h>
 // (fixed-order block reduction); dh = w dh_raw; d_gate_up = round_x([dh u silu'(g),

@@ -39,6 +39,9 @@ __global__ void chunk_histogram(const int32_t* __restrict__ ids, int64_t pairs, 
 }
 
 constexpr int kScanThreads = 512;
+constexpr int kMaxExpertsPerThread = 16;
+static_assert(kMaxRoutedExperts <= kScanThreads * kMaxExpertsPerThread,
+              "scan_plan keeps each thread's experts in registers");
 
 // 2. One block: per-expert exclusive offsets over chunks, capacity, prefix sums.
 __global__ void __launch_bounds__(kScanThreads)
@@ -54,10 +57,13 @@ scan_plan(int64_t chunks, int64_t experts, int64_t capacity, int32_t* __restrict
   } tmp;
   __shared__ int64_t carry_rows, carry_tiles;
 
-  // Each thread owns a contiguous run of experts so that one block scan serves any E.
+  // Each thread owns a contiguous run of at most kMaxExpertsPerThread experts, so
+  // one block scan serves any E; its counts stay in registers (no other thread
+  // reads or writes them before the scan).
   const int64_t per_thread = (experts + kScanThreads - 1) / kScanThreads;
   const int64_t e0 = min(experts, int64_t(threadIdx.x) * per_thread);
   const int64_t e1 = min(experts, e0 + per_thread);
+  int64_t kept_of[kMaxExpertsPerThread], tiles_of[kMaxExpertsPerThread];
   int64_t kept_sum = 0, tiles_sum = 0, dropped_sum = 0;
   for (int64_t e = e0; e < e1; ++e) {
     int64_t running = 0;
@@ -70,19 +76,18 @@ scan_plan(int64_t chunks, int64_t experts, int64_t capacity, int32_t* __restrict
     if (tokens_per_expert != nullptr) tokens_per_expert[e] = static_cast<int32_t>(running);
     dropped_sum += running - kept;
     kept_sum += kept;
-    tiles_sum += (kept + kSimtTileRows - 1) / kSimtTileRows;
-    expert_begin[e + 1] = kept;  // turned into prefix sums below
-    tile_begin[e + 1] = (kept + kSimtTileRows - 1) / kSimtTileRows;
+    kept_of[e - e0] = kept;
+    tiles_of[e - e0] = (kept + kSimtTileRows - 1) / kSimtTileRows;
+    tiles_sum += tiles_of[e - e0];
   }
   int64_t rows_before, tiles_before;
   Scan(tmp.scan[0]).ExclusiveSum(kept_sum, rows_before);
   Scan(tmp.scan[1]).ExclusiveSum(tiles_sum, tiles_before);
   for (int64_t e = e0; e < e1; ++e) {
-    const int64_t kept = expert_begin[e + 1], tiles = tile_begin[e + 1];
     expert_begin[e] = rows_before;
     tile_begin[e] = tiles_before;
-    rows_before += kept;
-    tiles_before += tiles;
+    rows_before += kept_of[e - e0];
+    tiles_before += tiles_of[e - e0];
   }
   if (threadIdx.x == kScanThreads - 1) {
     carry_rows = rows_before;

@@ -154,11 +154,9 @@ def run(args) -> dict:
         def local_loss(params, bias, tokens):
             return loss_of(nnx.merge(graphdef, params, bias), tokens, reduce_axes=data_axes)
 
-        # check_vma=False: mok_jax.moe's primitives do not type the varying
-        # manual axes of their results yet, which the custom VJP's check rejects.
         sharded = jax.shard_map(local_loss, mesh=mesh,
                                 in_specs=(specs.params, specs.bias, P(data_axes)),
-                                out_specs=(P(), P(data_axes)), check_vma=False)
+                                out_specs=(P(), P(data_axes)), check_vma=True)
 
         def step(params, bias, tokens):
             return jax.value_and_grad(lambda p: sharded(p, bias, tokens), has_aux=True)(params)

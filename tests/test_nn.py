@@ -394,10 +394,9 @@ def _shard_map_layer_step(layer, x, mesh):
         y, aux = nnx.merge(graphdef, state)(x)
         return y, aux
 
-    # check_vma=False: mok_jax.moe's primitives do not type varying manual axes yet.
     f = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(("dp", "ep"))),
                       out_specs=(P(("dp", "ep")), mnn.MoEAux(P(), P(), P(), P())),
-                      check_vma=False)
+                      check_vma=True)
     return jax.jit(f)(state, x)
 
 
@@ -407,11 +406,7 @@ def test_inside_shard_map_matches_jit(dp, ep):
     x = tokens(64)
     y0, aux0 = jax.jit(lambda x: layer(x))(x)
     sm_layer = make_layer(shared_ffn_size=8, axis_name="ep", batch_axis_names=("dp", "ep"))
-    try:
-        y, aux = _shard_map_layer_step(sm_layer, x, mesh_of(dp, ep))
-    except NotImplementedError as err:  # before moe had expert parallelism
-        assert ep > 1 and "expert parallelism" in str(err)
-        return
+    y, aux = _shard_map_layer_step(sm_layer, x, mesh_of(dp, ep))
     assert_bitwise(y, y0, f"y inside shard_map ({dp},{ep})")
     np.testing.assert_array_equal(aux.tokens_per_expert, aux0.tokens_per_expert)
     assert int(aux.dropped) == int(aux0.dropped) == 0

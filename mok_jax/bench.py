@@ -312,9 +312,9 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
         global_shape = dataclasses.replace(shape, tokens=shape.tokens * ep_size)
         inputs = make_inputs(global_shape, dtype, seed)
         mesh = jax.make_mesh((ep_size,), ("ep",), devices=jax.devices()[:ep_size])
-        spec = {"w_gate_up": PartitionSpec("ep"), "w_down": PartitionSpec("ep")}
-        inputs = {k: jax.device_put(v, NamedSharding(mesh, spec.get(k, PartitionSpec("ep"))))
-                  for k, v in inputs.items()}
+        # Tokens, routing, dy and the experts dim of both weights: all split on dim 0.
+        sharded = NamedSharding(mesh, PartitionSpec("ep"))
+        inputs = {k: jax.device_put(v, sharded) for k, v in inputs.items()}
         step, names = build_step(fn, pass_name)
         compile_s, times_ms, _ = time_step(step, [inputs[n] for n in names], warmup=warmup,
                                            repeats=repeats)
@@ -503,6 +503,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _print_progress(record: dict) -> None:
+    done = (f"{record['median_ms']:.3f} ms, {record['tflops']:.3g} TFLOP/s"
+            if record["median_ms"] is not None else record["status"])
+    print(f"  {record['shape']} {record['impl']} {record['pass']}: {done}", file=sys.stderr,
+          flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the benchmark; prints the table; returns (and maybe writes) the results."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -546,20 +553,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     record["check_reference"] = check_name
                     record["check_error"] = record["check_error"] or check_error
                 records.append(record)
-                done = (f"{record['median_ms']:.3f} ms, {record['tflops']:.3g} TFLOP/s"
-                        if record["median_ms"] is not None else record["status"])
-                print(f"  {shape.name} {impl} {pass_name}: {done}", file=sys.stderr,
-                      flush=True)
+                _print_progress(record)
             del reference
             if args.ep > 1:
                 record = bench_ep(shape, args.ep, pass_name, dtype=DTYPES[args.dtype],
                                   dtype_name=args.dtype, seed=args.seed, warmup=args.warmup,
                                   repeats=args.repeats, verbose=args.verbose)
                 records.append(record)
-                done = (f"{record['median_ms']:.3f} ms, {record['tflops']:.3g} TFLOP/s"
-                        if record["median_ms"] is not None else record["status"])
-                print(f"  {shape.name} {record['impl']} {pass_name}: {done}",
-                      file=sys.stderr, flush=True)
+                _print_progress(record)
         del inputs
     elapsed_s = time.perf_counter() - start
     records += pre_records

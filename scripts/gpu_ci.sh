@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # GPU CI for mok_jax, for a CUDA machine without internet (scripts/gpu_ci.sh OUTDIR).
+# Bring the wheels it lacks in .whl/ (nvidia-cutlass: `pip download --no-deps -d .whl
+# nvidia-cutlass==4.2.0.0`) and the commit id in .whl/COMMIT.
 #
 # Builds and installs the extension (no build isolation: scikit-build-core,
 # nanobind, jax and jaxlib must be installed; extra wheels may be carried in

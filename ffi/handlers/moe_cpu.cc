@@ -4,6 +4,7 @@
 
 #include "checks.h"
 #include "decode.h"
+#include "signatures.h"
 #include "cpu/moe_cpu.h"
 
 namespace mok {
@@ -58,35 +59,11 @@ ffi::Error MoeBackwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokMoeForwardCpu, mok::MoeForwardCpu,
-    xla::ffi::Ffi::Bind()
-        .Arg<xla::ffi::AnyBuffer>()                  // x [T, H]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // expert_ids [T, K]
-        .Arg<xla::ffi::AnyBuffer>()                  // expert_weights [T, K]
-        .Arg<xla::ffi::AnyBuffer>()                  // w_gate_up [E, H, 2F]
-        .Arg<xla::ffi::AnyBuffer>()                  // w_down [E, F, H]
-        .Attr<int64_t>("capacity")                   // rows kept per expert, < 0: all
-        .Attr<bool>("save_gate_up")                  // write gate_up for the backward
-        .Ret<xla::ffi::AnyBuffer>()                  // y [T, H]
-        .Ret<xla::ffi::AnyBuffer>()                  // gate_up [T*K or 0, 2F]
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // tokens_per_expert [E]
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // dropped []
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>());    // invalid []
+    mok::signatures::moe_forward(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokMoeBackwardCpu, mok::MoeBackwardCpu,
-    xla::ffi::Ffi::Bind()
-        .Arg<xla::ffi::AnyBuffer>()                  // x [T, H]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // expert_ids [T, K]
-        .Arg<xla::ffi::AnyBuffer>()                  // expert_weights [T, K]
-        .Arg<xla::ffi::AnyBuffer>()                  // w_gate_up [E, H, 2F]
-        .Arg<xla::ffi::AnyBuffer>()                  // w_down [E, F, H]
-        .Arg<xla::ffi::AnyBuffer>()                  // gate_up [T*K, 2F] from the forward
-        .Arg<xla::ffi::AnyBuffer>()                  // dy [T, H]
-        .Attr<int64_t>("capacity")                   // rows kept per expert, < 0: all
-        .Ret<xla::ffi::AnyBuffer>()                  // dx [T, H]
-        .Ret<xla::ffi::AnyBuffer>()                  // d_expert_weights [T, K]
-        .Ret<xla::ffi::AnyBuffer>()                  // d_w_gate_up [E, H, 2F]
-        .Ret<xla::ffi::AnyBuffer>());                // d_w_down [E, F, H]
+    mok::signatures::moe_backward(xla::ffi::Ffi::Bind()));
 
 // --- pieces for expert parallelism (mok_jax/ep.py) ----------------------------
 
@@ -184,35 +161,12 @@ ffi::Error CombineCpu(ffi::AnyBuffer rows, ffi::AnyBuffer weights, ffi::Buffer<f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokExpertFfnForwardCpu, mok::ExpertFfnForwardCpu,
-    xla::ffi::Ffi::Bind()
-        .Arg<xla::ffi::AnyBuffer>()                  // x_rows [R, H], grouped by expert
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes [E_local]
-        .Arg<xla::ffi::AnyBuffer>()                  // w_gate_up [E_local, H, 2F]
-        .Arg<xla::ffi::AnyBuffer>()                  // w_down [E_local, F, H]
-        .Attr<bool>("save_gate_up")                  // write gate_up for the backward
-        .Ret<xla::ffi::AnyBuffer>()                  // out_rows [R, H]
-        .Ret<xla::ffi::AnyBuffer>());                // gate_up [R or 0, 2F]
+    mok::signatures::expert_ffn_forward(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokExpertFfnBackwardCpu, mok::ExpertFfnBackwardCpu,
-    xla::ffi::Ffi::Bind()
-        .Arg<xla::ffi::AnyBuffer>()                  // x_rows [R, H]
-        .Arg<xla::ffi::AnyBuffer>()                  // dy_rows [R, H]
-        .Arg<xla::ffi::AnyBuffer>()                  // w_rows [R]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes [E_local]
-        .Arg<xla::ffi::AnyBuffer>()                  // w_gate_up [E_local, H, 2F]
-        .Arg<xla::ffi::AnyBuffer>()                  // w_down [E_local, F, H]
-        .Arg<xla::ffi::AnyBuffer>()                  // gate_up [R, 2F]
-        .Ret<xla::ffi::AnyBuffer>()                  // dx_rows [R, H]
-        .Ret<xla::ffi::AnyBuffer>()                  // dw_rows [R]
-        .Ret<xla::ffi::AnyBuffer>()                  // d_w_gate_up [E_local, H, 2F]
-        .Ret<xla::ffi::AnyBuffer>());                // d_w_down [E_local, F, H]
+    mok::signatures::expert_ffn_backward(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokCombineCpu, mok::CombineCpu,
-    xla::ffi::Ffi::Bind()
-        .Arg<xla::ffi::AnyBuffer>()                  // rows [T*K, H] by pair
-        .Arg<xla::ffi::AnyBuffer>()                  // weights [T, K] (ignored if !weighted)
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // kept [T, K]
-        .Attr<bool>("weighted")                      // multiply by weights, else by 1
-        .Ret<xla::ffi::AnyBuffer>());                // out [T, H]
+    mok::signatures::combine(xla::ffi::Ffi::Bind()));

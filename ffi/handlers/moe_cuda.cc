@@ -11,6 +11,7 @@
 
 #include "checks.h"
 #include "decode.h"
+#include "signatures.h"
 #include "kernels/expert_ffn_cuda.h"
 #include "kernels/moe_cuda.h"
 
@@ -174,79 +175,35 @@ ffi::Error CombineCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
 }  // namespace
 }  // namespace mok
 
+namespace mok::signatures {
+
+// A CUDA handler's context, bound before its operands: XLA's compute stream and
+// the scratch allocator for its workspace.
+template <typename Binding>
+auto cuda_context(Binding b) {
+  return std::move(b)
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+      .template Ctx<ffi::ScratchAllocator>();             // workspace
+}
+
+}  // namespace mok::signatures
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokMoeForwardCuda, mok::MoeForwardCuda,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-        .Ctx<xla::ffi::ScratchAllocator>()              // workspace
-        .Arg<xla::ffi::AnyBuffer>()                     // x [T, H]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // expert_ids [T, K]
-        .Arg<xla::ffi::AnyBuffer>()                     // expert_weights [T, K]
-        .Arg<xla::ffi::AnyBuffer>()                     // w_gate_up [E, H, 2F]
-        .Arg<xla::ffi::AnyBuffer>()                     // w_down [E, F, H]
-        .Attr<int64_t>("capacity")                      // rows kept per expert, < 0: all
-        .Attr<bool>("save_gate_up")                     // write gate_up for the backward
-        .Ret<xla::ffi::AnyBuffer>()                     // y [T, H]
-        .Ret<xla::ffi::AnyBuffer>()                     // gate_up [T*K or 0, 2F]
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // tokens_per_expert [E]
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // dropped []
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>());       // invalid []
+    mok::signatures::moe_forward(mok::signatures::cuda_context(xla::ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokMoeBackwardCuda, mok::MoeBackwardCuda,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-        .Ctx<xla::ffi::ScratchAllocator>()              // workspace
-        .Arg<xla::ffi::AnyBuffer>()                     // x [T, H]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // expert_ids [T, K]
-        .Arg<xla::ffi::AnyBuffer>()                     // expert_weights [T, K]
-        .Arg<xla::ffi::AnyBuffer>()                     // w_gate_up [E, H, 2F]
-        .Arg<xla::ffi::AnyBuffer>()                     // w_down [E, F, H]
-        .Arg<xla::ffi::AnyBuffer>()                     // gate_up [T*K, 2F] from the forward
-        .Arg<xla::ffi::AnyBuffer>()                     // dy [T, H]
-        .Attr<int64_t>("capacity")                      // rows kept per expert, < 0: all
-        .Ret<xla::ffi::AnyBuffer>()                     // dx [T, H]
-        .Ret<xla::ffi::AnyBuffer>()                     // d_expert_weights [T, K]
-        .Ret<xla::ffi::AnyBuffer>()                     // d_w_gate_up [E, H, 2F]
-        .Ret<xla::ffi::AnyBuffer>());                   // d_w_down [E, F, H]
+    mok::signatures::moe_backward(mok::signatures::cuda_context(xla::ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokExpertFfnForwardCuda, mok::ExpertFfnForwardCuda,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-        .Ctx<xla::ffi::ScratchAllocator>()              // workspace
-        .Arg<xla::ffi::AnyBuffer>()                     // x_rows [R, H], grouped by expert
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes [E_local]
-        .Arg<xla::ffi::AnyBuffer>()                     // w_gate_up [E_local, H, 2F]
-        .Arg<xla::ffi::AnyBuffer>()                     // w_down [E_local, F, H]
-        .Attr<bool>("save_gate_up")                     // write gate_up for the backward
-        .Ret<xla::ffi::AnyBuffer>()                     // out_rows [R, H]
-        .Ret<xla::ffi::AnyBuffer>());                   // gate_up [R or 0, 2F]
+    mok::signatures::expert_ffn_forward(mok::signatures::cuda_context(xla::ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokExpertFfnBackwardCuda, mok::ExpertFfnBackwardCuda,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-        .Ctx<xla::ffi::ScratchAllocator>()              // workspace
-        .Arg<xla::ffi::AnyBuffer>()                     // x_rows [R, H]
-        .Arg<xla::ffi::AnyBuffer>()                     // dy_rows [R, H]
-        .Arg<xla::ffi::AnyBuffer>()                     // w_rows [R]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes [E_local]
-        .Arg<xla::ffi::AnyBuffer>()                     // w_gate_up [E_local, H, 2F]
-        .Arg<xla::ffi::AnyBuffer>()                     // w_down [E_local, F, H]
-        .Arg<xla::ffi::AnyBuffer>()                     // gate_up [R, 2F]
-        .Ret<xla::ffi::AnyBuffer>()                     // dx_rows [R, H]
-        .Ret<xla::ffi::AnyBuffer>()                     // dw_rows [R]
-        .Ret<xla::ffi::AnyBuffer>()                     // d_w_gate_up [E_local, H, 2F]
-        .Ret<xla::ffi::AnyBuffer>());                   // d_w_down [E_local, F, H]
+    mok::signatures::expert_ffn_backward(mok::signatures::cuda_context(xla::ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokCombineCuda, mok::CombineCuda,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-        .Ctx<xla::ffi::ScratchAllocator>()              // workspace
-        .Arg<xla::ffi::AnyBuffer>()                     // rows [T*K, H] by pair
-        .Arg<xla::ffi::AnyBuffer>()                     // weights [T, K]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // kept [T, K]
-        .Attr<bool>("weighted")                         // multiply by weights, else by 1
-        .Ret<xla::ffi::AnyBuffer>());                   // out [T, H]
+    mok::signatures::combine(mok::signatures::cuda_context(xla::ffi::Ffi::Bind())));

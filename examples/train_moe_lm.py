@@ -508,6 +508,9 @@ def parse_args(argv=None):
                         help="continue from the latest checkpoint in OUT/ckpt")
     parser.add_argument("--overwrite", action="store_true",
                         help="delete OUT/ckpt's checkpoints and start from step 0")
+    parser.add_argument("--no-checkpoint", action="store_true",
+                        help="save no checkpoint (throughput runs; the h200 preset's state "
+                             "is ~15 GB)")
     parser.add_argument("--stop-after", type=int, metavar="N",
                         help="stop (with a checkpoint) after N steps of this invocation, as if "
                              "interrupted; the schedule still runs to --steps")
@@ -523,7 +526,10 @@ def parse_args(argv=None):
                         help="build the model and trace one train step (jax.eval_shape), "
                              "print sizes and FLOPs, exit; nothing runs")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.no_checkpoint and (args.resume or args.stop_after):
+        parser.error("--no-checkpoint cannot be combined with --resume or --stop-after")
+    return args
 
 
 def use_host_devices(n: int) -> None:
@@ -704,7 +710,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             msg = f"step {done}: eval loss {log['eval'][-1]['loss']:.4f}"
             (progress.write if progress is not None else print)(msg)
             t_mark, steps_since_mark = time.perf_counter(), 0  # evaluating is not training
-        if done % cfg.ckpt_every == 0 or done == stop:
+        if not args.no_checkpoint and (done % cfg.ckpt_every == 0 or done == stop):
             flush()
             save_checkpoint(manager, state)
             write_json(log_path, log)
@@ -738,7 +744,8 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
         line += (f", {summary['model_tflops_per_s']:.1f} model TFLOP/s, "
                  f"MFU {100 * summary['mfu']:.1f}% of {peak:g} TFLOP/s x {dp * ep}")
     print(line)
-    print(f"wrote {log_path}, {os.path.join(out, 'loss.png')}, checkpoints in {ckpt_dir}")
+    print(f"wrote {log_path}, {os.path.join(out, 'loss.png')}"
+          + ("" if args.no_checkpoint else f", checkpoints in {ckpt_dir}"))
     return log
 
 

@@ -464,6 +464,16 @@ def _csv(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
     return parse
 
 
+def _csv_free(text: str) -> list[str]:
+    return [t for t in text.split(",") if t]
+
+
+def skipped(skips: Sequence[str], impl: str, pass_name: str, shape_name: str) -> bool:
+    """Whether an entry of --skip ("impl/pass" or "impl/pass/shape") names this one."""
+    return any(s in (f"{impl}/{pass_name}", f"{impl}/{pass_name}/{shape_name}")
+               for s in skips)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m mok_jax.bench",
@@ -494,7 +504,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "GEMMs alone) in a subprocess; needs torch with CUDA")
     parser.add_argument("--ep", type=int, default=0, metavar="N",
                         help="also time moe on a mesh of N devices (experts and tokens "
-                             "sharded; T tokens per device) for each shape")
+                             "sharded; T tokens per device) for each of --ep-shapes")
+    parser.add_argument("--ep-shapes", type=_csv(tuple(FULL_SHAPES), "shape"),
+                        default=["ep"], help="comma list of shapes timed with --ep")
+    parser.add_argument("--skip", type=_csv_free, default=[], metavar="IMPL/PASS[/SHAPE]",
+                        help="comma list of measurements not to attempt (recorded as "
+                             "skipped), e.g. ragged_dot/fwdbwd/small-experts: a pipeline "
+                             "XLA spends minutes failing to compile")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write machine info, argv and records here")
     args = parser.parse_args(argv)
@@ -504,8 +520,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _print_progress(record: dict) -> None:
-    done = (f"{record['median_ms']:.3f} ms, {record['tflops']:.3g} TFLOP/s"
-            if record["median_ms"] is not None else record["status"])
+    if record["median_ms"] is not None:
+        done = f"{record['median_ms']:.3f} ms, {record['tflops']:.3g} TFLOP/s"
+    else:  # the reason, shortened: a timeout may keep the JSON from being written
+        done = f"{record['status']}: {str(record.get('error') or '')[:200]}"
     print(f"  {record['shape']} {record['impl']} {record['pass']}: {done}", file=sys.stderr,
           flush=True)
 
@@ -519,6 +537,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         torch_shapes = [(QUICK_SHAPES if args.quick else FULL_SHAPES)[n] for n in args.shapes]
         pre_records = torch_records(torch_shapes, args.passes, warmup=args.warmup,
                                     repeats=args.repeats)
+        for record in pre_records:
+            _print_progress(record)
     info = machine_info()
     quick = args.quick
     if info["backend"] == "cpu" and not quick and not args.full_on_cpu:
@@ -532,6 +552,29 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     records = []
     start = time.perf_counter()
+
+    def save(records: list[dict]) -> dict:
+        """The result so far; written to --json after every record (a run cut short by
+        a time limit keeps what it measured)."""
+        result = {
+            "machine": info,
+            "argv": argv,
+            "settings": {"quick": quick, "check": args.check, "dtype": args.dtype,
+                         "warmup": args.warmup,
+                         "repeats": args.repeats, "seed": args.seed,
+                         "shapes": args.shapes, "impls": args.impls,
+                         "passes": args.passes, "ep": args.ep, "torch": args.torch},
+            "elapsed_s": time.perf_counter() - start,
+            "records": records,
+        }
+        if args.json:
+            directory = os.path.dirname(os.path.abspath(args.json))
+            os.makedirs(directory, exist_ok=True)
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=1)
+                f.write("\n")
+        return result
+
     for shape_name in args.shapes:
         shape = shapes[shape_name]
         inputs = make_inputs(shape, DTYPES[args.dtype], args.seed)
@@ -545,46 +588,36 @@ def main(argv: Sequence[str] | None = None) -> dict:
                           f"failed: {check_error.splitlines()[0][:300]}",
                           file=sys.stderr)
             for impl in args.impls:
-                record = bench_one(shape, impl, pass_name, inputs,
-                                   dtype_name=args.dtype, warmup=args.warmup,
-                                   repeats=args.repeats, reference=reference,
-                                   verbose=args.verbose)
+                if skipped(args.skip, impl, pass_name, shape.name):
+                    record = new_record(shape, impl, pass_name, dtype_name=args.dtype,
+                                        warmup=args.warmup, repeats=args.repeats)
+                    record.update(status="skipped", error="named in --skip")
+                else:
+                    record = bench_one(shape, impl, pass_name, inputs,
+                                       dtype_name=args.dtype, warmup=args.warmup,
+                                       repeats=args.repeats, reference=reference,
+                                       verbose=args.verbose)
                 if args.check:
                     record["check_reference"] = check_name
                     record["check_error"] = record["check_error"] or check_error
                 records.append(record)
                 _print_progress(record)
+                save(records + pre_records)
             del reference
-            if args.ep > 1:
+            if args.ep > 1 and shape.name in args.ep_shapes:
                 record = bench_ep(shape, args.ep, pass_name, dtype=DTYPES[args.dtype],
                                   dtype_name=args.dtype, seed=args.seed, warmup=args.warmup,
                                   repeats=args.repeats, verbose=args.verbose)
                 records.append(record)
                 _print_progress(record)
+                save(records + pre_records)
         del inputs
-    elapsed_s = time.perf_counter() - start
     records += pre_records
     add_speedups(records)
-
     print(format_table(records))
-    print(f"\n{len(records)} measurements in {elapsed_s:.1f} s")
-    result = {
-        "machine": info,
-        "argv": argv,
-        "settings": {"quick": quick, "check": args.check, "dtype": args.dtype,
-                     "warmup": args.warmup,
-                     "repeats": args.repeats, "seed": args.seed,
-                     "shapes": args.shapes, "impls": args.impls,
-                     "passes": args.passes, "ep": args.ep, "torch": args.torch},
-        "elapsed_s": elapsed_s,
-        "records": records,
-    }
+    print(f"\n{len(records)} measurements in {time.perf_counter() - start:.1f} s")
+    result = save(records)
     if args.json:
-        directory = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
         print(f"wrote {args.json}", file=sys.stderr)
     return result
 

@@ -30,36 +30,44 @@ step() {  # step NAME CMD...: runs CMD, logs to OUTDIR/NAME.log, remembers failu
 
 # The tree arrives without .git: the commit can travel as .whl/COMMIT.
 if [ -f .whl/COMMIT ]; then export MOK_GIT_COMMIT=$(cat .whl/COMMIT); fi
-if compgen -G ".whl/*.whl" > /dev/null; then
+ROOT=$PWD
+extra_wheels=$(ls .whl/*.whl 2>/dev/null | grep -v '/mok_jax-')
+if [ -n "$extra_wheels" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/mok_site .whl/*.whl || exit 1
+    --target /tmp/mok_site $extra_wheels || exit 1
   export PYTHONPATH=/tmp/mok_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 { nvidia-smi; nvcc --version; $PY -c 'import jax; print(jax.__version__, jax.devices())'; \
   echo "commit: ${MOK_GIT_COMMIT:-unknown}"; } > "$OUTDIR/machine.txt" 2>&1
 
-# Steps to run (all by default): build gpu memcheck bench suite cpu
+# Steps to run (default: build gpu memcheck bench suite cpu; also `train`). Step time
+# limits: MOK_TIMEOUT_GPU, MOK_TIMEOUT_MEMCHECK, MOK_TIMEOUT_BENCH, MOK_TIMEOUT_TRAIN (s).
+# `build` also leaves the wheel in OUTDIR/wheel: carried back as .whl/mok_jax-*.whl with
+# .whl/COMMIT unchanged, step `install` installs it instead of building.
 STEPS=" ${MOK_GPU_CI_STEPS:-build gpu memcheck bench suite cpu} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want build; then
-  step build $PY -m pip install -v --no-build-isolation --no-deps . || exit 1
+  step build $PY -m pip wheel -v --no-build-isolation --no-deps -w "$OUTDIR/wheel" . || exit 1
+  $PY -m pip install -q --no-deps --force-reinstall "$OUTDIR"/wheel/mok_jax-*.whl || exit 1
+elif want install; then
+  $PY -m pip install -q --no-deps --force-reinstall .whl/mok_jax-*.whl || exit 1
 fi
 
 # Run from outside the source tree so that the installed package is imported.
 cd tests
 if want gpu; then
-  step tests_gpu timeout 900 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs .
+  step tests_gpu timeout ${MOK_TIMEOUT_GPU:-900} $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs .
 fi
 if want memcheck; then
-  step memcheck env XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 600 \
+  step memcheck env XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOK_TIMEOUT_MEMCHECK:-600} \
     compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
     $PY ../scripts/memcheck_case.py
 fi
 cd /tmp
 if want bench; then
-  step bench timeout 1200 $PY -m mok_jax.bench --torch --json "$OUTDIR/bench.json" ${MOK_BENCH_ARGS:-}
+  step bench timeout ${MOK_TIMEOUT_BENCH:-1200} $PY -m mok_jax.bench --torch --json "$OUTDIR/bench.json" ${MOK_BENCH_ARGS:-}
 fi
 cd - > /dev/null
 if want suite; then  # the whole suite with the GPU as default device
@@ -68,5 +76,16 @@ fi
 if want cpu; then
   step tests_cpu env JAX_PLATFORMS=cpu timeout 1200 $PY -m pytest -q -p no:cacheprovider \
     -m "not gpu and not multigpu" .
+fi
+if want train; then  # the h200 preset: tokens/s and MFU on one GPU, then EP=2 on two
+  train_args=${MOK_TRAIN_ARGS:---steps 300 --eval-every 300 --log-every 25}
+  step train_1gpu env CUDA_VISIBLE_DEVICES=0 timeout ${MOK_TIMEOUT_TRAIN:-900} \
+    $PY "$ROOT/examples/train_moe_lm.py" --preset h200 --no-checkpoint --no-progress \
+    --out "$OUTDIR/train_1gpu" $train_args
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    step train_ep2 env CUDA_VISIBLE_DEVICES=0,1 timeout ${MOK_TIMEOUT_TRAIN:-900} \
+      $PY "$ROOT/examples/train_moe_lm.py" --preset h200 --no-checkpoint --no-progress \
+      --dp 1 --ep 2 --out "$OUTDIR/train_ep2" $train_args
+  fi
 fi
 exit $status

@@ -698,9 +698,14 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
                         peak * 1e12 * dp * ep)
                 log["throughput"].append(row)
             last = log["train"][-1]
+            tps = log["throughput"][-1]["tokens_per_s"] if log["throughput"] else float("nan")
             if progress is not None:
-                tps = log["throughput"][-1]["tokens_per_s"] if log["throughput"] else float("nan")
                 progress.set_postfix(loss=f"{last['ce']:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+            else:  # no bar: one line per log interval
+                mfu = (f", MFU {100 * log['throughput'][-1]['mfu']:.1f}%"
+                       if log["throughput"] and "mfu" in log["throughput"][-1] else "")
+                print(f"step {done}: train loss {last['ce']:.4f}, {tps:,.0f} tokens/s{mfu}",
+                      flush=True)
             t_mark, steps_since_mark = time.perf_counter(), 0
         if progress is not None:
             progress.update(1)

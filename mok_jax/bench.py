@@ -267,6 +267,8 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
     if fn is None:
         record.update(status="unavailable", error=why)
         return record
+    if impl == "tokamax":
+        record["note"] = baselines.tokamax_available()[1] or None
     try:
         step, names = build_step(fn, pass_name)
         args = [inputs[n] for n in names]
@@ -324,6 +326,77 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
             traceback.print_exc()
         return record
     return finish_record(record, times_ms, compile_s)
+
+
+EXCHANGES = ("all_to_all_slots", "all_to_all_exact", "ragged_all_to_all")
+
+
+def exchange_fn(kind: str, ep_size: int, rows: int, hidden: int) -> Callable:
+    """One EP dispatch exchange over axis "ep", as the local function of a shard_map.
+
+    Each device holds the rows it sends, `rows` = T*K of them, split evenly over
+    the peers (rows // ep_size each, the balanced case):
+    - all_to_all_slots: ep.py's layout, a fixed slot of `rows` rows per peer
+      ([P * rows, H] in and out: any routing fits, P times the rows travel);
+    - all_to_all_exact: slots of exactly rows // P (what a balanced routing needs);
+    - ragged_all_to_all: the rows // P rows per peer named by offsets and sizes
+      (any routing fits, only the real rows travel).
+    """
+    per_peer = rows // ep_size
+
+    if kind == "all_to_all_slots" or kind == "all_to_all_exact":
+        slots = rows if kind == "all_to_all_slots" else per_peer
+
+        def a2a(buf):
+            blocks = buf.reshape(ep_size, slots, hidden)
+            return jax.lax.all_to_all(blocks, "ep", 0, 0).reshape(ep_size * slots, hidden)
+        return a2a
+    if kind == "ragged_all_to_all":
+        def ragged(buf, out):
+            me = jax.lax.axis_index("ep").astype(jnp.int32)
+            peers = jnp.arange(ep_size, dtype=jnp.int32)
+            sizes = jnp.full((ep_size,), per_peer, jnp.int32)
+            return jax.lax.ragged_all_to_all(
+                buf, out, peers * per_peer, sizes,
+                jnp.full((ep_size,), me * per_peer, jnp.int32), sizes, axis_name="ep")
+        return ragged
+    raise ValueError(f"unknown exchange {kind!r}; choose from {EXCHANGES}")
+
+
+def bench_exchange(shape: Shape, ep_size: int, kind: str, *, dtype, warmup: int,
+                   repeats: int) -> dict:
+    """Time of one dispatch exchange of `shape`'s T*K rows per device over `ep_size`
+    devices; GB/s counts the rows that must leave each device ((P-1)/P of them)."""
+    from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+    rows, hidden = shape.tokens * shape.top_k, shape.hidden
+    record = {"shape": shape.name, "exchange": kind, "ep_size": ep_size, "rows": rows,
+              "hidden": hidden, "dtype": jnp.dtype(dtype).name, "status": "ok",
+              "error": None, "median_ms": None, "gb_per_s": None}
+    if len(jax.devices()) < ep_size:
+        record.update(status="unavailable",
+                      error=f"needs {ep_size} devices, found {len(jax.devices())}")
+        return record
+    try:
+        mesh = jax.make_mesh((ep_size,), ("ep",), devices=jax.devices()[:ep_size])
+        sharded = NamedSharding(mesh, PartitionSpec("ep"))
+        local_rows = rows * ep_size if kind == "all_to_all_slots" else rows
+        buf = jax.device_put(jnp.ones((ep_size * local_rows, hidden), dtype), sharded)
+        args = [buf]
+        specs = (PartitionSpec("ep"),)
+        if kind == "ragged_all_to_all":
+            args.append(jax.device_put(jnp.zeros((ep_size * rows, hidden), dtype), sharded))
+            specs += (PartitionSpec("ep"),)
+        step = jax.jit(jax.shard_map(exchange_fn(kind, ep_size, rows, hidden), mesh=mesh,
+                                     in_specs=specs, out_specs=PartitionSpec("ep")))
+        compile_s, times_ms, _ = time_step(step, args, warmup=warmup, repeats=repeats)
+    except Exception as err:  # pylint: disable=broad-except
+        record.update(status="error", error=_error_string(err))
+        return record
+    median = statistics.median(times_ms)
+    leaving = rows * (ep_size - 1) // ep_size * hidden * jnp.dtype(dtype).itemsize
+    record.update(median_ms=median, min_ms=min(times_ms), compile_s=compile_s,
+                  times_ms=times_ms, gb_per_s=leaving / (median * 1e-3) / 1e9)
+    return record
 
 
 TORCH_IMPLS = ("torch_pipeline", "torch_grouped_mm")
@@ -505,6 +578,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ep", type=int, default=0, metavar="N",
                         help="also time moe on a mesh of N devices (experts and tokens "
                              "sharded; T tokens per device) for each of --ep-shapes")
+    parser.add_argument("--exchange", action="store_true",
+                        help="with --ep N: also time the EP dispatch exchange alone "
+                             "(all_to_all with ep.py's slots, exact all_to_all, "
+                             "ragged_all_to_all) for each of --ep-shapes")
     parser.add_argument("--ep-shapes", type=_csv(tuple(FULL_SHAPES), "shape"),
                         default=["ep"], help="comma list of shapes timed with --ep")
     parser.add_argument("--skip", type=_csv_free, default=[], metavar="IMPL/PASS[/SHAPE]",
@@ -550,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
           f"{info['jax_version']}, {args.dtype}, {'quick' if quick else 'full'} shapes, "
           f"{args.warmup} warm-up + {args.repeats} timed runs", file=sys.stderr)
 
-    records = []
+    records, exchange_records = [], []
     start = time.perf_counter()
 
     def save(records: list[dict]) -> dict:
@@ -566,6 +643,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                          "passes": args.passes, "ep": args.ep, "torch": args.torch},
             "elapsed_s": time.perf_counter() - start,
             "records": records,
+            "exchange": exchange_records,
         }
         if args.json:
             directory = os.path.dirname(os.path.abspath(args.json))
@@ -612,6 +690,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 _print_progress(record)
                 save(records + pre_records)
         del inputs
+        if args.exchange and args.ep > 1 and shape.name in args.ep_shapes:
+            for kind in EXCHANGES:
+                xrec = bench_exchange(shape, args.ep, kind, dtype=DTYPES[args.dtype],
+                                      warmup=args.warmup, repeats=args.repeats)
+                exchange_records.append(xrec)
+                done = (f"{xrec['median_ms']:.3f} ms, {xrec['gb_per_s']:.1f} GB/s"
+                        if xrec["median_ms"] is not None
+                        else f"{xrec['status']}: {str(xrec['error'])[:200]}")
+                print(f"  {shape.name} exchange {kind} P={args.ep}: {done}",
+                      file=sys.stderr, flush=True)
+                save(records + pre_records)
     records += pre_records
     add_speedups(records)
     print(format_table(records))

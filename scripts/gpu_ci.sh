@@ -41,7 +41,9 @@ fi
 { nvidia-smi; nvcc --version; $PY -c 'import jax; print(jax.__version__, jax.devices())'; \
   echo "commit: ${MOK_GIT_COMMIT:-unknown}"; } > "$OUTDIR/machine.txt" 2>&1
 
-# Steps to run (default: build gpu memcheck bench suite cpu; also `train`). Step time
+# Steps to run (default: build gpu memcheck bench suite cpu; also `train`, meshes in
+# MOK_TRAIN_MESHES: "1gpu ep2"; MOK_PYTEST_ARGS: what the gpu step selects; MOK_BENCH_TORCH=0:
+# no torch baselines). Step time
 # limits: MOK_TIMEOUT_GPU, MOK_TIMEOUT_MEMCHECK, MOK_TIMEOUT_BENCH, MOK_TIMEOUT_TRAIN (s).
 # `build` also leaves the wheel in OUTDIR/wheel: carried back as .whl/mok_jax-*.whl with
 # .whl/COMMIT unchanged, step `install` installs it instead of building.
@@ -49,8 +51,8 @@ STEPS=" ${MOK_GPU_CI_STEPS:-build gpu memcheck bench suite cpu} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want build; then
-  step build $PY -m pip wheel -v --no-build-isolation --no-deps -w "$OUTDIR/wheel" . || exit 1
-  $PY -m pip install -q --no-deps --force-reinstall "$OUTDIR"/wheel/mok_jax-*.whl || exit 1
+  step build $PY -m pip wheel -v --no-build-isolation --no-deps -w "${MOK_WHEEL_DIR:-$OUTDIR/wheel}" . || exit 1
+  $PY -m pip install -q --no-deps --force-reinstall "${MOK_WHEEL_DIR:-$OUTDIR/wheel}"/mok_jax-*.whl || exit 1
 elif want install; then
   $PY -m pip install -q --no-deps --force-reinstall .whl/mok_jax-*.whl || exit 1
 fi
@@ -58,7 +60,7 @@ fi
 # Run from outside the source tree so that the installed package is imported.
 cd tests
 if want gpu; then
-  step tests_gpu timeout ${MOK_TIMEOUT_GPU:-900} $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs .
+  step tests_gpu timeout ${MOK_TIMEOUT_GPU:-900} $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs ${MOK_PYTEST_ARGS:-.}
 fi
 if want memcheck; then
   step memcheck env XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOK_TIMEOUT_MEMCHECK:-600} \
@@ -67,7 +69,7 @@ if want memcheck; then
 fi
 cd /tmp
 if want bench; then
-  step bench timeout ${MOK_TIMEOUT_BENCH:-1200} $PY -m mok_jax.bench --torch --json "$OUTDIR/bench.json" ${MOK_BENCH_ARGS:-}
+  step bench timeout ${MOK_TIMEOUT_BENCH:-1200} $PY -m mok_jax.bench $( [ "${MOK_BENCH_TORCH:-1}" = 1 ] && echo --torch) --json "$OUTDIR/bench.json" ${MOK_BENCH_ARGS:-}
 fi
 cd - > /dev/null
 if want suite; then  # the whole suite with the GPU as default device
@@ -79,13 +81,16 @@ if want cpu; then
 fi
 if want train; then  # the h200 preset: tokens/s and MFU on one GPU, then EP=2 on two
   train_args=${MOK_TRAIN_ARGS:---steps 300 --eval-every 300 --log-every 25}
-  step train_1gpu env CUDA_VISIBLE_DEVICES=0 timeout ${MOK_TIMEOUT_TRAIN:-900} \
-    $PY "$ROOT/examples/train_moe_lm.py" --preset h200 --no-checkpoint --no-progress \
-    --out "$OUTDIR/train_1gpu" $train_args
-  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    step train_ep2 env CUDA_VISIBLE_DEVICES=0,1 timeout ${MOK_TIMEOUT_TRAIN:-900} \
+  for mesh in ${MOK_TRAIN_MESHES:-1gpu ep2}; do
+    case $mesh in
+      1gpu) env_devices=0; mesh_args="" ;;
+      ep2) env_devices=0,1; mesh_args="--dp 1 --ep 2"
+           [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || continue ;;
+      *) echo "unknown MOK_TRAIN_MESHES entry $mesh"; status=1; continue ;;
+    esac
+    step train_$mesh env CUDA_VISIBLE_DEVICES=$env_devices timeout ${MOK_TIMEOUT_TRAIN:-900} \
       $PY "$ROOT/examples/train_moe_lm.py" --preset h200 --no-checkpoint --no-progress \
-      --dp 1 --ep 2 --out "$OUTDIR/train_ep2" $train_args
-  fi
+      $mesh_args --out "$OUTDIR/train_$mesh" $train_args
+  done
 fi
 exit $status

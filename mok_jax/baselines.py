@@ -25,6 +25,7 @@ An expert id outside `[0, E)` contributes 0, as in `mok_jax.moe`.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 
@@ -206,6 +207,7 @@ def _stub_xprof() -> None:
     sys.modules["xprof.cli"].tools = tools
 
 
+@functools.cache
 def tokamax_available() -> tuple[bool, str]:
     """(True, note) if `import tokamax` works, else (False, the reason).
 

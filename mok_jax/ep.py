@@ -57,6 +57,8 @@ class _Route(NamedTuple):
     slot: jax.Array         # [T*K] slot in the message to `dest`
     recv_row: jax.Array     # [P, C] row of x_rows for each received slot (R = P*C: none)
     group_sizes: jax.Array  # [E_local] rows per local expert
+    slot_pair: jax.Array    # [P*C] local pair sent in each outgoing slot (C: none)
+    row_slot: jax.Array     # [R] received slot each expert row comes from (P*C: none)
 
 
 def _exclusive_cumsum(a, axis=-1):
@@ -140,7 +142,14 @@ def _plan(expert_ids, cfg: _Config, experts_local: int):
         # Every rank computed the same global numbers; pmax (tiny) says so in the
         # type, so that they can leave shard_map replicated under check_vma.
         stats = tuple(jax.lax.pmax(v, cfg.token_axes) for v in stats)
-    route = _Route(my_kept.reshape(T, K).astype(_I32), dest, slot, recv_row, group_sizes)
+    # The inverse maps, so that moving rows is a gather (no zero fill + scatter of
+    # [rows, H] blocks): the outgoing slots' pairs and the expert rows' slots.
+    out_slot = jnp.where(dest < P, dest * C + slot, P * C)
+    slot_pair = jnp.full(P * C + 1, C, _I32).at[out_slot].set(jnp.arange(C, dtype=_I32))[:-1]
+    row_slot = jnp.full(P * C + 1, P * C, _I32).at[recv_row.reshape(-1)].set(
+        jnp.arange(P * C, dtype=_I32))[:-1]
+    route = _Route(my_kept.reshape(T, K).astype(_I32), dest, slot, recv_row, group_sizes,
+                   slot_pair, row_slot)
     return route, stats
 
 
@@ -149,24 +158,26 @@ def _exchange(buf, axis):
     return buf if axis is None else jax.lax.all_to_all(buf, axis, 0, 0)
 
 
-def _send(values, route: _Route, P: int, C: int, axis: str | None):
-    """values [T*K, ...] by local pair -> received [P*C, ...] slots (zeros if empty)."""
-    buf = jnp.zeros((P * C + 1,) + values.shape[1:], values.dtype)
-    idx = jnp.where(route.dest < P, route.dest * C + route.slot, P * C)
-    buf = buf.at[idx].set(values)[:-1].reshape((P, C) + values.shape[1:])
+def _take(values, index):
+    """values[index] along axis 0; out-of-range indices give zero rows."""
+    return jnp.take(values, index, axis=0, mode="fill", fill_value=0)
+
+
+def _send(values, route: _Route, P: int, C: int, axis: str | None, repeat: int = 1):
+    """values by local pair [T*K, ...] (or by token [T, ...] with repeat=K: pair p
+    sends row p // K) -> received [P*C, ...] slots (zeros where empty)."""
+    buf = _take(values, route.slot_pair // repeat).reshape((P, C) + values.shape[1:])
     return _exchange(buf, axis).reshape((P * C,) + values.shape[1:])
 
 
-def _to_rows(received, route: _Route, R: int):
-    """Received slots [P*C, ...] -> expert-grouped rows [R, ...]."""
-    rows = jnp.zeros((R + 1,) + received.shape[1:], received.dtype)
-    return rows.at[route.recv_row.reshape(-1)].set(received)[:-1]
+def _to_rows(received, route: _Route):
+    """Received slots [P*C, ...] -> expert-grouped rows [R, ...] (zeros past the end)."""
+    return _take(received, route.row_slot)
 
 
 def _from_rows(rows, route: _Route, P: int, C: int, axis: str | None):
     """Expert-grouped rows [R, ...] -> back to the senders, by their local pair."""
-    padded = jnp.concatenate([rows, jnp.zeros((1,) + rows.shape[1:], rows.dtype)])
-    out = padded[route.recv_row.reshape(-1)].reshape((P, C) + rows.shape[1:])
+    out = _take(rows, route.recv_row.reshape(-1)).reshape((P, C) + rows.shape[1:])
     back = _exchange(out, axis).reshape((P * C,) + rows.shape[1:])
     idx = jnp.where(route.dest < P, route.dest * C + route.slot, 0)
     return back[idx]                                            # [T*K, ...]
@@ -175,10 +186,9 @@ def _from_rows(rows, route: _Route, P: int, C: int, axis: str | None):
 def _forward(cfg, x, expert_ids, expert_weights, w_gate_up, w_down, save):
     P, axis = cfg.ep_size, cfg.axis_name
     T, K = expert_ids.shape
-    C, R = T * K, cfg.ep_size * T * K
+    C = T * K
     route, stats = _plan(expert_ids, cfg, w_gate_up.shape[0])
-    x_pairs = jnp.repeat(x, K, axis=0)                          # [T*K, H] by pair
-    x_rows = _to_rows(_send(x_pairs, route, P, C, axis), route, R)
+    x_rows = _to_rows(_send(x, route, P, C, axis, repeat=K), route)  # [R, H]
     out_rows, gate_up = primitives.expert_ffn_fwd_p.bind(
         x_rows, route.group_sizes, w_gate_up, w_down, save_gate_up=save)
     o_pairs = _from_rows(out_rows, route, P, C, axis)
@@ -204,10 +214,9 @@ def backward(cfg, residuals, dy):
     route, x_rows, gate_up, expert_ids, expert_weights, w_gate_up, w_down = residuals
     P, axis = cfg.ep_size, cfg.axis_name
     T, K = expert_ids.shape
-    C, R = T * K, P * T * K
-    dy_rows = _to_rows(_send(jnp.repeat(dy.astype(x_rows.dtype), K, axis=0), route, P, C, axis),
-                       route, R)
-    w_rows = _to_rows(_send(expert_weights.reshape(-1), route, P, C, axis), route, R)
+    C = T * K
+    dy_rows = _to_rows(_send(dy.astype(x_rows.dtype), route, P, C, axis, repeat=K), route)
+    w_rows = _to_rows(_send(expert_weights.reshape(-1), route, P, C, axis), route)
     dx_rows, dw_rows, d_w_gate_up, d_w_down = primitives.expert_ffn_bwd_p.bind(
         x_rows, dy_rows, w_rows, route.group_sizes, w_gate_up, w_down, gate_up)
     # Replicas of an expert in other exchange groups saw other tokens: sum them.

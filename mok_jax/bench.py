@@ -537,6 +537,16 @@ def _csv(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
     return parse
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        sizes = [int(t) for t in text.split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+    if any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"EP sizes must be >= 1: {text!r}")
+    return sizes
+
+
 def _csv_free(text: str) -> list[str]:
     return [t for t in text.split(",") if t]
 
@@ -575,9 +585,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--torch", action="store_true",
                         help="also time PyTorch baselines (torch._grouped_mm pipeline and "
                              "GEMMs alone) in a subprocess; needs torch with CUDA")
-    parser.add_argument("--ep", type=int, default=0, metavar="N",
+    parser.add_argument("--ep", type=_int_list, default=[], metavar="N[,N...]",
                         help="also time moe on a mesh of N devices (experts and tokens "
-                             "sharded; T tokens per device) for each of --ep-shapes")
+                             "sharded; T tokens per device: weak scaling) for each of "
+                             "--ep-shapes; a comma list times each size, e.g. 2,4,8")
     parser.add_argument("--exchange", action="store_true",
                         help="with --ep N: also time the EP dispatch exchange alone "
                              "(all_to_all with ep.py's slots, exact all_to_all, "
@@ -682,23 +693,26 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 _print_progress(record)
                 save(records + pre_records)
             del reference
-            if args.ep > 1 and shape.name in args.ep_shapes:
-                record = bench_ep(shape, args.ep, pass_name, dtype=DTYPES[args.dtype],
+            for ep_size in (args.ep if shape.name in args.ep_shapes else []):
+                if ep_size < 2:
+                    continue  # EP=1 is the single-device record above
+                record = bench_ep(shape, ep_size, pass_name, dtype=DTYPES[args.dtype],
                                   dtype_name=args.dtype, seed=args.seed, warmup=args.warmup,
                                   repeats=args.repeats, verbose=args.verbose)
                 records.append(record)
                 _print_progress(record)
                 save(records + pre_records)
         del inputs
-        if args.exchange and args.ep > 1 and shape.name in args.ep_shapes:
-            for kind in EXCHANGES:
-                xrec = bench_exchange(shape, args.ep, kind, dtype=DTYPES[args.dtype],
+        exchange_sizes = [n for n in args.ep if n > 1] if args.exchange else []
+        for ep_size, kind in ((n, k) for n in exchange_sizes for k in EXCHANGES):
+            if shape.name in args.ep_shapes:
+                xrec = bench_exchange(shape, ep_size, kind, dtype=DTYPES[args.dtype],
                                       warmup=args.warmup, repeats=args.repeats)
                 exchange_records.append(xrec)
                 done = (f"{xrec['median_ms']:.3f} ms, {xrec['gb_per_s']:.1f} GB/s"
                         if xrec["median_ms"] is not None
                         else f"{xrec['status']}: {str(xrec['error'])[:200]}")
-                print(f"  {shape.name} exchange {kind} P={args.ep}: {done}",
+                print(f"  {shape.name} exchange {kind} P={ep_size}: {done}",
                       file=sys.stderr, flush=True)
                 save(records + pre_records)
     records += pre_records

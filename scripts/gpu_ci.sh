@@ -42,7 +42,7 @@ fi
   echo "commit: ${MOK_GIT_COMMIT:-unknown}"; } > "$OUTDIR/machine.txt" 2>&1
 
 # Steps to run (default: build gpu memcheck bench suite cpu; also `train`, meshes in
-# MOK_TRAIN_MESHES: "1gpu ep2"; MOK_PYTEST_ARGS: what the gpu step selects; MOK_BENCH_TORCH=0:
+# MOK_TRAIN_MESHES: "1gpu ep2", also e.g. "ep8 dp2ep4"; MOK_PYTEST_ARGS: what the gpu step selects; MOK_BENCH_TORCH=0:
 # no torch baselines). Step time
 # limits: MOK_TIMEOUT_GPU, MOK_TIMEOUT_MEMCHECK, MOK_TIMEOUT_BENCH, MOK_TIMEOUT_TRAIN (s).
 # `build` also leaves the wheel in OUTDIR/wheel: carried back as .whl/mok_jax-*.whl with
@@ -81,14 +81,18 @@ if want cpu; then
 fi
 if want train; then  # the h200 preset: tokens/s and MFU on one GPU, then EP=2 on two
   train_args=${MOK_TRAIN_ARGS:---steps 300 --eval-every 300 --log-every 25}
-  for mesh in ${MOK_TRAIN_MESHES:-1gpu ep2}; do
+  ngpus=$(nvidia-smi -L | wc -l)
+  for mesh in ${MOK_TRAIN_MESHES:-1gpu ep2}; do  # entries: 1gpu, epN, dpMepN
     case $mesh in
-      1gpu) env_devices=0; mesh_args="" ;;
-      ep2) env_devices=0,1; mesh_args="--dp 1 --ep 2"
-           [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || continue ;;
+      1gpu) n=1; mesh_args="" ;;
+      ep[0-9]*) n=${mesh#ep}; mesh_args="--dp 1 --ep $n" ;;
+      dp[0-9]*ep[0-9]*) dp=${mesh#dp}; dp=${dp%%ep*}; ep=${mesh##*ep}; n=$((dp * ep))
+                        mesh_args="--dp $dp --ep $ep" ;;
       *) echo "unknown MOK_TRAIN_MESHES entry $mesh"; status=1; continue ;;
     esac
-    step train_$mesh env CUDA_VISIBLE_DEVICES=$env_devices timeout ${MOK_TIMEOUT_TRAIN:-900} \
+    if [ "$n" -gt "$ngpus" ]; then echo "== train_$mesh: needs $n GPUs, have $ngpus"; continue; fi
+    step train_$mesh env CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) \
+      timeout ${MOK_TIMEOUT_TRAIN:-900} \
       $PY "$ROOT/examples/train_moe_lm.py" --preset h200 --no-checkpoint --no-progress \
       $mesh_args --out "$OUTDIR/train_$mesh" $train_args
   done

@@ -247,16 +247,31 @@ def test_check_reports_relative_errors():
         assert max(r["rel_err"].values()) < 1e-5, r["rel_err"]
 
 
-def test_ep_mode_times_moe_on_a_mesh():
+def test_ep_mode_times_moe_on_meshes_of_each_size():
     result = bench.main(["--quick", "--shapes", "ep", "--impls", "moe", "--passes", "fwd",
-                         "--repeats", "1", "--warmup", "0", "--dtype", "f32", "--ep", "2"])
+                         "--repeats", "1", "--warmup", "0", "--dtype", "f32", "--ep", "1,2,4",
+                         "--exchange"])
     by_impl = {r["impl"]: r for r in result["records"]}
-    assert set(by_impl) == {"moe", "moe_ep2"}
-    ep = by_impl["moe_ep2"]
-    assert ep["status"] == "ok", ep["error"]
-    assert ep["ep_size"] == 2 and ep["median_ms"] > 0
-    # Same per-device work, so the same FLOPs are credited to both records.
-    assert ep["gemm_flops"] == by_impl["moe"]["gemm_flops"]
+    assert set(by_impl) == {"moe", "moe_ep2", "moe_ep4"}  # EP=1 is the plain record
+    for size in (2, 4):
+        ep = by_impl[f"moe_ep{size}"]
+        assert ep["status"] == "ok", ep["error"]
+        assert ep["ep_size"] == size and ep["median_ms"] > 0
+        # Same per-device work, so the same FLOPs are credited to both records.
+        assert ep["gemm_flops"] == by_impl["moe"]["gemm_flops"]
+    exchanges = {(r["ep_size"], r["exchange"]): r for r in result["exchange"]}
+    assert set(exchanges) == {(n, k) for n in (2, 4) for k in bench.EXCHANGES}
+    for (n, kind), r in exchanges.items():
+        if kind == "ragged_all_to_all" and jax.default_backend() == "cpu":
+            assert r["status"] == "error" and "ragged" in r["error"]  # no CPU lowering
+        else:
+            assert r["status"] == "ok" and r["gb_per_s"] > 0, r
+
+
+def test_ep_sizes_must_be_positive_integers():
+    for bad in ("0", "2,x", "-2"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--ep", bad])
 
 
 def test_torch_baselines_are_recorded_even_when_unavailable():

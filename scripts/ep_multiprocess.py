@@ -1,0 +1,194 @@
+"""Expert parallelism across processes (jax.distributed): bitwise equal to one device.
+
+One process per GPU on a GPU machine, or several processes of host devices on
+CPU (collectives through gloo). Every process builds the same global problem,
+computes the single-device result on its own first device, then runs the EP
+layer on a mesh over all processes' devices -- through `jax.shard_map` with
+`axis_name` and through plain `jax.jit` on sharded arrays -- and checks that
+its shards of y and of every gradient have the single-device bits.
+
+    python scripts/ep_multiprocess.py --processes 2 --platform cpu --devices-per-process 2
+    python scripts/ep_multiprocess.py --processes 8 --platform gpu      # one GPU each
+
+Exit status 0 when every process agreed; the launcher kills the processes and
+fails after --timeout seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args) -> int:
+    """Starts the processes, relays their output, returns 0 if all of them passed."""
+    port = _free_port()
+    env = dict(os.environ)
+    # NVLink multicast stays off in every process (DESIGN §3).
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
+    procs = []
+    for pid in range(args.processes):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(pid),
+               "--coordinator", f"127.0.0.1:{port}"] + _forwarded(args)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + args.timeout
+    codes = [None] * len(procs)
+    while any(c is None for c in codes) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            break  # one failed: the others would wait on it in a collective
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    ok = True
+    for pid, p in enumerate(procs):
+        out = p.communicate()[0]
+        code = p.returncode
+        for line in out.splitlines():
+            if not line.startswith("[Gloo]"):
+                print(f"[process {pid}] {line}")
+        if code != 0:
+            print(f"[process {pid}] exit status {code}"
+                  + (" (killed: timeout or another process failed)" if code < 0 else ""))
+            ok = False
+    print("all processes bitwise equal to one device" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+def _forwarded(args) -> list[str]:
+    return ["--processes", str(args.processes), "--platform", args.platform,
+            "--devices-per-process", str(args.devices_per_process), "--dtype", args.dtype,
+            "--shape", args.shape] + (["--capacity-factor", str(args.capacity_factor)]
+                                      if args.capacity_factor is not None else [])
+
+
+def child(args) -> int:
+    """One process: initialise jax.distributed, compare its shards with one device."""
+    import jax  # pylint: disable=import-outside-toplevel
+    if args.platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.devices_per_process)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, num_processes=args.processes,
+                                   process_id=args.child)
+    else:
+        d = args.devices_per_process
+        jax.distributed.initialize(args.coordinator, num_processes=args.processes,
+                                   process_id=args.child,
+                                   local_device_ids=list(range(args.child * d,
+                                                               (args.child + 1) * d)))
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+    import mok_jax  # pylint: disable=import-outside-toplevel
+
+    n = jax.device_count()
+    T, K, E, H, F = (int(v) for v in args.shape.split(","))
+    T *= n  # T tokens per device
+    dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype]
+    if E % n:
+        print(f"E={E} is not a multiple of the {n} devices")
+        return 2
+
+    # The same host problem in every process (numpy, seeded).
+    rng = np.random.default_rng(0)
+    scores = rng.random((T, E))
+    ids = np.argsort(-scores, axis=1)[:, :K].astype(np.int32)
+    ids[3, 0], ids[5, K - 1] = -1, E + 3                       # invalid ids
+    w = np.sort(rng.random((T, K)), axis=1)[:, ::-1].astype(np.float32)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    wgu = (rng.standard_normal((E, H, 2 * F)) * H**-0.5).astype(np.float32)
+    wd = (rng.standard_normal((E, F, H)) * F**-0.5).astype(np.float32)
+    cot = np.cos(np.arange(H, dtype=np.float32))
+    cf = args.capacity_factor
+    as_dtype = lambda a: np.asarray(jnp.asarray(a).astype(dtype))  # noqa: E731
+    x, wgu, wd = as_dtype(x), as_dtype(wgu), as_dtype(wd)
+
+    def loss_of(layer):
+        def loss(x, w, wgu, wd, ids):
+            y = layer(x, ids, w, wgu, wd)
+            return jnp.sum(y.astype(jnp.float32) * cot), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+    # One device: this process's first.
+    local0 = jax.local_devices()[0]
+    one = loss_of(lambda x, ids, w, wgu, wd: mok_jax.moe(x, ids, w, wgu, wd,
+                                                         capacity_factor=cf))
+    (_, y1), g1 = one(*jax.device_put((x, w, wgu, wd, ids), local0))
+    want = [np.asarray(a) for a in (y1,) + tuple(g1)]
+
+    mesh = jax.make_mesh((n,), ("ep",))
+    sharded = NamedSharding(mesh, P("ep"))
+
+    def put(a):
+        return jax.make_array_from_callback(a.shape, sharded, lambda idx: a[idx])
+
+    args_ep = [put(a) for a in (x, w, wgu, wd, ids)]
+    shard_map_layer = jax.shard_map(
+        lambda x, ids, w, wgu, wd: mok_jax.moe(x, ids, w, wgu, wd, axis_name="ep",
+                                               capacity_factor=cf),
+        mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=True)
+    plain_layer = lambda x, ids, w, wgu, wd: mok_jax.moe(  # noqa: E731
+        x, ids, w, wgu, wd, capacity_factor=cf)
+
+    failures = 0
+    for name, layer in (("shard_map", shard_map_layer), ("plain jit", plain_layer)):
+        before = failures
+        with jax.set_mesh(mesh):
+            (_, y), g = loss_of(layer)(*args_ep)
+        for what, got, ref in zip(("y", "dx", "d_expert_weights", "d_w_gate_up", "d_w_down"),
+                                  (y,) + tuple(g), want):
+            for shard in got.addressable_shards:
+                a, b = np.asarray(shard.data), ref[shard.index]
+                if a.shape != b.shape or not np.array_equal(a.view(np.uint8),
+                                                            b.view(np.uint8)):
+                    diff = (np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))
+                            if a.shape == b.shape else "shape")
+                    print(f"{name}: {what} shard {shard.index} differs (max |diff| {diff})")
+                    failures += 1
+        print(f"{name}: EP={n} over {args.processes} processes, "
+              f"{'bitwise equal' if failures == before else 'MISMATCH'} (y and 4 gradients, "
+              f"{len(jax.local_devices())} local device(s))", flush=True)
+    jax.distributed.shutdown()
+    return 1 if failures else 0
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--platform", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--devices-per-process", type=int, default=1,
+                        help="host devices per process on CPU; GPUs per process on GPU")
+    parser.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
+    parser.add_argument("--shape", default="64,4,16,128,64",
+                        help="T per device, K, E, H, F (multiples of 8: tensor-core path)")
+    parser.add_argument("--capacity-factor", type=float, default=None)
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.processes < 1 or args.devices_per_process < 1:
+        parser.error("--processes and --devices-per-process must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return child(args) if args.child is not None else launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Expert parallelism across processes through jax.distributed (scripts/ep_multiprocess.py).
+
+Each process checks its shards of y and of every gradient against the
+single-device bits, for shard_map and plain jit. On CPU: 2 processes of 2 host
+devices each (EP=4, collectives through gloo). On a GPU machine: one process
+per GPU.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "ep_multiprocess.py")
+
+
+def _run(*argv, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process may hold the GPUs too
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    # The installed package when there is one, else the source tree (dev builds).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+    proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env, check=False)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _assert_all_equal(code, out, processes, ep):
+    assert code == 0, out[-4000:]
+    for pid in range(processes):
+        for layer in ("shard_map", "plain jit"):
+            line = f"[process {pid}] {layer}: EP={ep} over {processes} processes, bitwise equal"
+            assert line in out, out[-4000:]
+    assert "MISMATCH" not in out and "all processes bitwise equal to one device" in out
+
+
+@pytest.mark.parametrize("dtype,capacity", [("bf16", None), ("f32", "0.75")])
+def test_two_processes_of_two_host_devices_match_one_device(dtype, capacity):
+    argv = ["--processes", "2", "--devices-per-process", "2", "--platform", "cpu",
+            "--dtype", dtype, "--timeout", "400"]
+    if capacity:
+        argv += ["--capacity-factor", capacity]
+    code, out = _run(*argv)
+    _assert_all_equal(code, out, 2, ep=4)
+
+
+@pytest.mark.multigpu
+def test_one_process_per_gpu_matches_one_gpu():
+    n = len(jax.devices("gpu"))
+    code, out = _run("--processes", str(n), "--platform", "gpu", "--timeout", "400")
+    _assert_all_equal(code, out, n, ep=n)

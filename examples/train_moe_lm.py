@@ -601,8 +601,9 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     device_kind = mesh.devices.flat[0].device_kind
     tx, schedule = make_optimizer(cfg)
     graphdef, state, shardings = init_state(cfg, mesh, tx)
-    manager = checkpoint_manager(ckpt_dir)
-    latest = manager.latest_step()
+    # --no-checkpoint: no manager, so existing checkpoints are neither read nor removed.
+    manager = None if args.no_checkpoint else checkpoint_manager(ckpt_dir)
+    latest = None if manager is None else manager.latest_step()
     log = None
     if args.resume and latest is not None:
         state = restore_checkpoint(manager, latest, state, shardings)
@@ -702,10 +703,12 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             if progress is not None:
                 progress.set_postfix(loss=f"{last['ce']:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
             else:  # no bar: one line per log interval
-                mfu = (f", MFU {100 * log['throughput'][-1]['mfu']:.1f}%"
-                       if log["throughput"] and "mfu" in log["throughput"][-1] else "")
-                print(f"step {done}: train loss {last['ce']:.4f}, {tps:,.0f} tokens/s{mfu}",
-                      flush=True)
+                timed = steps_since_mark > 0 and "mfu" in log["throughput"][-1]
+                rate = f", {tps:,.0f} tokens/s" if steps_since_mark else ""
+                mfu = f", MFU {100 * log['throughput'][-1]['mfu']:.1f}%" if timed else ""
+                print(f"step {done}: train loss {last['ce']:.4f}{rate}{mfu}", flush=True)
+            if args.no_checkpoint:  # no checkpoint saves to carry the log: write it now
+                write_json(log_path, log)
             t_mark, steps_since_mark = time.perf_counter(), 0
         if progress is not None:
             progress.update(1)
@@ -723,8 +726,9 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     flush()
     if progress is not None:
         progress.close()
-    manager.wait_until_finished()
-    manager.close()
+    if manager is not None:
+        manager.wait_until_finished()
+        manager.close()
 
     wall = time.perf_counter() - t_run
     rates = [r["tokens_per_s"] for r in log["throughput"]]

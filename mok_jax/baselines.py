@@ -188,8 +188,9 @@ def dense_onehot_moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Ar
     return _combine(pair_out, weights, x.dtype)
 
 
-def _stub_xprof() -> None:
-    """Empty `xprof.cli.tools` modules, so that `import tokamax` works without xprof.
+def _stub_xprof() -> list[str]:
+    """Empty `xprof.cli.tools` modules, so that `import tokamax` works without xprof;
+    returns the names it put in sys.modules (the caller removes them after importing).
 
     tokamax >= 0.0.17 imports xprof at the top of its own benchmarking helpers
     (tokamax/_src/benchmarking.py: `from xprof.cli.tools import
@@ -198,13 +199,16 @@ def _stub_xprof() -> None:
     that has `xprof.cli.tools` is on the index it can be brought from).
     """
     import types  # pylint: disable=import-outside-toplevel
-    for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
-        sys.modules.setdefault(name, types.ModuleType(name))
+    added = [name for name in ("xprof", "xprof.cli", "xprof.cli.tools")
+             if name not in sys.modules]
+    for name in added:
+        sys.modules[name] = types.ModuleType(name)
     tools = sys.modules["xprof.cli.tools"]
     if not hasattr(tools, "get_kernel_stats_tool"):
         tools.get_kernel_stats_tool = None
     sys.modules["xprof"].cli = sys.modules["xprof.cli"]
     sys.modules["xprof.cli"].tools = tools
+    return added
 
 
 @functools.cache
@@ -218,11 +222,14 @@ def tokamax_available() -> tuple[bool, str]:
     except ModuleNotFoundError as err:
         if not (err.name or "").startswith("xprof"):
             return False, f"tokamax not importable: {type(err).__name__}: {err}"
-        _stub_xprof()
+        stubs = _stub_xprof()
         try:
             import tokamax  # noqa: F401,F811  pylint: disable=import-outside-toplevel
         except Exception as err2:  # pylint: disable=broad-except
             return False, f"tokamax not importable: {type(err2).__name__}: {err2}"
+        finally:  # tokamax keeps its reference; nothing else should find the stub
+            for name in stubs:
+                sys.modules.pop(name, None)
         return True, "xprof missing: tokamax imported with an empty xprof stub"
     except Exception as err:  # pylint: disable=broad-except
         return False, f"tokamax not importable: {type(err).__name__}: {err}"

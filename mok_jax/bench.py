@@ -380,11 +380,14 @@ def bench_exchange(shape: Shape, ep_size: int, kind: str, *, dtype, warmup: int,
         mesh = jax.make_mesh((ep_size,), ("ep",), devices=jax.devices()[:ep_size])
         sharded = NamedSharding(mesh, PartitionSpec("ep"))
         local_rows = rows * ep_size if kind == "all_to_all_slots" else rows
-        buf = jax.device_put(jnp.ones((ep_size * local_rows, hidden), dtype), sharded)
-        args = [buf]
+
+        def filled(n_rows, value):  # made in place, shard by shard (not on one device)
+            return jax.jit(lambda: jnp.full((ep_size * n_rows, hidden), value, dtype),
+                           out_shardings=sharded)()
+        args = [filled(local_rows, 1)]
         specs = (PartitionSpec("ep"),)
         if kind == "ragged_all_to_all":
-            args.append(jax.device_put(jnp.zeros((ep_size * rows, hidden), dtype), sharded))
+            args.append(filled(rows, 0))
             specs += (PartitionSpec("ep"),)
         step = jax.jit(jax.shard_map(exchange_fn(kind, ep_size, rows, hidden), mesh=mesh,
                                      in_specs=specs, out_specs=PartitionSpec("ep")))
@@ -611,7 +614,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "(all_to_all with ep.py's slots, exact all_to_all, "
                              "ragged_all_to_all) for each of --ep-shapes")
     parser.add_argument("--ep-shapes", type=_csv(tuple(FULL_SHAPES), "shape"),
-                        default=["ep"], help="comma list of shapes timed with --ep")
+                        default=["ep"], help="comma list of shapes timed with --ep and "
+                                             "--exchange (default: ep, DESIGN §4's EP shape)")
     parser.add_argument("--skip", type=_csv_free, default=[], metavar="IMPL/PASS[/SHAPE]",
                         help="comma list of measurements not to attempt (recorded as "
                              "skipped), e.g. ragged_dot/fwdbwd/small-experts: a pipeline "
@@ -624,6 +628,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
+    if args.exchange and not any(n > 1 for n in args.ep):
+        parser.error("--exchange needs --ep with a size >= 2")
+    for entry in args.skip:  # a typo would silently run what it meant to skip
+        parts = entry.split("/")
+        if (len(parts) not in (2, 3) or parts[0] not in IMPLS + EXTRA_IMPLS
+                or parts[1] not in PASSES or (len(parts) == 3 and parts[2] not in FULL_SHAPES)):
+            parser.error(f"--skip entry {entry!r} is not IMPL/PASS[/SHAPE] with IMPL in "
+                         f"{IMPLS + EXTRA_IMPLS}, PASS in {PASSES}, SHAPE in "
+                         f"{tuple(FULL_SHAPES)}")
     return args
 
 
@@ -671,7 +684,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                          "warmup": args.warmup,
                          "repeats": args.repeats, "seed": args.seed,
                          "shapes": args.shapes, "impls": args.impls,
-                         "passes": args.passes, "ep": args.ep, "torch": args.torch},
+                         "passes": args.passes, "ep": args.ep, "torch": args.torch,
+                         "ep_shapes": args.ep_shapes, "exchange": args.exchange,
+                         "skip": args.skip, "try_all": args.try_all},
             "elapsed_s": time.perf_counter() - start,
             "records": records,
             "exchange": exchange_records,

@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -37,11 +38,13 @@ def launch(args) -> int:
     # NVLink multicast stays off in every process (DESIGN §3).
     env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
-    procs = []
+    procs, logs = [], []
     for pid in range(args.processes):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", str(pid),
                "--coordinator", f"127.0.0.1:{port}"] + _forwarded(args)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+        # Output to files, not pipes: a chatty process must not block on a full pipe.
+        logs.append(tempfile.TemporaryFile(mode="w+"))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1],
                                       stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + args.timeout
     codes = [None] * len(procs)
@@ -54,9 +57,11 @@ def launch(args) -> int:
         if p.poll() is None:
             p.kill()
     ok = True
-    for pid, p in enumerate(procs):
-        out = p.communicate()[0]
-        code = p.returncode
+    for pid, (p, log) in enumerate(zip(procs, logs)):
+        code = p.wait()
+        log.seek(0)
+        out = log.read()
+        log.close()
         for line in out.splitlines():
             if not line.startswith("[Gloo]"):
                 print(f"[process {pid}] {line}")

@@ -31,7 +31,7 @@ step() {  # step NAME CMD...: runs CMD, logs to OUTDIR/NAME.log, remembers failu
 # The tree arrives without .git: the commit can travel as .whl/COMMIT.
 if [ -f .whl/COMMIT ]; then export MOK_GIT_COMMIT=$(cat .whl/COMMIT); fi
 ROOT=$PWD
-extra_wheels=$(ls .whl/*.whl 2>/dev/null | grep -v '/mok_jax-')
+extra_wheels=$(ls .whl/*.whl 2>/dev/null | grep -v '/mok_jax-')  # never a stale mok_jax
 if [ -n "$extra_wheels" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/mok_site $extra_wheels || exit 1
@@ -45,16 +45,14 @@ fi
 # MOK_TRAIN_MESHES: "1gpu ep2", also e.g. "ep8 dp2ep4"; MOK_PYTEST_ARGS: what the gpu step selects; MOK_BENCH_TORCH=0:
 # no torch baselines). Step time
 # limits: MOK_TIMEOUT_GPU, MOK_TIMEOUT_MEMCHECK, MOK_TIMEOUT_BENCH, MOK_TIMEOUT_TRAIN (s).
-# `build` also leaves the wheel in OUTDIR/wheel: carried back as .whl/mok_jax-*.whl with
-# .whl/COMMIT unchanged, step `install` installs it instead of building.
+# `build` leaves the wheel in MOK_WHEEL_DIR (default OUTDIR/wheel; at most 8 files come
+# back from the device machine's $OUT, so /tmp/wheel there).
 STEPS=" ${MOK_GPU_CI_STEPS:-build gpu memcheck bench suite cpu} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want build; then
   step build $PY -m pip wheel -v --no-build-isolation --no-deps -w "${MOK_WHEEL_DIR:-$OUTDIR/wheel}" . || exit 1
   $PY -m pip install -q --no-deps --force-reinstall "${MOK_WHEEL_DIR:-$OUTDIR/wheel}"/mok_jax-*.whl || exit 1
-elif want install; then
-  $PY -m pip install -q --no-deps --force-reinstall .whl/mok_jax-*.whl || exit 1
 fi
 
 # Run from outside the source tree so that the installed package is imported.
@@ -85,8 +83,8 @@ if want train; then  # the h200 preset: tokens/s and MFU on one GPU, then EP=2 o
   for mesh in ${MOK_TRAIN_MESHES:-1gpu ep2}; do  # entries: 1gpu, epN, dpMepN
     case $mesh in
       1gpu) n=1; mesh_args="" ;;
-      ep[0-9]*) n=${mesh#ep}; mesh_args="--dp 1 --ep $n" ;;
-      dp[0-9]*ep[0-9]*) dp=${mesh#dp}; dp=${dp%%ep*}; ep=${mesh##*ep}; n=$((dp * ep))
+      ep[1-9]|ep[1-9][0-9]) n=${mesh#ep}; mesh_args="--dp 1 --ep $n" ;;
+      dp[1-9]ep[1-9]|dp[1-9]ep[1-9][0-9]|dp[1-9][0-9]ep[1-9]) dp=${mesh#dp}; dp=${dp%%ep*}; ep=${mesh##*ep}; n=$((dp * ep))
                         mesh_args="--dp $dp --ep $ep" ;;
       *) echo "unknown MOK_TRAIN_MESHES entry $mesh"; status=1; continue ;;
     esac

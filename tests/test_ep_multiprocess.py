@@ -13,15 +13,19 @@ import sys
 import jax
 import pytest
 
+import mok_jax
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "ep_multiprocess.py")
 
 
 def _run(*argv, timeout=600):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process may hold the GPUs too
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-    # The installed package when there is one, else the source tree (dev builds).
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+    # The mok_jax this process imported (installed, or the source tree of a dev build)
+    # comes first: PYTHONPATH precedes site-packages.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (package_root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
                           timeout=timeout, env=env, check=False)
     return proc.returncode, proc.stdout + proc.stderr

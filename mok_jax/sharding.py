@@ -70,16 +70,18 @@ def _pack_stats(stats):
     return jnp.concatenate([routed, dropped[None], invalid[None]])
 
 
-def _config(mesh, token_axes, ep_axis, cap):
-    return ep._Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
-                      capacity=cap, token_axes=token_axes)
-
-
-def _shardings(mesh, token_axes, ep_axis):
+def _placement(cap, mesh, arg_shapes):
+    """From the operands' shardings (x is operand 0, w_gate_up operand 3): the EP
+    config, and the shardings of token-major arrays, expert weights and replicated
+    arrays."""
+    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
+                                  arg_shapes[3].shape[0])
+    cfg = ep._Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
+                     capacity=cap, token_axes=token_axes)
     tok = NamedSharding(mesh, P(token_axes or None, None))
     wts = NamedSharding(mesh, P(ep_axis, None, None))
     rep = NamedSharding(mesh, P(None))
-    return tok, wts, rep
+    return cfg, tok, wts, rep
 
 
 def _unmanaged_size(mesh) -> int:
@@ -114,19 +116,14 @@ def _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap):
 
 
 def _forward_infer(cap, mesh, arg_shapes, result_shape):
-    del cap, result_shape
-    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
-                                  arg_shapes[3].shape[0])
-    tok, _, rep = _shardings(mesh, token_axes, ep_axis)
+    del result_shape
+    _, tok, _, rep = _placement(cap, mesh, arg_shapes)
     return tok, rep
 
 
 def _forward_partition(cap, mesh, arg_shapes, result_shape):
     del result_shape
-    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
-                                  arg_shapes[3].shape[0])
-    tok, wts, rep = _shardings(mesh, token_axes, ep_axis)
-    cfg = _config(mesh, token_axes, ep_axis, cap)
+    cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes)
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
         y, stats, _ = ep._forward(cfg, x, expert_ids, expert_weights, w_gate_up, w_down, False)
@@ -153,19 +150,14 @@ def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, cap):
 
 
 def _backward_infer(cap, mesh, arg_shapes, result_shape):
-    del cap, result_shape
-    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
-                                  arg_shapes[3].shape[0])
-    tok, wts, _ = _shardings(mesh, token_axes, ep_axis)
+    del result_shape
+    _, tok, wts, _ = _placement(cap, mesh, arg_shapes)
     return tok, tok, wts, wts
 
 
 def _backward_partition(cap, mesh, arg_shapes, result_shape):
     del result_shape
-    token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
-                                  arg_shapes[3].shape[0])
-    tok, wts, _ = _shardings(mesh, token_axes, ep_axis)
-    cfg = _config(mesh, token_axes, ep_axis, cap)
+    cfg, tok, wts, _ = _placement(cap, mesh, arg_shapes)
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy):
         _, _, residuals = ep.forward_with_residuals(

@@ -53,8 +53,7 @@ class _Route(NamedTuple):
     """Where each local pair goes and where each received slot lands."""
 
     kept: jax.Array         # [T, K] int32, 1 where the pair has a row
-    dest: jax.Array         # [T*K] destination rank (P for pairs without a row)
-    slot: jax.Array         # [T*K] slot in the message to `dest`
+    pair_slot: jax.Array    # [T*K] outgoing slot (dest * C + slot) of each pair (P*C: none)
     recv_row: jax.Array     # [P, C] row of x_rows for each received slot (R = P*C: none)
     group_sizes: jax.Array  # [E_local] rows per local expert
     slot_pair: jax.Array    # [P*C] local pair sent in each outgoing slot (C: none)
@@ -144,11 +143,11 @@ def _plan(expert_ids, cfg: _Config, experts_local: int):
         stats = tuple(jax.lax.pmax(v, cfg.token_axes) for v in stats)
     # The inverse maps, so that moving rows is a gather (no zero fill + scatter of
     # [rows, H] blocks): the outgoing slots' pairs and the expert rows' slots.
-    out_slot = jnp.where(dest < P, dest * C + slot, P * C)
-    slot_pair = jnp.full(P * C + 1, C, _I32).at[out_slot].set(jnp.arange(C, dtype=_I32))[:-1]
+    pair_slot = jnp.where(dest < P, dest * C + slot, P * C)
+    slot_pair = jnp.full(P * C + 1, C, _I32).at[pair_slot].set(jnp.arange(C, dtype=_I32))[:-1]
     row_slot = jnp.full(P * C + 1, P * C, _I32).at[recv_row.reshape(-1)].set(
         jnp.arange(P * C, dtype=_I32))[:-1]
-    route = _Route(my_kept.reshape(T, K).astype(_I32), dest, slot, recv_row, group_sizes,
+    route = _Route(my_kept.reshape(T, K).astype(_I32), pair_slot, recv_row, group_sizes,
                    slot_pair, row_slot)
     return route, stats
 
@@ -179,8 +178,7 @@ def _from_rows(rows, route: _Route, P: int, C: int, axis: str | None):
     """Expert-grouped rows [R, ...] -> back to the senders, by their local pair."""
     out = _take(rows, route.recv_row.reshape(-1)).reshape((P, C) + rows.shape[1:])
     back = _exchange(out, axis).reshape((P * C,) + rows.shape[1:])
-    idx = jnp.where(route.dest < P, route.dest * C + route.slot, 0)
-    return back[idx]                                            # [T*K, ...]
+    return _take(back, route.pair_slot)          # [T*K, ...]; zeros for pairs without a row
 
 
 def _forward(cfg, x, expert_ids, expert_weights, w_gate_up, w_down, save):

@@ -292,6 +292,13 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
     return finish_record(record, times_ms, compile_s)
 
 
+def ep_mesh(ep_size: int):
+    """(a 1-D mesh "ep" over the first ep_size devices, None) or (None, why not)."""
+    if len(jax.devices()) < ep_size:
+        return None, f"needs {ep_size} devices, found {len(jax.devices())}"
+    return jax.make_mesh((ep_size,), ("ep",), devices=jax.devices()[:ep_size]), None
+
+
 def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: str,
              seed: int, warmup: int, repeats: int, verbose: bool = False) -> dict:
     """`moe` under jit on a mesh of `ep_size` devices (experts sharded, EP over
@@ -302,9 +309,9 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
     record = new_record(shape, impl, pass_name, dtype_name=dtype_name, warmup=warmup,
                         repeats=repeats)
     record["ep_size"] = ep_size
-    if len(jax.devices()) < ep_size:
-        record.update(status="unavailable",
-                      error=f"needs {ep_size} devices, found {len(jax.devices())}")
+    mesh, why = ep_mesh(ep_size)
+    if mesh is None:
+        record.update(status="unavailable", error=why)
         return record
     try:
         fn, why = resolve_impl(MOK)
@@ -313,7 +320,6 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
             return record
         global_shape = dataclasses.replace(shape, tokens=shape.tokens * ep_size)
         inputs = make_inputs(global_shape, dtype, seed)
-        mesh = jax.make_mesh((ep_size,), ("ep",), devices=jax.devices()[:ep_size])
         # Tokens, routing, dy and the experts dim of both weights: all split on dim 0.
         sharded = NamedSharding(mesh, PartitionSpec("ep"))
         inputs = {k: jax.device_put(v, sharded) for k, v in inputs.items()}
@@ -372,12 +378,11 @@ def bench_exchange(shape: Shape, ep_size: int, kind: str, *, dtype, warmup: int,
     record = {"shape": shape.name, "exchange": kind, "ep_size": ep_size, "rows": rows,
               "hidden": hidden, "dtype": jnp.dtype(dtype).name, "status": "ok",
               "error": None, "median_ms": None, "gb_per_s": None}
-    if len(jax.devices()) < ep_size:
-        record.update(status="unavailable",
-                      error=f"needs {ep_size} devices, found {len(jax.devices())}")
+    mesh, why = ep_mesh(ep_size)
+    if mesh is None:
+        record.update(status="unavailable", error=why)
         return record
     try:
-        mesh = jax.make_mesh((ep_size,), ("ep",), devices=jax.devices()[:ep_size])
         sharded = NamedSharding(mesh, PartitionSpec("ep"))
         local_rows = rows * ep_size if kind == "all_to_all_slots" else rows
 

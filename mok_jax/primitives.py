@@ -17,9 +17,11 @@ by `mok_jax.moe`; the handlers check them again and never run on a mismatch.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
@@ -73,7 +75,7 @@ def _map_batching(prim: Primitive):
     return rule
 
 
-def _varying_axes(aval) -> frozenset:
+def varying_axes(aval) -> frozenset:
     """The shard_map axes a value varies over (empty outside shard_map)."""
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
@@ -81,22 +83,65 @@ def _varying_axes(aval) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
-def _with_varying_axes(abstract_eval):
-    """Results vary over every shard_map axis an operand varies over, as
-    shard_map's type check (check_vma) expects of an elementwise-like op."""
+class _Out(NamedTuple):
+    """One result of an abstract evaluation: shape, dtype and its partition spec
+    over the operands' mesh (entries as in `jax.sharding.PartitionSpec`)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    spec: tuple
+
+
+def _spec(aval) -> tuple:
+    sharding = getattr(aval, "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    return spec + (None,) * (len(aval.shape) - len(spec))
+
+
+def _rows_of(aval, shape, dtype) -> _Out:
+    """A result whose dim 0 is split like `aval`'s dim 0 (tokens, pairs, rows)."""
+    lead = _spec(aval)[0] if shape and shape[0] else None
+    return _Out(tuple(shape), dtype, (lead,) + (None,) * (len(shape) - 1))
+
+
+def _like(aval) -> _Out:
+    """A result with `aval`'s shape, dtype and sharding (a gradient of it)."""
+    return _Out(tuple(aval.shape), aval.dtype, _spec(aval))
+
+
+def _replicated(shape, dtype) -> _Out:
+    return _Out(tuple(shape), dtype, (None,) * len(shape))
+
+
+def _on_a_mesh(aval) -> bool:
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return mesh is not None and not mesh.empty
+
+
+def _typed(abstract_eval):
+    """Turns `_Out`s into avals that carry the shardings JAX's types track:
+
+    * explicit mesh axes (``jax.make_mesh``'s default): each result states how it
+      is split, as the partitioned computation really leaves it (tokens stay split
+      like x, gradients like their primals, statistics replicated). A result typed
+      replicated would make JAX reshard it: an all-gather of y after the partitioned
+      call and a slice of dy in front of it.
+    * shard_map's varying axes (check_vma): results vary over every axis an operand
+      varies over, as for an elementwise op.
+    """
 
     def rule(*avals, **params):
         outs = abstract_eval(*avals, **params)
-        union = frozenset().union(*(_varying_axes(a) for a in avals))
-        if not union:
-            return outs
-        like = max(avals, key=lambda a: len(_varying_axes(a)))
-        if _varying_axes(like) != union:
+        union = frozenset().union(*(varying_axes(a) for a in avals))
+        like = max(avals, key=lambda a: (len(varying_axes(a)), _on_a_mesh(a)))
+        if union and varying_axes(like) != union:
             like = like.update(manual_axis_type=like.manual_axis_type.update(varying=union))
-        replicated = lambda rank: like.sharding.update(spec=jax.sharding.PartitionSpec(  # noqa: E731
-            *([None] * rank)))
+        sharding = getattr(like, "sharding", None)
+        if sharding is None:
+            return tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in outs)
         return tuple(like.update(shape=o.shape, dtype=o.dtype, weak_type=False,
-                                 sharding=replicated(len(o.shape))) for o in outs)
+                                 sharding=sharding.update(spec=PartitionSpec(*o.spec)))
+                     for o in outs)
 
     return rule
 
@@ -104,7 +149,7 @@ def _with_varying_axes(abstract_eval):
 def _register(prim: Primitive, target: str, abstract_eval, attrs_of) -> None:
     prim.multiple_results = True
     prim.def_impl(_jit_impl(prim))
-    prim.def_abstract_eval(_with_varying_axes(abstract_eval))
+    prim.def_abstract_eval(_typed(abstract_eval))
     for platform in ("cpu", "cuda"):
         mlir.register_lowering(prim, _lower_on(platform, target, attrs_of), platform=platform)
     batching.primitive_batchers[prim] = _map_batching(prim)
@@ -118,16 +163,16 @@ moe_fwd_p = Primitive("mok_moe_fwd")
 def _fwd_abstract_eval(x, expert_ids, expert_weights, w_gate_up, w_down, *, capacity,
                        save_gate_up):
     del expert_weights, w_down, capacity
-    tokens, hidden = x.shape
+    tokens = x.shape[0]
     top_k = expert_ids.shape[1]
     experts, _, two_f = w_gate_up.shape
     i32 = np.dtype(np.int32)
     return (
-        jax.core.ShapedArray((tokens, hidden), x.dtype),
-        jax.core.ShapedArray((tokens * top_k if save_gate_up else 0, two_f), x.dtype),
-        jax.core.ShapedArray((experts,), i32),
-        jax.core.ShapedArray((), i32),
-        jax.core.ShapedArray((), i32),
+        _rows_of(x, x.shape, x.dtype),
+        _rows_of(x, (tokens * top_k if save_gate_up else 0, two_f), x.dtype),
+        _replicated((experts,), i32),
+        _replicated((), i32),
+        _replicated((), i32),
     )
 
 
@@ -147,12 +192,7 @@ moe_bwd_p = Primitive("mok_moe_bwd")
 def _bwd_abstract_eval(x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, *,
                        capacity):
     del expert_ids, gate_up, dy, capacity
-    return (
-        jax.core.ShapedArray(x.shape, x.dtype),
-        jax.core.ShapedArray(expert_weights.shape, expert_weights.dtype),
-        jax.core.ShapedArray(w_gate_up.shape, w_gate_up.dtype),
-        jax.core.ShapedArray(w_down.shape, w_down.dtype),
-    )
+    return _like(x), _like(expert_weights), _like(w_gate_up), _like(w_down)
 
 
 def _bwd_attrs(params):
@@ -179,8 +219,8 @@ def _expert_fwd_abstract_eval(x_rows, group_sizes, w_gate_up, w_down, *, save_ga
     rows = x_rows.shape[0]
     two_f = w_gate_up.shape[2]
     return (
-        jax.core.ShapedArray(x_rows.shape, x_rows.dtype),
-        jax.core.ShapedArray((rows if save_gate_up else 0, two_f), x_rows.dtype),
+        _like(x_rows),
+        _rows_of(x_rows, (rows if save_gate_up else 0, two_f), x_rows.dtype),
     )
 
 
@@ -194,12 +234,7 @@ expert_ffn_bwd_p = Primitive("mok_expert_ffn_bwd")
 def _expert_bwd_abstract_eval(x_rows, dy_rows, w_rows, group_sizes, w_gate_up, w_down,
                               gate_up):
     del dy_rows, group_sizes, gate_up
-    return (
-        jax.core.ShapedArray(x_rows.shape, x_rows.dtype),
-        jax.core.ShapedArray(w_rows.shape, w_rows.dtype),
-        jax.core.ShapedArray(w_gate_up.shape, w_gate_up.dtype),
-        jax.core.ShapedArray(w_down.shape, w_down.dtype),
-    )
+    return _like(x_rows), _like(w_rows), _like(w_gate_up), _like(w_down)
 
 
 _register(expert_ffn_bwd_p, _ext.EXPERT_FFN_BACKWARD, _expert_bwd_abstract_eval,
@@ -211,7 +246,7 @@ combine_p = Primitive("mok_combine")
 
 def _combine_abstract_eval(rows, weights, kept, *, weighted):
     del weights, weighted
-    return (jax.core.ShapedArray((kept.shape[0], rows.shape[1]), rows.dtype),)
+    return (_rows_of(kept, (kept.shape[0], rows.shape[1]), rows.dtype),)
 
 
 _register(combine_p, _ext.COMBINE, _combine_abstract_eval,

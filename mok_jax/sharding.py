@@ -65,6 +65,32 @@ def _layout(mesh, x_sharding, w_sharding, num_experts):
     return token_axes, ep_axis
 
 
+def _per_device(fn):
+    """`fn`, traced as per-device code with no mesh in its types.
+
+    custom_partitioning traces a partition's function at compile time, inside
+    whatever mesh context the caller compiled in. Under ``jax.set_mesh`` with
+    Explicit axes (``jax.make_mesh``'s default) every value that function makes
+    would be typed as sharded over the global mesh, and JAX would lower those types
+    to ``Sharding`` custom calls in the per-device module, down to the scalar
+    ``add`` of a scatter's combiner. That module is spliced in after XLA's sharding
+    passes, so nothing removes them; XLA's GPU scatter emitter then meets a custom
+    call inside a fusion and aborts the process ("ComputeOutputToInputIndexing is
+    not implemented for opcode custom-call"). An empty abstract mesh keeps the
+    per-device code free of them; the collectives still bind the mesh axis names.
+    """
+
+    @functools.wraps(fn)
+    def traced_without_mesh(*args):
+        with jax.sharding.use_abstract_mesh(_NO_MESH):
+            return fn(*args)
+
+    return traced_without_mesh
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
 def _pack_stats(stats):
     routed, dropped, invalid = stats
     return jnp.concatenate([routed, dropped[None], invalid[None]])
@@ -129,7 +155,7 @@ def _forward_partition(cap, mesh, arg_shapes, result_shape):
         y, stats, _ = ep._forward(cfg, x, expert_ids, expert_weights, w_gate_up, w_down, False)
         return y, _pack_stats(stats)
 
-    return mesh, lower_fn, (tok, rep), (tok, tok, tok, wts, wts)
+    return mesh, _per_device(lower_fn), (tok, rep), (tok, tok, tok, wts, wts)
 
 
 _forward.def_partition(
@@ -164,7 +190,7 @@ def _backward_partition(cap, mesh, arg_shapes, result_shape):
             cfg, x, expert_ids, expert_weights, w_gate_up, w_down)
         return ep.backward(cfg, residuals, dy)
 
-    return mesh, lower_fn, (tok, tok, wts, wts), (tok, tok, tok, wts, wts, tok)
+    return mesh, _per_device(lower_fn), (tok, tok, wts, wts), (tok, tok, tok, wts, wts, tok)
 
 
 _backward.def_partition(

@@ -74,14 +74,21 @@ def launch(args) -> int:
 
 
 def _forwarded(args) -> list[str]:
-    return ["--processes", str(args.processes), "--platform", args.platform,
-            "--devices-per-process", str(args.devices_per_process), "--dtype", args.dtype,
-            "--shape", args.shape] + (["--capacity-factor", str(args.capacity_factor)]
-                                      if args.capacity_factor is not None else [])
+    return (["--processes", str(args.processes), "--platform", args.platform,
+             "--devices-per-process", str(args.devices_per_process), "--dtype", args.dtype,
+             "--shape", args.shape, "--layers", args.layers, "--mesh-axes", args.mesh_axes]
+            + (["--capacity-factor", str(args.capacity_factor)]
+               if args.capacity_factor is not None else [])
+            + (["--xla-dump", args.xla_dump] if args.xla_dump else []))
 
 
 def child(args) -> int:
     """One process: initialise jax.distributed, compare its shards with one device."""
+    if args.xla_dump:  # before jax starts: each process dumps its HLO, pass by pass
+        where = os.path.join(os.path.abspath(args.xla_dump), f"process{args.child}")
+        os.environ["XLA_FLAGS"] = " ".join(filter(None, (
+            os.environ.get("XLA_FLAGS"), f"--xla_dump_to={where}",
+            "--xla_dump_hlo_pass_re=.*", "--xla_dump_hlo_module_re=.*loss.*")))
     import jax  # pylint: disable=import-outside-toplevel
     if args.platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
@@ -135,7 +142,9 @@ def child(args) -> int:
     (_, y1), g1 = one(*jax.device_put((x, w, wgu, wd, ids), local0))
     want = [np.asarray(a) for a in (y1,) + tuple(g1)]
 
-    mesh = jax.make_mesh((n,), ("ep",))
+    axis_type = {"explicit": jax.sharding.AxisType.Explicit,
+                 "auto": jax.sharding.AxisType.Auto}[args.mesh_axes]
+    mesh = jax.make_mesh((n,), ("ep",), axis_types=(axis_type,))
     sharded = NamedSharding(mesh, P("ep"))
 
     def put(a):
@@ -150,7 +159,11 @@ def child(args) -> int:
         x, ids, w, wgu, wd, capacity_factor=cf)
 
     failures = 0
-    for name, layer in (("shard_map", shard_map_layer), ("plain jit", plain_layer)):
+    layers = {"shard_map": shard_map_layer, "plain jit": plain_layer}
+    chosen = {"both": ("shard_map", "plain jit"), "shard_map": ("shard_map",),
+              "plain": ("plain jit",)}[args.layers]
+    for name in chosen:
+        layer = layers[name]
         before = failures
         with jax.set_mesh(mesh):
             (_, y), g = loss_of(layer)(*args_ep)
@@ -181,6 +194,13 @@ def parse_args(argv=None):
     parser.add_argument("--shape", default="64,4,16,128,64",
                         help="T per device, K, E, H, F (multiples of 8: tensor-core path)")
     parser.add_argument("--capacity-factor", type=float, default=None)
+    parser.add_argument("--layers", choices=["both", "shard_map", "plain"], default="both",
+                        help="which EP layers to check (plain: plain jax.jit on sharded "
+                             "arrays, partitioned by mok_jax.sharding)")
+    parser.add_argument("--mesh-axes", choices=["explicit", "auto"], default="explicit",
+                        help="the mesh's axis type (jax.make_mesh's default is explicit)")
+    parser.add_argument("--xla-dump", default=None, metavar="DIR",
+                        help="dump each process's HLO pass by pass to DIR/process<i>")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)

@@ -152,6 +152,68 @@ def test_plain_jit_on_ep_mesh_is_bitwise_equal_and_gathers_no_floats(capacity_fa
     assert gathered and set(gathered) <= {"s32"}, gathered  # ... only ids are gathered
 
 
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_plain_jit_inside_set_mesh_keeps_tokens_sharded_and_bits(axis_type):
+    """`jax.make_mesh` gives Explicit axes; users then jit inside `jax.set_mesh`.
+    y and dy must stay split like x (no all-gather of y, no slice of dy around the
+    partitioned call), with the single-device bits."""
+    x, ids, w, wgu, wd = _problem(jnp.bfloat16, seed=7)
+    y1, s1, g1 = _single_device(x, ids, w, wgu, wd, 0.6)
+    types = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
+    mesh = jax.make_mesh((4,), ("ep",), devices=CPUS[:4], axis_types=(types[axis_type],))
+    with jax.set_mesh(mesh):
+        y, s, g, hlo = _jit_on_mesh(mesh, P("ep"), P("ep"), x, ids, w, wgu, wd, 0.6)
+    _assert_same_bits(y, y1, "y")
+    for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):
+        _assert_same_bits(a, b, name)
+    assert int(s.dropped) == int(s1.dropped) > 0
+    assert y.sharding.spec[0] == "ep" and g[0].sharding.spec[0] == "ep"
+    assert set(_gathered_types(hlo)) <= {"s32"}, _gathered_types(hlo)
+
+
+def _mesh_typed_values(jaxpr):
+    """(primitive, axis types) of every value in `jaxpr` (and its sub-jaxprs: scan
+    and while bodies, scatter combiners) whose type names a mesh."""
+    found = []
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            mesh = getattr(getattr(v.aval, "sharding", None), "mesh", None)
+            if mesh is not None and not mesh.empty:
+                found.append((eqn.primitive.name, mesh.axis_types))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _mesh_typed_values(sub)
+    return found
+
+
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_partitioned_code_carries_no_mesh_types_under_an_explicit_mesh(which):
+    """The root cause of the one-process-per-GPU compiler abort: custom_partitioning
+    traces the per-device function inside the caller's mesh context, and with
+    Explicit axes every value in it was typed over the global mesh; JAX lowered
+    those types to `Sharding` custom calls that XLA's GPU scatter emitter cannot
+    handle. The per-device code must be free of mesh types."""
+    mesh = jax.make_mesh((4,), ("ep",), devices=CPUS[:4],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    tok, wts = NamedSharding(mesh, P("ep")), NamedSharding(mesh, P("ep"))
+    shapes = [jax.ShapeDtypeStruct((T, H), jnp.float32, sharding=tok),
+              jax.ShapeDtypeStruct((T, K), jnp.int32, sharding=tok),
+              jax.ShapeDtypeStruct((T, K), jnp.float32, sharding=tok),
+              jax.ShapeDtypeStruct((E, H, 2 * F), jnp.float32, sharding=wts),
+              jax.ShapeDtypeStruct((E, F, H), jnp.float32, sharding=wts)]
+    if which == "backward":
+        shapes.append(jax.ShapeDtypeStruct((T, H), jnp.float32, sharding=tok))
+    partition = {"forward": mok_jax.sharding._forward_partition,
+                 "backward": mok_jax.sharding._backward_partition}[which]
+    with jax.set_mesh(mesh):
+        _, per_device, _, _ = partition(3, mesh, shapes, None)
+        local = [jax.ShapeDtypeStruct(s.sharding.shard_shape(s.shape), s.dtype) for s in shapes]
+        jaxpr = jax.make_jaxpr(per_device, axis_env=list(mesh.shape.items()))(*local)
+    assert _mesh_typed_values(jaxpr.jaxpr) == []
+
+
 def test_plain_jit_dp_ep_mesh_keeps_global_semantics():
     x, ids, w, wgu, wd = _problem(jnp.float32, seed=3)
     y1, s1, g1 = _single_device(x, ids, w, wgu, wd, 0.6)

@@ -50,8 +50,36 @@ def test_two_processes_of_two_host_devices_match_one_device(dtype, capacity):
     _assert_all_equal(code, out, 2, ep=4)
 
 
+@pytest.mark.parametrize("mesh_axes", ["explicit", "auto"])
+def test_two_processes_on_both_mesh_axis_types(mesh_axes):
+    """jax.make_mesh's Explicit axes and Auto axes: plain jit under jax.set_mesh
+    traces the partitioned code inside that mesh's context (see sharding._per_device)."""
+    code, out = _run("--processes", "2", "--devices-per-process", "2", "--platform", "cpu",
+                     "--mesh-axes", mesh_axes, "--capacity-factor", "1.0", "--timeout", "400")
+    _assert_all_equal(code, out, 2, ep=4)
+
+
 @pytest.mark.multigpu
-def test_one_process_per_gpu_matches_one_gpu():
+@pytest.mark.parametrize("dtype,capacity,mesh_axes", [
+    ("bf16", None, "explicit"), ("f32", "0.75", "explicit"), ("bf16", "1.0", "explicit"),
+    ("bf16", None, "auto")])
+def test_one_process_per_gpu_matches_one_gpu(dtype, capacity, mesh_axes):
+    """One process per GPU, shard_map and plain jit. Plain jit on an Explicit-axis
+    mesh inside jax.set_mesh once aborted XLA's GPU compiler (a `Sharding` custom
+    call left in a scatter combiner of the partitioned code)."""
     n = len(jax.devices("gpu"))
-    code, out = _run("--processes", str(n), "--platform", "gpu", "--timeout", "400")
+    argv = ["--processes", str(n), "--platform", "gpu", "--dtype", dtype,
+            "--mesh-axes", mesh_axes, "--timeout", "400"]
+    if capacity:
+        argv += ["--capacity-factor", capacity]
+    code, out = _run(*argv)
     _assert_all_equal(code, out, n, ep=n)
+
+
+@pytest.mark.multigpu
+def test_one_process_of_all_gpus_on_an_explicit_mesh_matches_one_gpu():
+    """The same script with one process driving every GPU (jax.set_mesh, Explicit axes)."""
+    n = len(jax.devices("gpu"))
+    code, out = _run("--processes", "1", "--devices-per-process", str(n), "--platform", "gpu",
+                     "--capacity-factor", "0.75", "--timeout", "400")
+    _assert_all_equal(code, out, 1, ep=n)

@@ -97,14 +97,17 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
       >>> mok_jax.moe(x, ids, w, w_gate_up, w_down).shape
       (8, 16)
     """
+    _check_static_options(axis_name=axis_name, capacity_factor=capacity_factor,
+                          backend=backend, return_stats=return_stats)
     num_experts, ep_size = _validate(x, expert_ids, expert_weights, w_gate_up, w_down,
                                      axis_name=axis_name, capacity_factor=capacity_factor,
                                      backend=backend)
+    operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
+    _check_mesh_axes(operands, axis_name)
     tokens, top_k = expert_ids.shape
     cap = capacity(capacity_factor, tokens * ep_size, top_k, num_experts)
     cap = primitives.NO_CAPACITY if cap is None else cap
     with jax.named_scope("mok_jax"):
-        operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if axis_name is not None:
             operands = _vary_alike(operands)
         if ep_size > 1:
@@ -112,6 +115,9 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
                              token_axes=(axis_name,))
             y, stats = ep.moe_ep(cfg, *operands)
         elif axis_name is None and sharding.on_a_mesh(operands):
+            if backend == "fused" and sharding.experts_split(w_gate_up):
+                raise NotImplementedError(_FUSED_EP_MISSING)
+            sharding.check_layout(*operands)
             y, stats = sharding.moe_partitioned(cap, *operands)
         else:
             y, stats = _moe_core(cap, *operands)
@@ -120,6 +126,77 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
     if return_stats:
         return y, MoEStats(*stats)
     return y
+
+
+_FUSED_EP_MISSING = (
+    "mok_jax.moe: backend='fused' (mok_jax's own NVLink transport) is not implemented "
+    "for expert parallelism yet; use backend='xla' or 'auto'")
+_STATIC_OPTIONS = ("axis_name", "capacity_factor", "backend", "return_stats")
+
+
+def _check_static_options(**options):
+    """The options choose the computation, so they must be known at trace time."""
+    for name, value in options.items():
+        if isinstance(value, jax.core.Tracer):
+            raise ValueError(
+                f"mok_jax.moe: {name} must be a Python value known at trace time, got a "
+                f"traced value ({jax.typeof(value).str_short()}). Under jax.jit pass it as a "
+                f"static argument: jax.jit(mok_jax.moe, static_argnames={_STATIC_OPTIONS}), "
+                f"or close over it (functools.partial(mok_jax.moe, {name}=...)).")
+    if not isinstance(options["return_stats"], (bool, np.bool_)):
+        raise ValueError("mok_jax.moe: return_stats must be True or False, got "
+                         f"{options['return_stats']!r}")
+    axis_name = options["axis_name"]
+    if axis_name is not None and not isinstance(axis_name, str):
+        raise ValueError("mok_jax.moe: axis_name must be None or the name (a str) of one "
+                         f"mesh axis, got {axis_name!r}")
+
+
+def _check_mesh_axes(operands, axis_name):
+    """Inside shard_map (with check_vma, its default), the operands' types say which
+    mesh axes they vary over; catch the layouts that would run and be wrong.
+
+    * Expert weights that vary over a mesh axis hold different experts per rank:
+      that is expert parallelism, and without ``axis_name`` each rank would treat
+      its ``E_local`` experts as the whole model.
+    * With ``axis_name``, the weights must vary over that axis (each rank holds its
+      own ``E / P`` experts) and over no other (replicated over data axes).
+    Tokens may vary over any axes (data parallelism: each shard is its own call).
+    With ``check_vma=False`` JAX tracks none of this and neither can mok_jax: that
+    is the way out for a layout these rules reject on purpose.
+    """
+    names = ("x", "expert_ids", "expert_weights", "w_gate_up", "w_down")
+    varying = {n: primitives.varying_axes(jax.typeof(a)) for n, a in zip(names, operands)}
+    weights = {n: varying[n] for n in ("w_gate_up", "w_down")}
+    if axis_name is None:
+        for name, axes in weights.items():
+            if axes:
+                raise ValueError(
+                    f"mok_jax.moe: {name} varies over mesh axis {_fmt(axes)} (each rank holds "
+                    "different experts) but axis_name is None, so every rank would take its "
+                    "local experts for the whole model. Pass axis_name="
+                    f"{sorted(axes)[0]!r} for expert parallelism over that axis, or replicate "
+                    "the expert weights (in_specs P()) for data parallelism.")
+        return
+    if not any(varying.values()):
+        return  # shard_map with check_vma=False (or nothing split): nothing to see
+    for name, axes in weights.items():
+        if axis_name not in axes:
+            raise ValueError(
+                f"mok_jax.moe: {name} does not vary over axis_name {axis_name!r} (it is "
+                "replicated there, e.g. in_specs P()), but expert parallelism needs each rank "
+                f"to hold its own E / {jax.lax.axis_size(axis_name)} experts: split the experts "
+                f"dim with P({axis_name!r}), or pass axis_name=None for replicated experts.")
+        others = axes - {axis_name}
+        if others:
+            raise ValueError(
+                f"mok_jax.moe: {name} also varies over {_fmt(others)}: experts must be split "
+                f"over the EP axis {axis_name!r} alone and replicated over the other axes.")
+
+
+def _fmt(axes) -> str:
+    axes = sorted(axes)
+    return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
 
 
 def _vary_alike(operands):
@@ -238,9 +315,7 @@ def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
                 "moe inside jax.shard_map over a mesh with that axis, or pass "
                 "axis_name=None") from err
         if ep_size > 1 and backend == "fused":
-            raise NotImplementedError(
-                "mok_jax.moe: the fused NVLink megakernel for expert parallelism is not "
-                "implemented yet; use backend='xla' (or 'auto')")
+            raise NotImplementedError(_FUSED_EP_MISSING)
     num_experts = experts_local * ep_size
     if top_k > num_experts:
         fail(f"top-k K={top_k} exceeds the number of experts E={num_experts}")

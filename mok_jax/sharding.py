@@ -51,7 +51,7 @@ def _layout(mesh, x_sharding, w_sharding, num_experts):
     token_axes = _axes(x_sharding.spec, 0) if isinstance(x_sharding, NamedSharding) else ()
     expert_axes = _axes(w_sharding.spec, 0) if isinstance(w_sharding, NamedSharding) else ()
     if len(expert_axes) > 1:
-        raise NotImplementedError(
+        raise ValueError(
             "mok_jax.moe: the experts dimension of w_gate_up/w_down is sharded over "
             f"{expert_axes}; shard it over one mesh axis (the EP axis)")
     ep_axis = expert_axes[0] if expert_axes else None
@@ -89,6 +89,44 @@ def _per_device(fn):
 
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _explicit_spec(a) -> tuple:
+    """The mesh axes of each dim that `a`'s type states (Explicit axes only; JAX
+    leaves Auto axes out of types), as tuples."""
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    spec += (None,) * (np.ndim(a) - len(spec))
+    return tuple(_axes(spec, d) for d in range(np.ndim(a)))
+
+
+def experts_split(w_gate_up) -> bool:
+    """Whether the experts dim of `w_gate_up` is split over a mesh axis in its type."""
+    return bool(_explicit_spec(w_gate_up)[0])
+
+
+def check_layout(x, expert_ids, expert_weights, w_gate_up, w_down):
+    """Trace-time errors for layouts the partitioner cannot run as asked, where the
+    operands' types show them (Explicit mesh axes). Auto axes are decided later by
+    XLA's propagation; the partitioner then applies the same rules."""
+    del expert_ids, expert_weights  # token-major: any split is fine
+    wgu, wd, xs = _explicit_spec(w_gate_up), _explicit_spec(w_down), _explicit_spec(x)
+    if len(wgu[0]) > 1:
+        raise ValueError(
+            f"mok_jax.moe: the experts dim of w_gate_up is split over {wgu[0]}; split it over "
+            "one mesh axis, the EP axis")
+    if wgu[0] != wd[0]:
+        raise ValueError(
+            f"mok_jax.moe: w_gate_up's experts dim is split over {wgu[0] or 'no axis'} but "
+            f"w_down's over {wd[0] or 'no axis'}; split both over the same EP axis")
+    for name, dims in (("x's H dim", xs[1:]), ("w_gate_up's H or 2F dim", wgu[1:]),
+                       ("w_down's F or H dim", wd[1:])):
+        axes = tuple(a for d in dims for a in d)
+        if axes:
+            raise ValueError(
+                f"mok_jax.moe: {name} is split over {axes}; mok_jax splits tokens and "
+                "experts only (it would have to gather these). Replicate them over those "
+                "axes, e.g. jax.sharding.reshard(a, P(<tokens or experts>, None, ...)).")
 
 
 def _pack_stats(stats):

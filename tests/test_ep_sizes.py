@@ -1,0 +1,41 @@
+"""Expert parallelism at the sizes users run (scripts/ep_sizes.py): EP 16, 32, 64 and
+72 (one NVL72 rack) and a dp=2 x ep=36 mesh on CPU host devices, through shard_map
+and through plain jit inside jax.set_mesh, with capacity and invalid ids.
+
+Each case runs in its own process, which needs 72 host devices (the rest of the
+suite runs with conftest's 8).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import mok_jax
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "ep_sizes.py")
+MESHES = ("ep16", "ep32", "ep64", "ep72", "dp2ep36")
+
+
+def _run(*argv):
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, SCRIPT, "--meshes", ",".join(MESHES), *argv],
+                          capture_output=True, text=True, timeout=900, env=env, check=False)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,capacity", [("bf16", "1.0"), ("f32", None)])
+def test_rack_scale_meshes_are_bitwise_equal_to_one_device(dtype, capacity):
+    argv = ["--dtype", dtype] + (["--capacity-factor", capacity] if capacity else [])
+    code, out = _run(*argv)
+    assert code == 0, out[-4000:]
+    for mesh in MESHES:
+        for layer in ("shard_map", "plain jit"):
+            assert f"{mesh} {layer}: bitwise equal" in out, out[-4000:]
+    assert "MISMATCH" not in out
+    if capacity:  # the capacity really drops pairs, and invalid ids are counted
+        assert "dropped=0 " not in out and "invalid=3," in out, out[-4000:]

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import flax.core.spmd
 import numpy as np
 from flax import nnx
 
@@ -159,6 +160,117 @@ def _top_k(select: jax.Array, values: jax.Array, k: int) -> tuple[jax.Array, jax
     return jnp.stack(ids, axis=-1).astype(jnp.int32), jnp.stack(picked, axis=-1)
 
 
+_SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return (isinstance(value, (int, float, np.integer, np.floating))
+            and not isinstance(value, (bool, np.bool_)))
+
+
+def _as_dtype(name: str, value) -> np.dtype:
+    """``value`` as a dtype that `mok_jax.moe` supports, or a ValueError naming ``name``."""
+    try:
+        dtype = np.dtype(jnp.dtype(value))
+    except TypeError:
+        dtype = None
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(
+            f"MoE: {name} must be float32 or bfloat16, got {value!r}: the layer's experts "
+            "run through mok_jax.moe, which supports only these two dtypes")
+    return dtype
+
+
+def _expert_mesh_axes(axis_name) -> tuple[str, ...]:
+    """The mesh axes the experts dimension is sharded over when the layer is built:
+    ``axis_name`` (shard_map), else the axes the active logical axis rules map
+    ``"expert"`` to (Flax shards new parameters eagerly under ``jax.set_mesh``)."""
+    if axis_name is not None:
+        return (axis_name,)
+    target = dict(flax.core.spmd.get_logical_axis_rules() or ()).get("expert")
+    if target is None:
+        return ()
+    return (target,) if isinstance(target, str) else tuple(target)
+
+
+def _check_experts_split(num_experts, axis_name) -> None:
+    """Under an active mesh: num_experts must split evenly over the EP axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return
+    axes = [a for a in _expert_mesh_axes(axis_name) if a in mesh.axis_names]
+    ep_size = math.prod(mesh.shape[a] for a in axes)
+    if num_experts % ep_size:
+        raise ValueError(
+            f"MoE: num_experts={num_experts} does not split over the expert-parallel mesh "
+            f"axis {'x'.join(axes)!r} of size {ep_size} (the current mesh): each device must hold "
+            "num_experts / EP axis size experts, so local experts x EP axis size == num_experts")
+
+
+def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renormalize,
+                  route_scale, balance_bias, shared_ffn_size, capacity_factor, axis_name,
+                  batch_axis_names, backend, dtype, param_dtype, router_kernel_init,
+                  expert_kernel_init, rngs) -> None:
+    """Every constructor argument of `MoE`, checked before any parameter is made:
+    a ValueError naming the argument."""
+    for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size),
+                        ("num_experts", num_experts), ("top_k", top_k)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"MoE: {name} must be a positive int, got {value!r}")
+    if top_k > num_experts:
+        raise ValueError(f"MoE: top_k={top_k} exceeds num_experts={num_experts}")
+    if not _is_int(shared_ffn_size) or shared_ffn_size < 0:
+        raise ValueError(f"MoE: shared_ffn_size must be an int >= 0 (0: no shared expert), "
+                         f"got {shared_ffn_size!r}")
+    if score_fn not in SCORE_FUNCTIONS:
+        raise ValueError(f"MoE: score_fn must be one of {SCORE_FUNCTIONS}, got {score_fn!r}")
+    for name, value in (("renormalize", renormalize), ("balance_bias", balance_bias)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"MoE: {name} must be a bool, got {value!r}")
+    if not _is_real(route_scale) or not math.isfinite(route_scale) or route_scale <= 0:
+        raise ValueError(f"MoE: route_scale must be a positive finite number, got {route_scale!r}")
+    if capacity_factor is not None and (
+            not _is_real(capacity_factor) or not math.isfinite(capacity_factor)
+            or capacity_factor <= 0):
+        raise ValueError("MoE: capacity_factor must be None (never drop) or a positive finite "
+                         f"number, got {capacity_factor!r}")
+    if backend not in mok_jax.BACKENDS:
+        raise ValueError(f"MoE: backend must be one of {mok_jax.BACKENDS}, got {backend!r}")
+    if dtype is not None:
+        _as_dtype("dtype", dtype)
+    _as_dtype("param_dtype", param_dtype)
+
+    if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
+        raise ValueError("MoE: axis_name must be None or the name (str) of the expert-parallel "
+                         f"mesh axis, got {axis_name!r}")
+    if isinstance(batch_axis_names, str) or not isinstance(batch_axis_names, Sequence) or not all(
+            isinstance(a, str) and a for a in batch_axis_names):
+        raise ValueError("MoE: batch_axis_names must be a sequence of mesh axis names (str), "
+                         f"such as ('dp', 'ep'), got {batch_axis_names!r}")
+    if len(set(batch_axis_names)) != len(batch_axis_names):
+        raise ValueError(f"MoE: batch_axis_names has a repeated axis: {tuple(batch_axis_names)}")
+    if axis_name is not None and axis_name not in batch_axis_names:
+        raise ValueError(
+            f"MoE: batch_axis_names={tuple(batch_axis_names)} must include axis_name="
+            f"{axis_name!r}: inside jax.shard_map the tokens are sharded over the expert-parallel "
+            "axis too, and the auxiliary losses and statistics are reduced over "
+            "batch_axis_names (e.g. batch_axis_names=('dp', 'ep'))")
+    _check_experts_split(num_experts, axis_name)
+
+    if not callable(router_kernel_init):
+        raise ValueError(f"MoE: router_kernel_init must be an initializer (a callable), "
+                         f"got {router_kernel_init!r}")
+    if expert_kernel_init is not None and not callable(expert_kernel_init):
+        raise ValueError(f"MoE: expert_kernel_init must be None or an initializer (a callable), "
+                         f"got {expert_kernel_init!r}")
+    if not isinstance(rngs, nnx.Rngs):
+        raise ValueError(f"MoE: rngs must be an nnx.Rngs (with a 'params' stream), got {rngs!r}")
+
+
 class MoE(nnx.Module):
     """Mixture-of-Experts SwiGLU layer: router, top-k, ``mok_jax.moe``.
 
@@ -193,8 +305,9 @@ class MoE(nnx.Module):
         experts). None under ``jax.jit``, where sharded parameters are handled
         by ``moe``'s sharding rule.
       batch_axis_names: inside ``shard_map``, every mesh axis the tokens are
-        sharded over (usually ``("dp", "ep")``). `MoEAux` is then reduced over
-        them, so it is global, as under ``jax.jit``.
+        sharded over (usually ``("dp", "ep")``; it must include ``axis_name``).
+        `MoEAux` is then reduced over them, so it is global, as under
+        ``jax.jit``.
       backend: passed to `mok_jax.moe`.
       dtype: computation dtype of the experts (float32 or bfloat16); None
         infers it from the input and ``param_dtype``.
@@ -202,6 +315,11 @@ class MoE(nnx.Module):
       router_kernel_init, expert_kernel_init: initializers (default LeCun
         normal; for experts with the experts axis as a batch axis).
       rngs: ``nnx.Rngs`` with a ``params`` stream.
+
+    Every argument is checked at construction (ValueError naming it). Each call
+    checks that the experts it holds add up to ``num_experts``: all of them with
+    ``axis_name=None``, ``num_experts / P`` per device inside ``shard_map`` over
+    an EP axis of size P.
 
     Call: ``y, aux = layer(x)`` with ``x`` ``[..., H]`` (any leading shape,
     flattened to tokens), ``y`` ``[..., H]`` in the computation dtype and
@@ -239,16 +357,14 @@ class MoE(nnx.Module):
                  router_kernel_init: nnx.Initializer = _LECUN_NORMAL,
                  expert_kernel_init: nnx.Initializer | None = None,
                  rngs: nnx.Rngs):
-        for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size),
-                            ("num_experts", num_experts), ("top_k", top_k)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"MoE: {name} must be a positive int, got {value!r}")
-        if top_k > num_experts:
-            raise ValueError(f"MoE: top_k={top_k} exceeds num_experts={num_experts}")
-        if score_fn not in SCORE_FUNCTIONS:
-            raise ValueError(f"MoE: score_fn must be one of {SCORE_FUNCTIONS}, got {score_fn!r}")
-        if shared_ffn_size < 0:
-            raise ValueError(f"MoE: shared_ffn_size must be >= 0, got {shared_ffn_size}")
+        _check_config(hidden_size=hidden_size, ffn_size=ffn_size, num_experts=num_experts,
+                      top_k=top_k, score_fn=score_fn, renormalize=renormalize,
+                      route_scale=route_scale, balance_bias=balance_bias,
+                      shared_ffn_size=shared_ffn_size, capacity_factor=capacity_factor,
+                      axis_name=axis_name, batch_axis_names=batch_axis_names, backend=backend,
+                      dtype=dtype, param_dtype=param_dtype,
+                      router_kernel_init=router_kernel_init,
+                      expert_kernel_init=expert_kernel_init, rngs=rngs)
         self.hidden_size = int(hidden_size)
         self.ffn_size = int(ffn_size)
         self.num_experts = int(num_experts)
@@ -261,8 +377,8 @@ class MoE(nnx.Module):
         self.axis_name = axis_name
         self.batch_axis_names = tuple(batch_axis_names)
         self.backend = backend
-        self.dtype = dtype
-        self.param_dtype = param_dtype
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype)
 
         H, F, E = self.hidden_size, self.ffn_size, self.num_experts
         self.router = nnx.Linear(
@@ -324,6 +440,7 @@ class MoE(nnx.Module):
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE: x's last dimension must be hidden_size={self.hidden_size}, "
                              f"got shape {x.shape}")
+        self._check_expert_placement()
         lead = x.shape[:-1]
         tokens = x.reshape(-1, self.hidden_size)
         expert_ids, weights, logits, probs = self.route(tokens)
@@ -339,6 +456,47 @@ class MoE(nnx.Module):
             y = y + self._shared_expert(xt)
         aux = self._aux(logits, probs, stats)
         return y.reshape(*lead, self.hidden_size), aux
+
+    def _check_expert_placement(self) -> None:
+        """The experts this call holds must add up to ``num_experts``: all of them
+        (``axis_name=None``) or ``num_experts / P`` on each of the P devices of the
+        EP axis (inside ``shard_map``). Otherwise the routing ids (global, in
+        ``[0, num_experts)``) would not match the experts `mok_jax.moe` sees.
+        The named mesh axes must be bound (inside ``shard_map``)."""
+        local = self.w_gate_up.shape[0]
+        E = self.num_experts
+        ep_size = 1
+        if self.axis_name is not None:
+            try:
+                ep_size = jax.lax.axis_size(self.axis_name)
+            except NameError as err:
+                raise ValueError(
+                    f"MoE: axis_name={self.axis_name!r} is not a bound mesh axis: call the "
+                    "layer inside jax.shard_map over a mesh with that axis, or build it with "
+                    "axis_name=None to run under jax.jit") from err
+        for axis in self.batch_axis_names:
+            try:
+                jax.lax.axis_size(axis)
+            except NameError as err:
+                raise ValueError(
+                    f"MoE: batch_axis_names names {axis!r}, which is not a bound mesh axis: "
+                    "call the layer inside jax.shard_map over a mesh with that axis, or build "
+                    "it with batch_axis_names=() to run under jax.jit") from err
+        if self.axis_name is None and local != E:
+            raise ValueError(
+                f"MoE: the layer holds {local} experts (w_gate_up {self.w_gate_up.shape}) "
+                f"but num_experts={E}. Inside jax.shard_map with the experts sharded over "
+                "a mesh axis, build the layer with axis_name=<that axis>; under jax.jit "
+                "pass the whole (sharded) parameters")
+        if local * ep_size != E:
+            hint = (f"each device must hold num_experts / {ep_size} = {E // ep_size} experts: "
+                    f"shard w_gate_up and w_down over {self.axis_name!r} along their first "
+                    "(experts) dimension" if E % ep_size == 0 else
+                    f"num_experts={E} is not divisible by the EP axis size {ep_size}")
+            raise ValueError(
+                f"MoE: local experts x EP axis size must equal num_experts, got {local} "
+                f"local experts (w_gate_up {self.w_gate_up.shape}) x {ep_size} (mesh axis "
+                f"{self.axis_name!r}) = {local * ep_size} != num_experts={E}; {hint}")
 
     def _shared_expert(self, x: jax.Array) -> jax.Array:
         wgu, wd = (w.astype(x.dtype) for w in (self.shared_gate_up[...], self.shared_down[...]))

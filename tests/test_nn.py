@@ -84,12 +84,81 @@ def test_expert_init_is_lecun_per_expert():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(top_k=9), "top_k"), (dict(num_experts=0), "num_experts"),
-    (dict(score_fn="relu"), "score_fn"), (dict(shared_ffn_size=-1), "shared_ffn_size"),
+    (dict(hidden_size=0), "hidden_size must be a positive int"),
+    (dict(hidden_size=16.0), "hidden_size must be a positive int"),
+    (dict(ffn_size=-3), "ffn_size must be a positive int"),
+    (dict(ffn_size=True), "ffn_size must be a positive int"),
+    (dict(num_experts=0), "num_experts must be a positive int"),
+    (dict(top_k=0), "top_k must be a positive int"),
+    (dict(top_k=9), "top_k=9 exceeds num_experts=8"),
+    (dict(score_fn="relu"), "score_fn must be one of"),
+    (dict(renormalize="yes"), "renormalize must be a bool"),
+    (dict(balance_bias=1), "balance_bias must be a bool"),
+    (dict(route_scale=0.0), "route_scale must be a positive finite number"),
+    (dict(route_scale=float("nan")), "route_scale must be a positive finite number"),
+    (dict(route_scale="2.5"), "route_scale must be a positive finite number"),
+    (dict(shared_ffn_size=-1), "shared_ffn_size must be an int >= 0"),
+    (dict(shared_ffn_size=2.5), "shared_ffn_size must be an int >= 0"),
+    (dict(capacity_factor=0), "capacity_factor must be None"),
+    (dict(capacity_factor=-1.0), "capacity_factor must be None"),
+    (dict(capacity_factor=float("inf")), "capacity_factor must be None"),
+    (dict(capacity_factor=True), "capacity_factor must be None"),
+    (dict(capacity_factor="1.25"), "capacity_factor must be None"),
+    (dict(backend="cuda"), "backend must be one of \\('auto', 'fused', 'xla'\\)"),
+    (dict(backend=None), "backend must be one of"),
+    (dict(dtype=jnp.float16), "MoE: dtype must be float32 or bfloat16"),
+    (dict(dtype="int32"), "MoE: dtype must be float32 or bfloat16"),
+    (dict(dtype="not a dtype"), "MoE: dtype must be float32 or bfloat16"),
+    (dict(param_dtype=jnp.float16), "MoE: param_dtype must be float32 or bfloat16"),
+    (dict(param_dtype=None), "MoE: param_dtype must be float32 or bfloat16"),
+    (dict(axis_name=3, batch_axis_names=(3,)), "axis_name must be None or the name"),
+    (dict(axis_name=""), "axis_name must be None or the name"),
+    (dict(batch_axis_names="dp"), "batch_axis_names must be a sequence"),
+    (dict(batch_axis_names=("dp", None)), "batch_axis_names must be a sequence"),
+    (dict(batch_axis_names=("dp", "dp")), "batch_axis_names has a repeated axis"),
+    (dict(axis_name="ep"), "batch_axis_names=\\(\\) must include axis_name='ep'"),
+    (dict(axis_name="ep", batch_axis_names=("dp",)), "must include axis_name='ep'"),
+    (dict(router_kernel_init="lecun"), "router_kernel_init must be an initializer"),
+    (dict(expert_kernel_init=0.02), "expert_kernel_init must be None or an initializer"),
+    (dict(rngs=0), "rngs must be an nnx.Rngs"),
 ])
 def test_bad_construction(kw, match):
     with pytest.raises(ValueError, match=match):
         make_layer(**kw)
+
+
+def test_good_construction_variants():
+    # The checks accept what they should: NumPy ints, string dtypes, lists of axes.
+    layer = make_layer(hidden_size=np.int64(H), top_k=np.int32(K), capacity_factor=np.float32(2),
+                       dtype="bfloat16", param_dtype="float32", backend="xla",
+                       axis_name="ep", batch_axis_names=["dp", "ep"], route_scale=2,
+                       expert_kernel_init=nnx.initializers.normal(0.02))
+    assert layer.dtype == BF16 and layer.param_dtype == np.float32
+    assert layer.batch_axis_names == ("dp", "ep") and layer.hidden_size == H
+
+
+def test_float16_is_rejected_at_construction_as_the_layers_dtype():
+    # Not later, as a complaint about mok_jax.moe's `x`.
+    with pytest.raises(ValueError) as err:
+        make_layer(dtype=jnp.float16)
+    assert "MoE: dtype" in str(err.value) and "x must" not in str(err.value)
+    with pytest.raises(ValueError) as err:
+        make_layer(param_dtype=np.float16)
+    assert "MoE: param_dtype" in str(err.value) and "x must" not in str(err.value)
+
+
+def test_num_experts_must_split_over_the_mesh_at_construction():
+    # Eager sharding under a mesh (experts over "ep" by the logical rules) ...
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:6]).reshape(2, 3), ("dp", "ep"))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(mnn.logical_axis_rules(mesh.axis_names)):
+        with pytest.raises(ValueError, match="num_experts=8 does not split over the "
+                           "expert-parallel mesh axis 'ep' of size 3"):
+            make_layer()
+        make_layer(num_experts=6)  # 6 = 2 per device: fine
+    # ... and an axis_name layer built under a mesh.
+    with jax.set_mesh(mesh_of(2, 4)):
+        with pytest.raises(ValueError, match="num_experts=6 does not split"):
+            make_layer(num_experts=6, axis_name="ep", batch_axis_names=("dp", "ep"))
 
 
 def test_wrong_hidden_size():
@@ -413,3 +482,87 @@ def test_inside_shard_map_matches_jit(dp, ep):
     # Global aux values: means of shard means (same value, other summation order).
     np.testing.assert_allclose(float(aux.aux_loss), float(aux0.aux_loss), rtol=1e-6)
     np.testing.assert_allclose(float(aux.z_loss), float(aux0.z_loss), rtol=1e-6)
+
+
+def _trace_in_shard_map(layer, mesh, param_specs):
+    """Traces the layer inside shard_map (nothing runs) with the given parameter specs."""
+    graphdef, state = nnx.split(layer)
+    specs = param_specs(state, mesh)
+    f = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x)[0], mesh=mesh,
+                      in_specs=(specs, P(("dp", "ep"))), out_specs=P(("dp", "ep")))
+    return jax.eval_shape(f, state, jax.ShapeDtypeStruct((64, H), jnp.float32))
+
+
+def _logical_specs(state, mesh):
+    return jax.tree.map(lambda s: s.spec, mnn.named_shardings(state, mesh),
+                        is_leaf=lambda a: isinstance(a, NamedSharding))
+
+
+def _replicated_specs(state, mesh):
+    return jax.tree.map(lambda _: P(), state)
+
+
+def test_shard_map_with_unsharded_experts_names_the_ep_mismatch():
+    # Every device holds all 8 experts while the EP axis has 4 devices: 8 x 4 != 8.
+    # This used to fail deep inside with "mul got incompatible shapes (32,), (8,)".
+    layer = make_layer(axis_name="ep", batch_axis_names=("dp", "ep"))
+    with pytest.raises(ValueError, match=r"local experts x EP axis size must equal num_experts, "
+                       r"got 8 local experts .* x 4 \(mesh axis 'ep'\) = 32 != num_experts=8; "
+                       r"each device must hold num_experts / 4 = 2 experts"):
+        _trace_in_shard_map(layer, mesh_of(2, 4), _replicated_specs)
+    # The right placement traces.
+    out = _trace_in_shard_map(layer, mesh_of(2, 4), _logical_specs)
+    assert out.shape == (64, H)
+
+
+def test_shard_map_with_sharded_experts_but_no_axis_name():
+    # Without axis_name the layer would treat its 2 local experts as all of them
+    # (ids 2..7 silently invalid): refused, naming axis_name.
+    layer = make_layer(batch_axis_names=("dp", "ep"))
+    with pytest.raises(ValueError, match=r"holds 2 experts .* but num_experts=8.*axis_name"):
+        _trace_in_shard_map(layer, mesh_of(2, 4), _logical_specs)
+
+
+def test_unbound_axis_names_at_call():
+    layer = make_layer(axis_name="ep", batch_axis_names=("dp", "ep"))
+    with pytest.raises(ValueError, match="axis_name='ep' is not a bound mesh axis"):
+        layer(tokens(8))
+    layer = make_layer(batch_axis_names=("tp",))
+    with pytest.raises(ValueError, match="batch_axis_names names 'tp', which is not a bound"):
+        _trace_in_shard_map(layer, mesh_of(2, 4), _replicated_specs)
+
+
+def test_import_mok_jax_exposes_nn_and_reference_lazily():
+    # A fresh interpreter: `import mok_jax` alone gives mok_jax.nn and
+    # mok_jax.reference; flax is imported only when mok_jax.nn is first touched.
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        import mok_jax
+        assert "flax" not in sys.modules and "mok_jax.nn" not in sys.modules
+        assert {"nn", "reference", "moe", "MoEStats"} <= set(mok_jax.__all__)
+        assert {"nn", "reference"} <= set(dir(mok_jax))
+        assert callable(mok_jax.reference.moe_reference)
+        layer_cls = mok_jax.nn.MoE
+        assert "flax" in sys.modules and layer_cls.__module__ == "mok_jax.nn"
+        import mok_jax.nn
+        from mok_jax import nn
+        assert nn is mok_jax.nn and nn.MoE is layer_cls
+        try:
+            mok_jax.no_such_thing
+        except AttributeError as err:
+            assert "no_such_thing" in str(err)
+        else:
+            raise AssertionError("mok_jax.no_such_thing did not raise")
+        print("ok")
+    """)
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=120, cwd=os.path.dirname(package_root))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -1,17 +1,38 @@
 """`python -m mok_jax.bench`: `mok_jax.moe` side by side with pure-JAX baselines.
 
-Method (DESIGN.md §4): bench shapes in bf16; each pipeline is jitted and timed on
-the whole layer (dispatch and combine included, routing excluded: ids and weights
-are made outside the timed function); the median of >= 20 timed runs after warm-up;
-TFLOP/s from GEMM FLOPs only (forward 6*T*K*H*F, forward+backward 18*T*K*H*F,
-credited alike to every pipeline, so the dense one-hot baseline's extra E/K work
-counts as waste); every baseline measured in the same process.
+Method: each pipeline runs the whole MoE layer (dispatch and combine included,
+routing excluded: expert ids and weights are made outside the timed function) on
+the bench shapes below (or a custom `--shape T,K,E,H,F`), in bf16 by default. Each
+pass is jitted and compiled, run `--warmup` times untimed (default 3), then timed
+`--repeats` times (default 20), each run blocked on; a record reports the median
+(and min and mean) of those runs. TFLOP/s count GEMM FLOPs only: forward
+6*T*K*H*F, forward+backward 18*T*K*H*F, credited alike to every pipeline (so the
+dense one-hot baseline's E/K times larger GEMMs count as waste). Every baseline is
+measured in the same process as `moe` (the PyTorch ones, `--torch`, in a
+subprocess run just before). `mok speedup` is baseline median / `moe` median of
+the same shape and pass (> 1: `moe` is faster).
+
+EP (`--ep N`): `moe` on a mesh of N devices, experts and tokens sharded, T tokens
+per device (weak scaling). Its reference is the compute-only time of one device
+doing one rank's work: the single-device `moe` record of the same shape and pass,
+which has the same T tokens and GEMM FLOPs per device and no communication. EP
+rows are reported as the time ratio EP=N / 1 device (lower is better, 1.00x is
+perfect weak scaling), never as a speedup.
+
+GPU-only baselines (tokamax's Pallas kernels, the torch `_grouped_mm` ones,
+ragged_all_to_all in `--exchange`) are not attempted on CPU: they are recorded as
+skipped with the reason, and a note says so.
+
+`--help` lists every shape with its dimensions and every pipeline, pass and
+exchange with what it is. Combinations of flags that would time nothing, or not
+what they name, are refused before anything runs.
 
 Examples::
 
     python -m mok_jax.bench                                # all shapes, impls, passes
     python -m mok_jax.bench --quick --repeats 5            # scaled-down shapes (CPU)
     python -m mok_jax.bench --shapes ep --impls moe,tokamax --passes fwd --json out.json
+    python -m mok_jax.bench --shape 4096,8,64,2048,1024    # one custom problem only
     python -m mok_jax.bench --check                        # + errors vs the reference
     python -m mok_jax.bench --shapes ep --impls moe --ep 2  # + EP=2 over 2 devices
 
@@ -34,6 +55,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -61,7 +83,8 @@ class Shape:
         return {"fwd": per_pair, "fwdbwd": 3 * per_pair}[pass_name]
 
 
-# DESIGN.md §4. `ep` is the per-GPU work of the EP shape with all 128 experts local.
+# The bench shapes (T is per device). `ep` is one device's work in the EP problem
+# (128 experts, 4096 tokens per device) with all 128 experts local.
 FULL_SHAPES = {
     s.name: s for s in (
         Shape("small-experts", 16384, 8, 128, 2048, 768),
@@ -84,12 +107,61 @@ QUICK_SHAPES = {
     )
 }
 
+# What each bench shape stands for (its dimensions are printed from the Shape).
+SHAPE_ABOUT = {
+    "small-experts": "many small experts",
+    "deepseek-slice": "DeepSeek-V3-sized experts, a slice of the expert set",
+    "mixtral-like": "few large experts, top-2 (Mixtral-like)",
+    "ep": "one device's share of the EP problem, all experts local "
+          "(the default --ep shape)",
+}
+
 IMPLS = ("moe", "ragged_dot", "dense_onehot", "tokamax")
 # Selectable, not run by default: mok_jax.moe forced onto its XLA-exchange path.
 EXTRA_IMPLS = ("moe_xla",)
 PASSES = ("fwd", "fwdbwd")
+
+IMPL_ABOUT = {
+    "moe": "mok_jax.moe, the layer under test (its C++/CUDA kernels through XLA FFI)",
+    "ragged_dot": "pure JAX: sort the pairs by expert, jax.lax.ragged_dot for both "
+                  "GEMMs, unsort, weighted sum",
+    "dense_onehot": "pure JAX: every expert on every token (E/K times the GEMM work), "
+                    "then pick and weight the K chosen",
+    "tokamax": "the ragged_dot pipeline with tokamax.ragged_dot (Pallas Mosaic GPU "
+               "kernels); needs a CUDA GPU",
+    "moe_xla": "mok_jax.moe(backend='xla'): moe on its XLA-exchange path "
+               "(not in the default list)",
+}
+PASS_ABOUT = {
+    "fwd": "y = layer(x, ids, weights, w_gate_up, w_down); GEMM FLOPs 6*T*K*H*F",
+    "fwdbwd": "y and its VJP w.r.t. x, weights, w_gate_up, w_down; GEMM FLOPs "
+              "18*T*K*H*F",
+}
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 MOK = "moe"
+
+# Measurements that need a CUDA GPU: on a CPU backend they are recorded as skipped
+# with this reason (and a note is printed) instead of being attempted.
+GPU_ONLY = {
+    "tokamax": "needs a CUDA GPU: tokamax's Pallas Mosaic kernels run on GPUs only "
+               "(on CPU tokamax.ragged_dot falls back to XLA's ragged_dot, which the "
+               "ragged_dot row already times)",
+    "torch_pipeline": "needs a CUDA GPU: torch._grouped_mm runs on CUDA only (and the "
+                      "JAX pipelines here run on the CPU, so a GPU time would not compare)",
+    "torch_grouped_mm": "needs a CUDA GPU: torch._grouped_mm runs on CUDA only (and the "
+                        "JAX pipelines here run on the CPU, so a GPU time would not "
+                        "compare)",
+    "ragged_all_to_all": "needs a GPU: XLA has no CPU lowering of ragged_all_to_all",
+}
+
+
+def platform_skip(name: str, backend: str) -> str | None:
+    """Why the pipeline, torch baseline or exchange `name` is not attempted on
+    `backend` (a GPU-only one on CPU), or None."""
+    if backend == "cpu" and name in GPU_ONLY:
+        return GPU_ONLY[name]
+    return None
+
 
 MoEFn = Callable[..., jax.Array]
 
@@ -263,6 +335,10 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
     """
     record = new_record(shape, impl, pass_name, dtype_name=dtype_name, warmup=warmup,
                         repeats=repeats)
+    why = platform_skip(impl, jax.default_backend())
+    if why:
+        record.update(status="skipped", error=why)
+        return record
     fn, why = resolve_impl(impl)
     if fn is None:
         record.update(status="unavailable", error=why)
@@ -335,6 +411,14 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
 
 
 EXCHANGES = ("all_to_all_slots", "all_to_all_exact", "ragged_all_to_all")
+EXCHANGE_ABOUT = {
+    "all_to_all_slots": "all_to_all with ep.py's layout: a fixed slot of T*K rows per "
+                        "peer (any routing fits; P times the rows travel)",
+    "all_to_all_exact": "all_to_all with slots of exactly T*K/P rows (what a balanced "
+                        "routing needs)",
+    "ragged_all_to_all": "the T*K/P rows per peer named by offsets and sizes (only the "
+                         "real rows travel); needs a GPU",
+}
 
 
 def exchange_fn(kind: str, ep_size: int, rows: int, hidden: int) -> Callable:
@@ -378,6 +462,10 @@ def bench_exchange(shape: Shape, ep_size: int, kind: str, *, dtype, warmup: int,
     record = {"shape": shape.name, "exchange": kind, "ep_size": ep_size, "rows": rows,
               "hidden": hidden, "dtype": jnp.dtype(dtype).name, "status": "ok",
               "error": None, "median_ms": None, "gb_per_s": None}
+    why = platform_skip(kind, jax.default_backend())
+    if why:
+        record.update(status="skipped", error=why)
+        return record
     mesh, why = ep_mesh(ep_size)
     if mesh is None:
         record.update(status="unavailable", error=why)
@@ -408,15 +496,34 @@ def bench_exchange(shape: Shape, ep_size: int, kind: str, *, dtype, warmup: int,
 
 
 TORCH_IMPLS = ("torch_pipeline", "torch_grouped_mm")
+TORCH_ABOUT = {
+    "torch_pipeline": "the eager PyTorch layer a user writes with torch._grouped_mm "
+                      "(gather, grouped GEMMs, SwiGLU, index_add_ combine)",
+    "torch_grouped_mm": "torch._grouped_mm's two grouped GEMMs alone on pre-permuted "
+                        "rows: the GEMM time the whole layer is compared with",
+}
 
 
 def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int,
-                  repeats: int, timeout_s: float = 1800) -> list[dict]:
+                  repeats: int, timeout_s: float = 1800,
+                  backend: str | None = None) -> list[dict]:
     """PyTorch baselines (mok_jax/_torch_moe.py) timed in a subprocess.
 
     Call this before JAX touches the GPU: JAX reserves most of its memory.
     Returns bench records (status "unavailable" when torch or CUDA is missing).
+    With `backend` "cpu" (the backend the JAX pipelines run on) nothing is run:
+    every record is "skipped" with the reason (GPU_ONLY).
     """
+    if backend is not None and any(platform_skip(i, backend) for i in TORCH_IMPLS):
+        records = []
+        for shape in shapes:
+            for pass_name in passes:
+                for impl in TORCH_IMPLS:
+                    record = new_record(shape, impl, pass_name, dtype_name="bf16",
+                                        warmup=warmup, repeats=repeats)
+                    record.update(status="skipped", error=platform_skip(impl, backend))
+                    records.append(record)
+        return records
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_moe.py")
     cmd = [sys.executable, script, "--passes", ",".join(passes), "--warmup", str(warmup),
            "--repeats", str(repeats)]
@@ -448,20 +555,70 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
     return records
 
 
+def is_ep_record(record: dict) -> bool:
+    """Whether `record` is `moe` on an EP mesh of >= 2 devices (bench_ep)."""
+    return (record.get("ep_size") or 1) > 1
+
+
+# What the derived fields mean; written into the JSON (its "legend").
+LEGEND = {
+    "median_ms": "median of the timed runs (milliseconds), after compilation and "
+                 "the warm-up runs",
+    "tflops": "GEMM FLOPs only (fwd 6*T*K*H*F, fwdbwd 18*T*K*H*F) / median time; "
+              "per device for EP records",
+    "mok_speedup": "baseline median / moe median, same shape, pass and process "
+                   "(> 1: moe is faster); single-device baselines only, absent from "
+                   "EP records",
+    "ep_time_ratio": "EP records only: EP=N median / the one-device moe median of the "
+                     "same shape and pass (T tokens and the same GEMM FLOPs per "
+                     "device, no communication). A time ratio, lower is better; 1.0 "
+                     "is perfect weak scaling; not a speedup",
+    "status": "ok; error (attempted and failed: see error); unavailable (not "
+              "importable, or too few devices); skipped (not attempted: --skip, "
+              "auto-skip or needs a GPU; error says why)",
+}
+
+
 def add_speedups(records: list[dict]) -> None:
-    """Sets `mok_speedup` = baseline median / moe median on each measured baseline."""
+    """Sets `mok_speedup` = baseline median / moe median on each measured
+    single-device baseline, and on each EP record (no `mok_speedup` there)
+    `ep_time_ratio` = EP median / the one-device moe median of the same shape and
+    pass, with that median as `ep_reference_ms`."""
     mok_ms = {(r["shape"], r["pass"]): r["median_ms"] for r in records
               if r["impl"] == MOK and r["median_ms"]}
     for r in records:
         ref = mok_ms.get((r["shape"], r["pass"]))
+        if is_ep_record(r):
+            r.pop("mok_speedup", None)
+            r["ep_reference_ms"] = ref
+            r["ep_time_ratio"] = r["median_ms"] / ref if ref and r["median_ms"] else None
+            continue
         r["mok_speedup"] = (r["median_ms"] / ref
                             if ref and r["median_ms"] and r["impl"] != MOK else None)
 
 
+def ep_ratio_text(record: dict) -> str:
+    """One EP record's comparison with one device, e.g.
+    "EP=2 / 1 device: 1.90x (time ratio, lower is better)"."""
+    ratio = record.get("ep_time_ratio")
+    value = "-" if ratio is None else f"{ratio:.2f}x"
+    text = f"EP={record['ep_size']} / 1 device: {value} (time ratio, lower is better)"
+    if ratio is None:
+        text += (": no one-device moe time to compare with" if record["median_ms"]
+                 else f": EP run {record['status']}")
+    return text
+
+
 def format_table(records: list[dict]) -> str:
-    """A text table: one row per record; errors shortened to one line."""
+    """A text table: one row per record; errors shortened to one line.
+
+    Single-device baselines get `mok speedup`; EP rows get `EP/1 device`, the time
+    ratio to one device (lower is better), and an EP summary line each below.
+    """
     checked = any(r.get("rel_err") for r in records)
+    ep_records = [r for r in records if is_ep_record(r)]
     header = ("shape", "impl", "pass", "median ms", "min ms", "TFLOP/s", "mok speedup")
+    header += ("EP/1 device",) if ep_records else ()
     header += ("max rel err",) if checked else ()
     rows = [header]
     notes: dict[str, list[str]] = {}   # one line per distinct failure, with where
@@ -473,11 +630,15 @@ def format_table(records: list[dict]) -> str:
             rows.append((r["shape"], r["impl"], r["pass"], r["status"])
                         + ("-",) * (len(header) - 4))
             continue
-        speedup = "-" if r["mok_speedup"] is None else f"{r['mok_speedup']:.2f}x"
+        speedup = r.get("mok_speedup")
         tflops = r["tflops"]
         row = (r["shape"], r["impl"], r["pass"], f"{r['median_ms']:.3f}",
                f"{r['min_ms']:.3f}",
-               f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.4f}", speedup)
+               f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.4f}",
+               "-" if speedup is None else f"{speedup:.2f}x")
+        if ep_records:
+            ratio = r.get("ep_time_ratio")
+            row += ("-" if ratio is None else f"{ratio:.2f}x",)
         if checked:
             errs = r.get("rel_err") or {}
             worst = max(errs, key=errs.get) if errs else None
@@ -488,13 +649,22 @@ def format_table(records: list[dict]) -> str:
                        for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     text = "\n".join(lines)
-    text += ("\n\nmok speedup: baseline median / moe median, same process "
-             "(> 1: moe is faster).")
+    text += ("\n\nmok speedup: baseline median / moe median, same shape, pass and process "
+             "(> 1: moe is faster); single-device rows only.")
+    if ep_records:
+        text += ("\nEP/1 device: EP=N median / the one-device moe median of the same shape "
+                 "and pass (both T tokens per device, the same GEMM FLOPs per device; "
+                 "one device does no communication). A time ratio: lower is better, "
+                 "1.00x is perfect weak scaling. TFLOP/s of EP rows are per device.")
     if checked:
         text += ("\nmax rel err: the largest relative Frobenius error over y and the "
                  "gradients, against the reference (in parentheses: which output).")
     for note, where in notes.items():
         text += f"\n{note}  [{', '.join(where)}]"
+    if ep_records:
+        text += "\n\nEP against one device:"
+        for r in ep_records:
+            text += f"\n  {r['shape']} {r['pass']}: {ep_ratio_text(r)}"
     return text
 
 
@@ -534,6 +704,11 @@ def machine_info() -> dict:
     return info
 
 
+def _dedupe(items: Sequence) -> list:
+    """`items` without repeats, in order (a name given twice is timed once)."""
+    return list(dict.fromkeys(items))
+
+
 def _csv(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         items = [item.strip() for item in text.split(",") if item.strip()]
@@ -541,22 +716,64 @@ def _csv(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
         if bad or not items:
             raise argparse.ArgumentTypeError(
                 f"unknown {what} {bad or text!r}; choose from {','.join(choices)}")
-        return items
+        return _dedupe(items)
     return parse
 
 
 def _int_list(text: str) -> list[int]:
     try:
-        sizes = [int(t) for t in text.split(",") if t]
+        sizes = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
-    if any(n < 1 for n in sizes):
+    if not sizes or any(n < 1 for n in sizes):
         raise argparse.ArgumentTypeError(f"EP sizes must be >= 1: {text!r}")
-    return sizes
+    return _dedupe(sizes)
 
 
 def _csv_free(text: str) -> list[str]:
-    return [t for t in text.split(",") if t]
+    return _dedupe(t.strip() for t in text.split(",") if t.strip())
+
+
+SHAPE_DIMS = ("T", "K", "E", "H", "F")
+
+
+def custom_shape(text: str) -> Shape:
+    """A `--shape` argument, `[NAME=]T,K,E,H,F`: five positive integers with K <= E.
+
+    The default name spells the dimensions, e.g. T4096-K8-E64-H2048-F1024.
+    """
+    name, sep, dims = text.rpartition("=")
+    name = name.strip()
+    parts = [part.strip() for part in dims.split(",")]
+    if len(parts) != len(SHAPE_DIMS):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not T,K,E,H,F: give five comma-separated positive integers "
+            "(tokens, top-K, experts, hidden, expert FFN), optionally as NAME=T,K,E,H,F")
+    try:
+        values = [int(part) for part in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: T,K,E,H,F must be integers") from None
+    bad = [f"{d}={v}" for d, v in zip(SHAPE_DIMS, values) if v < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: every dimension must be >= 1 ({', '.join(bad)})")
+    tokens, top_k, experts, hidden, ffn = values
+    if top_k > experts:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: top-K K={top_k} exceeds the number of experts E={experts} "
+            "(each token picks K distinct experts, so K <= E)")
+    if sep and not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: empty NAME before '='")
+    name = name or f"T{tokens}-K{top_k}-E{experts}-H{hidden}-F{ffn}"
+    if any(c in name for c in ",/= \t"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a shape name may not contain ',', '/', '=' or spaces")
+    if name in FULL_SHAPES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {name!r} is a bench shape's name; pick another (--shapes "
+            f"{name} times the bench shape)")
+    return Shape(name, tokens, top_k, experts, hidden, ffn)
 
 
 # XLA lowers ragged_dot's weight gradient to a dense masked f32 [E, T*K, H] tensor.
@@ -582,24 +799,116 @@ def skipped(skips: Sequence[str], impl: str, pass_name: str, shape_name: str) ->
                for s in skips)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _dims(shape: Shape) -> str:
+    return (f"T={shape.tokens:<6} K={shape.top_k:<2} E={shape.experts:<4} "
+            f"H={shape.hidden:<5} F={shape.ffn:<6}")
+
+
+HELP_WIDTH = 88
+
+
+def _entry(name: str, text: str, width: int) -> list[str]:
+    """`name` and its description, wrapped under itself, as help lines."""
+    return textwrap.wrap(text, HELP_WIDTH, initial_indent=f"  {name:<{width}}  ",
+                         subsequent_indent=" " * (width + 4))
+
+
+def help_epilog() -> str:
+    """The end of --help: every shape with its dimensions, every pipeline, pass and
+    exchange with what it is, and how to read the numbers (made from the tables
+    above, so it cannot go stale)."""
+    width = max(len(n) for n in (*IMPLS, *EXTRA_IMPLS, *TORCH_IMPLS, *EXCHANGES))
+    lines = ["shapes (--shapes; T tokens per device, top-K of E experts, hidden H,",
+             "expert FFN F; rows per expert T*K/E):"]
+    for name, full in FULL_SHAPES.items():
+        quick = QUICK_SHAPES[name]
+        lines.append(f"  {name}: {SHAPE_ABOUT.get(name, '')}")
+        for label, shape in (("full", full), ("quick", quick)):
+            lines.append(f"      {label:<5}  {_dims(shape)} "
+                         f"{shape.tokens * shape.top_k // shape.experts:>5} rows/expert")
+    lines += [
+        "  quick: the same problems scaled for a 2-core CPU (--quick; the default on CPU",
+        "  unless --full-on-cpu).",
+        "",
+        "custom problems (--shape [NAME=]T,K,E,H,F, repeatable): five positive integers",
+        "  with K <= E, timed as given (--quick does not scale them). --shape replaces",
+        "  the default shape list: only the custom problems run, plus the bench shapes",
+        "  an explicit --shapes names. Default NAME: T<T>-K<K>-E<E>-H<H>-F<F>; the name",
+        "  serves --skip IMPL/PASS/NAME and --ep-shapes.",
+        "",
+        f"pipelines (--impls; default {','.join(IMPLS)}):",
+    ]
+    for name in IMPLS + EXTRA_IMPLS:
+        lines += _entry(name, IMPL_ABOUT[name], width)
+    lines.append("--torch adds (PyTorch, bf16, in a subprocess before JAX starts; CUDA only):")
+    for name in TORCH_IMPLS:
+        lines += _entry(name, TORCH_ABOUT[name], width)
+    lines += [
+        "--ep N adds, for each N >= 2 and each of --ep-shapes:",
+    ]
+    lines += _entry("moe_epN", "moe on a mesh of N devices (experts and tokens sharded, T "
+                    "tokens per device); reported as a time ratio to one device", width)
+    lines.append("--exchange adds, with --ep N, the EP dispatch exchange alone (GB/s):")
+    for name in EXCHANGES:
+        lines += _entry(name, EXCHANGE_ABOUT[name], width)
+    lines.append("passes (--passes; default both):")
+    for name in PASSES:
+        lines += _entry(name, PASS_ABOUT[name], width)
+    lines += [
+        "",
+        "method: each pass is jitted and compiled, run --warmup times untimed, then timed",
+        "  --repeats times (each run blocked on); records report the median. Routing is",
+        "  made outside the timed function. TFLOP/s count GEMM FLOPs only (fwd",
+        "  6*T*K*H*F, fwdbwd 18*T*K*H*F) for every pipeline alike. All baselines run in",
+        "  the same process as moe (torch: a subprocess just before).",
+        "reading the results:",
+        "  mok speedup   baseline median / moe median, same shape and pass (> 1: moe is",
+        "                faster); single-device rows only",
+        "  EP/1 device   EP=N median / the one-device moe median of the same shape and",
+        "                pass, the compute-only time of one device doing one rank's work",
+        "                (same T and GEMM FLOPs per device, no communication); a time",
+        "                ratio, lower is better, 1.00x is perfect weak scaling",
+    ]
+    lines += textwrap.wrap(
+        f"GPU-only measurements ({', '.join(GPU_ONLY)}) are not attempted on CPU: they "
+        "are recorded as skipped, with the reason.", HELP_WIDTH, initial_indent="  ",
+        subsequent_indent="  ")
+    lines += [
+        "",
+        "examples:",
+        "  python -m mok_jax.bench --quick --repeats 5",
+        "  python -m mok_jax.bench --shape 4096,8,64,2048,1024 --impls moe,ragged_dot",
+        "  python -m mok_jax.bench --shapes ep --impls moe --ep 2,4 --exchange --json ep.json",
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mok_jax.bench",
-        description="Time mok_jax.moe against pure-JAX MoE baselines (DESIGN.md §4).")
+        description="Time mok_jax.moe (forward, and forward+backward) against pure-JAX\n"
+                    "MoE baselines on the bench shapes or a custom one, in one process.",
+        epilog=help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="scaled-down shapes for CPU (a few minutes in all)")
+                        help="the scaled-down bench shapes (for CPU: a few minutes in all)")
     parser.add_argument("--full-on-cpu", action="store_true",
-                        help="run the full shapes even on CPU (very slow)")
-    parser.add_argument("--shapes", type=_csv(tuple(FULL_SHAPES), "shape"),
-                        default=list(FULL_SHAPES), help="comma list of shapes")
+                        help="run the full bench shapes even on CPU (very slow)")
+    parser.add_argument("--shapes", type=_csv(tuple(FULL_SHAPES), "shape"), default=None,
+                        help="comma list of bench shapes (default: all of them, or none "
+                             "when --shape is given)")
+    parser.add_argument("--shape", type=custom_shape, action="append", default=[],
+                        metavar="[NAME=]T,K,E,H,F",
+                        help="a custom problem (repeatable): T tokens, top-K of E experts, "
+                             "hidden H, expert FFN F, five positive integers, K <= E; "
+                             "replaces the default shape list (see below)")
     parser.add_argument("--impls", type=_csv(IMPLS + EXTRA_IMPLS, "impl"),
-                        default=list(IMPLS), help="comma list of pipelines")
+                        default=list(IMPLS), help="comma list of pipelines (see below)")
     parser.add_argument("--passes", type=_csv(PASSES, "pass"), default=list(PASSES),
                         help="fwd and/or fwdbwd")
     parser.add_argument("--repeats", type=int, default=20,
-                        help="timed runs per measurement (median of these)")
+                        help="timed runs per measurement (median of these; default 20)")
     parser.add_argument("--warmup", type=int, default=3,
-                        help="untimed runs after compilation")
+                        help="untimed runs after compilation (default 3)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true",
@@ -609,45 +918,225 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="print the traceback of each failing pipeline")
     parser.add_argument("--torch", action="store_true",
                         help="also time PyTorch baselines (torch._grouped_mm pipeline and "
-                             "GEMMs alone) in a subprocess; needs torch with CUDA")
+                             "GEMMs alone) in a subprocess; bf16 only; needs torch with "
+                             "CUDA (skipped, with the reason, on CPU)")
     parser.add_argument("--ep", type=_int_list, default=[], metavar="N[,N...]",
                         help="also time moe on a mesh of N devices (experts and tokens "
                              "sharded; T tokens per device: weak scaling) for each of "
-                             "--ep-shapes; a comma list times each size, e.g. 2,4,8")
+                             "--ep-shapes; a comma list times each size, e.g. 2,4,8. "
+                             "Needs N devices, moe in --impls, and E divisible by N")
     parser.add_argument("--exchange", action="store_true",
                         help="with --ep N: also time the EP dispatch exchange alone "
-                             "(all_to_all with ep.py's slots, exact all_to_all, "
-                             "ragged_all_to_all) for each of --ep-shapes")
-    parser.add_argument("--ep-shapes", type=_csv(tuple(FULL_SHAPES), "shape"),
-                        default=["ep"], help="comma list of shapes timed with --ep and "
-                                             "--exchange (default: ep, DESIGN §4's EP shape)")
+                             "(see below) for each of --ep-shapes")
+    parser.add_argument("--ep-shapes", type=_csv_free, default=None, metavar="SHAPE[,...]",
+                        help="comma list of the shapes timed with --ep and --exchange, "
+                             "each one of this run's shapes (default: the ep bench shape "
+                             "and every --shape, of those in this run)")
     parser.add_argument("--skip", type=_csv_free, default=[], metavar="IMPL/PASS[/SHAPE]",
                         help="comma list of measurements not to attempt (recorded as "
                              "skipped), e.g. ragged_dot/fwdbwd/small-experts: a pipeline "
-                             "XLA spends minutes failing to compile")
+                             "XLA spends minutes failing to compile; each entry must "
+                             "name a measurement of this run")
     parser.add_argument("--try-all", action="store_true",
                         help="attempt ragged_dot's backward on GPU even where its dense "
                              "weight gradient is known not to compile (see auto_skip)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write machine info, argv and records here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def use_quick(args: argparse.Namespace, backend: str) -> bool:
+    """Whether the bench shapes are the --quick ones (also the default on CPU)."""
+    return args.quick or (backend == "cpu" and not args.full_on_cpu)
+
+
+def run_shapes(args: argparse.Namespace, quick: bool) -> list[Shape]:
+    """The shapes of this run: the --shapes bench shapes, then the --shape ones."""
+    table = QUICK_SHAPES if quick else FULL_SHAPES
+    return [table[name] for name in args.shapes] + list(args.shape)
+
+
+def plan(args: argparse.Namespace, shapes: Sequence[Shape], backend: str | None = None
+         ) -> list[tuple[Shape, str, str]]:
+    """The single-device measurements this run attempts, (shape, impl, pass): those
+    not named in --skip and, when `backend` is given, neither GPU-only there nor
+    auto-skipped (unless --try-all)."""
+    return [(shape, impl, pass_name)
+            for shape in shapes for pass_name in args.passes for impl in args.impls
+            if not skipped(args.skip, impl, pass_name, shape.name)
+            and (backend is None or not (
+                platform_skip(impl, backend)
+                or (not args.try_all and auto_skip(shape, impl, pass_name, backend))))]
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses (parser.error) flags that would select nothing, or not what they name,
+    and fills in the defaults that depend on other flags (shapes, ep_shapes).
+    Needs no devices; check_platform does the checks that do."""
+    fail = parser.error
     if args.repeats < 1 or args.warmup < 0:
-        parser.error("--repeats must be >= 1 and --warmup >= 0")
-    if args.exchange and not any(n > 1 for n in args.ep):
-        parser.error("--exchange needs --ep with a size >= 2")
+        fail("--repeats must be >= 1 and --warmup >= 0")
+    names = [shape.name for shape in args.shape]
+    twice = _dedupe(n for n in names if names.count(n) > 1)
+    if twice:
+        fail(f"--shape {','.join(twice)} given twice (name them apart with NAME=T,K,E,H,F)")
+    if args.shapes is None:
+        args.shapes = [] if args.shape else list(FULL_SHAPES)
+    selected = args.shapes + names
+    if args.quick and args.full_on_cpu:
+        fail("--quick and --full-on-cpu contradict each other (--quick: the scaled-down "
+             "bench shapes; --full-on-cpu: the full ones, even on CPU)")
+    if (args.quick or args.full_on_cpu) and not args.shapes:
+        flag = "--quick" if args.quick else "--full-on-cpu"
+        fail(f"{flag} chooses between the full and the scaled-down bench shapes, and this "
+             "run has none: a --shape is timed as given (add --shapes NAME,... to time "
+             "bench shapes too)")
+    if args.torch and args.dtype != "bf16":
+        fail(f"--torch times its PyTorch baselines in bf16 only, so they would not compare "
+             f"with --dtype {args.dtype}; drop one of the two")
+
     for entry in args.skip:  # a typo would silently run what it meant to skip
         parts = entry.split("/")
         if (len(parts) not in (2, 3) or parts[0] not in IMPLS + EXTRA_IMPLS
-                or parts[1] not in PASSES or (len(parts) == 3 and parts[2] not in FULL_SHAPES)):
-            parser.error(f"--skip entry {entry!r} is not IMPL/PASS[/SHAPE] with IMPL in "
-                         f"{IMPLS + EXTRA_IMPLS}, PASS in {PASSES}, SHAPE in "
-                         f"{tuple(FULL_SHAPES)}")
+                or parts[1] not in PASSES
+                or (len(parts) == 3 and parts[2] not in (*FULL_SHAPES, *names))):
+            fail(f"--skip entry {entry!r} is not IMPL/PASS[/SHAPE] with IMPL in "
+                 f"{IMPLS + EXTRA_IMPLS}, PASS in {PASSES}, SHAPE in "
+                 f"{(*FULL_SHAPES, *names)}")
+        why = []
+        if parts[0] not in args.impls:
+            why.append(f"{parts[0]} is not in --impls ({','.join(args.impls)})")
+        if parts[1] not in args.passes:
+            why.append(f"{parts[1]} is not in --passes ({','.join(args.passes)})")
+        if len(parts) == 3 and parts[2] not in selected:
+            why.append(f"{parts[2]} is not among this run's shapes ({','.join(selected)})")
+        if why:
+            fail(f"--skip entry {entry!r} matches nothing in this run: {'; '.join(why)}")
+
+    sizes = [n for n in args.ep if n > 1]
+    if args.exchange and not sizes:
+        fail("--exchange needs --ep with a size >= 2")
+    if args.ep and not sizes:
+        fail(f"--ep {','.join(map(str, args.ep))} adds nothing: EP=1 is the one-device moe "
+             "record every run has; give a size >= 2, e.g. --ep 2")
+    if args.ep_shapes is not None and not args.ep:
+        fail("--ep-shapes chooses the shapes of --ep and --exchange, and there is no "
+             "--ep N: it would select nothing")
+    if args.ep:
+        if args.ep_shapes is None:
+            args.ep_shapes = [n for n in selected if n == "ep" or n in names]
+            if not args.ep_shapes:
+                fail(f"--ep {','.join(map(str, args.ep))} would time nothing: EP runs on "
+                     "--ep-shapes (default: the ep bench shape and every --shape), and this "
+                     f"run's shapes ({','.join(selected)}) include none of them; add ep to "
+                     "--shapes, or pass --ep-shapes with one of this run's shapes")
+        else:
+            missing = [n for n in args.ep_shapes if n not in selected]
+            if missing:
+                fail(f"--ep-shapes {','.join(missing)}: not among this run's shapes "
+                     f"({','.join(selected)}); EP rows are compared with the one-device moe "
+                     "record of the same shape, so add them to --shapes (or --shape)")
+        if MOK not in args.impls:
+            fail(f"--ep compares moe on N devices with the one-device moe record of the same "
+                 f"shape, and --impls ({','.join(args.impls)}) has no moe; add moe to --impls")
+        for name in args.ep_shapes:
+            for pass_name in args.passes:
+                if skipped(args.skip, MOK, pass_name, name):
+                    fail(f"--skip removes moe/{pass_name} on {name}, the one-device record "
+                         f"its EP rows are compared with")
+    else:
+        args.ep_shapes = []
+    if not args.torch and not args.ep and not plan(args, run_shapes(args, False)):
+        fail("nothing to time: --skip names every measurement of --impls x --passes x "
+             "shapes")
+
+
+def check_platform(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                   backend: str, device_count: int) -> None:
+    """The checks of check_args that need to know the devices: refuses (parser.error)
+    --ep sizes the machine cannot run, GPU-only selections on CPU that leave nothing
+    to time, and flags that change nothing on this backend."""
+    fail = parser.error
+    sizes = [n for n in args.ep if n > 1]
+    if sizes and max(sizes) > device_count:
+        hint = (" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N host "
+                "devices)" if backend == "cpu" else "")
+        fail(f"--ep {max(sizes)} needs {max(sizes)} devices; JAX sees {device_count} "
+             f"{backend} device(s){hint}")
+    quick = use_quick(args, backend)
+    shapes = run_shapes(args, quick)
+    for shape in shapes:
+        if shape.name in args.ep_shapes:
+            for n in sizes:
+                if shape.experts % n:
+                    fail(f"--ep {n}: shape {shape.name} has E={shape.experts} experts, which "
+                         f"do not split evenly over {n} devices (EP shards the experts)")
+    if args.full_on_cpu and backend != "cpu":
+        fail(f"--full-on-cpu changes nothing on {backend}: the full shapes are the default "
+             "there")
+    torch_runs = args.torch and not any(platform_skip(i, backend) for i in TORCH_IMPLS)
+    if not args.ep and not torch_runs and not plan(args, shapes, backend):
+        why = _dedupe([f"{i}: {platform_skip(i, backend)}" for i in args.impls
+                       if platform_skip(i, backend)]
+                      + [f"{i}: {platform_skip(i, backend)}" for i in TORCH_IMPLS
+                         if args.torch and platform_skip(i, backend)]
+                      + [f"{impl}/{p} on {shape.name}: {auto_skip(shape, impl, p, backend)}"
+                         for shape, impl, p in plan(args, shapes)
+                         if auto_skip(shape, impl, p, backend)])
+        fail(f"nothing to time on {backend}: every selected measurement is skipped here ("
+             + "; ".join(why) + ")")
+    if args.try_all and not any(auto_skip(shape, impl, p, backend)
+                                for shape, impl, p in plan(args, shapes)):
+        fail(f"--try-all changes nothing in this run: nothing here is auto-skipped (only "
+             f"ragged_dot fwdbwd on GPU is, where its dense f32 weight gradient needs >= "
+             f"{RAGGED_DOT_DENSE_WGRAD_LIMIT // 2**30} GiB)")
+
+
+def parse_args(argv: Sequence[str] | None,
+               platform_: tuple[str, int] | None = None) -> argparse.Namespace:
+    """The parsed and checked command line (check_args); with `platform_` =
+    (backend, device count) also check_platform's checks."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    if platform_ is not None:
+        check_platform(parser, args, *platform_)
     return args
+
+
+def detect_platform(isolated: bool = False) -> tuple[str, int]:
+    """(JAX's default backend, its device count).
+
+    With `isolated`, and while JAX has not started its backends in this process,
+    a subprocess that does not preallocate GPU memory answers, so that the --torch
+    baselines, run before JAX starts here, still find the GPU's memory free.
+    """
+    if isolated:
+        try:
+            from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+            started = xla_bridge.backends_are_initialized()
+        except Exception:  # pylint: disable=broad-except
+            started = False
+        if not started:
+            env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+            if jax.config.jax_platforms:
+                env["JAX_PLATFORMS"] = jax.config.jax_platforms
+            code = ("import json, jax; "
+                    "print(json.dumps([jax.default_backend(), jax.device_count()]))")
+            try:
+                proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                      text=True, timeout=600, env=env, check=True)
+                backend, count = json.loads(proc.stdout.strip().splitlines()[-1])
+                return str(backend), int(count)
+            except Exception:  # pylint: disable=broad-except
+                pass  # ask this process instead
+    return jax.default_backend(), jax.device_count()
 
 
 def _print_progress(record: dict) -> None:
     if record["median_ms"] is not None:
-        done = f"{record['median_ms']:.3f} ms, {record['tflops']:.3g} TFLOP/s"
+        per = " per device" if is_ep_record(record) else ""
+        done = f"{record['median_ms']:.3f} ms, {record['tflops']:.3g} TFLOP/s{per}"
     else:  # the reason, shortened: a timeout may keep the JSON from being written
         done = f"{record['status']}: {str(record.get('error') or '')[:200]}"
     print(f"  {record['shape']} {record['impl']} {record['pass']}: {done}", file=sys.stderr,
@@ -658,22 +1147,30 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the benchmark; prints the table; returns (and maybe writes) the results."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    # Before anything runs: the device checks (with --torch, without taking the GPU).
+    backend, device_count = detect_platform(isolated=args.torch)
+    check_platform(build_parser(), args, backend, device_count)
+    quick = use_quick(args, backend)
+    if quick and not args.quick and args.shapes:
+        print("note: full bench shapes on CPU take very long; running the --quick "
+              "shapes (pass --full-on-cpu to run the full ones).", file=sys.stderr)
+    shapes = run_shapes(args, quick)
+    gpu_only = [n for n in (*args.impls, *(TORCH_IMPLS if args.torch else ()),
+                            *(EXCHANGES if args.exchange else ()))
+                if platform_skip(n, backend)]
+    for name in gpu_only:
+        print(f"note: {name} is not attempted on {backend} (recorded as skipped): "
+              f"{platform_skip(name, backend)}", file=sys.stderr)
     pre_records = []
     if args.torch:  # before JAX initialises the GPU and reserves its memory
-        torch_shapes = [(QUICK_SHAPES if args.quick else FULL_SHAPES)[n] for n in args.shapes]
-        pre_records = torch_records(torch_shapes, args.passes, warmup=args.warmup,
-                                    repeats=args.repeats)
+        pre_records = torch_records(shapes, args.passes, warmup=args.warmup,
+                                    repeats=args.repeats, backend=backend)
         for record in pre_records:
             _print_progress(record)
     info = machine_info()
-    quick = args.quick
-    if info["backend"] == "cpu" and not quick and not args.full_on_cpu:
-        print("note: full bench shapes on CPU take very long; running the --quick "
-              "shapes (pass --full-on-cpu to run the full ones).", file=sys.stderr)
-        quick = True
-    shapes = QUICK_SHAPES if quick else FULL_SHAPES
     print(f"mok_jax.bench: {info['backend']} ({info['device_kind']}), jax "
-          f"{info['jax_version']}, {args.dtype}, {'quick' if quick else 'full'} shapes, "
+          f"{info['jax_version']}, {args.dtype}, shapes {','.join(s.name for s in shapes)}"
+          f"{(' (quick dims)' if quick else ' (full dims)') if args.shapes else ''}, "
           f"{args.warmup} warm-up + {args.repeats} timed runs", file=sys.stderr)
 
     records, exchange_records = [], []
@@ -688,10 +1185,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "settings": {"quick": quick, "check": args.check, "dtype": args.dtype,
                          "warmup": args.warmup,
                          "repeats": args.repeats, "seed": args.seed,
-                         "shapes": args.shapes, "impls": args.impls,
+                         "shapes": args.shapes,
+                         "custom_shapes": [dataclasses.asdict(s) for s in args.shape],
+                         "impls": args.impls,
                          "passes": args.passes, "ep": args.ep, "torch": args.torch,
                          "ep_shapes": args.ep_shapes, "exchange": args.exchange,
                          "skip": args.skip, "try_all": args.try_all},
+            "legend": LEGEND,
             "elapsed_s": time.perf_counter() - start,
             "records": records,
             "exchange": exchange_records,
@@ -704,8 +1204,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 f.write("\n")
         return result
 
-    for shape_name in args.shapes:
-        shape = shapes[shape_name]
+    for shape in shapes:
         inputs = make_inputs(shape, DTYPES[args.dtype], args.seed)
         for pass_name in args.passes:
             reference = None
@@ -718,8 +1217,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                           file=sys.stderr)
             for impl in args.impls:
                 why_not = ("named in --skip" if skipped(args.skip, impl, pass_name, shape.name)
-                           else None if args.try_all
-                           else auto_skip(shape, impl, pass_name, info["backend"]))
+                           else platform_skip(impl, backend)
+                           or (None if args.try_all
+                               else auto_skip(shape, impl, pass_name, backend)))
                 if why_not:
                     record = new_record(shape, impl, pass_name, dtype_name=args.dtype,
                                         warmup=args.warmup, repeats=args.repeats)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -112,9 +113,11 @@ def test_baseline_invalid_ids_contribute_zero(pipeline):
 def test_tokamax_available_reports_reason():
     ok, why = baselines.tokamax_available()
     assert ok or why  # unavailable always says why (available may carry a note)
-    if not ok:
-        record = bench.bench_one(bench.QUICK_SHAPES["ep"], "tokamax", "fwd", {},
-                                 dtype_name="bf16", warmup=0, repeats=1)
+    record = bench.bench_one(bench.QUICK_SHAPES["ep"], "tokamax", "fwd", {},
+                             dtype_name="bf16", warmup=0, repeats=1)
+    if jax.default_backend() == "cpu":  # GPU-only: not attempted, whether installed or not
+        assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
+    elif not ok:
         assert record["status"] == "unavailable" and "tokamax" in record["error"]
 
 
@@ -162,13 +165,17 @@ def test_quick_run_writes_json(tmp_path):
     must_run = {"ragged_dot", "dense_onehot"}
     if _mok_moe_available():
         must_run.add(bench.MOK)
-    if baselines.tokamax_available()[0]:
+    backend = jax.default_backend()
+    if baselines.tokamax_available()[0] and not bench.platform_skip("tokamax", backend):
         must_run.add("tokamax")
     for r in records:
         if r["impl"] in must_run:
             assert r["status"] == "ok", r
             assert r["median_ms"] > 0 and r["min_ms"] > 0 and r["tflops"] > 0
             assert len(r["times_ms"]) == 2
+        elif bench.platform_skip(r["impl"], backend):
+            assert r["status"] == "skipped" and "CUDA GPU" in r["error"], r
+            assert r["median_ms"] is None
         else:
             assert r["status"] == "unavailable" and r["error"]
             assert r["median_ms"] is None
@@ -259,11 +266,19 @@ def test_ep_mode_times_moe_on_meshes_of_each_size():
         assert ep["ep_size"] == size and ep["median_ms"] > 0
         # Same per-device work, so the same FLOPs are credited to both records.
         assert ep["gemm_flops"] == by_impl["moe"]["gemm_flops"]
+        # A time ratio to the one-device record, never a speedup.
+        assert not [key for key in ep if "speedup" in key], ep
+        assert ep["ep_reference_ms"] == by_impl["moe"]["median_ms"]
+        assert ep["ep_time_ratio"] == pytest.approx(
+            ep["median_ms"] / by_impl["moe"]["median_ms"])
+    assert "absent from EP records" in result["legend"]["mok_speedup"]
+    assert "lower is better" in result["legend"]["ep_time_ratio"]
     exchanges = {(r["ep_size"], r["exchange"]): r for r in result["exchange"]}
     assert set(exchanges) == {(n, k) for n in (2, 4) for k in bench.EXCHANGES}
     for (n, kind), r in exchanges.items():
         if kind == "ragged_all_to_all" and jax.default_backend() == "cpu":
-            assert r["status"] == "error" and "ragged" in r["error"]  # no CPU lowering
+            # No CPU lowering: not attempted, recorded as skipped with the reason.
+            assert r["status"] == "skipped" and "ragged_all_to_all" in r["error"], r
         else:
             assert r["status"] == "ok" and r["gb_per_s"] > 0, r
 
@@ -275,11 +290,16 @@ def test_ep_sizes_must_be_positive_integers():
 
 
 def test_torch_baselines_are_recorded_even_when_unavailable():
+    # bf16: the torch baselines time bf16 only (--torch --dtype f32 is refused).
     result = bench.main(["--quick", "--shapes", "ep", "--impls", "moe", "--passes", "fwd",
-                         "--repeats", "1", "--warmup", "0", "--dtype", "f32", "--torch"])
+                         "--repeats", "1", "--warmup", "0", "--torch"])
     torch_recs = [r for r in result["records"] if r["impl"].startswith("torch_")]
     assert {r["impl"] for r in torch_recs} == set(bench.TORCH_IMPLS)
     for r in torch_recs:
+        if jax.default_backend() == "cpu":  # GPU-only: not attempted, with the reason
+            assert r["status"] == "skipped" and r["median_ms"] is None, r
+            assert r["error"] == bench.platform_skip(r["impl"], "cpu")
+            continue
         # Either measured (torch with CUDA here) or marked unavailable with a reason.
         assert (r["status"] == "ok" and r["median_ms"] > 0) or (
             r["status"] in ("unavailable", "error") and r["error"])
@@ -354,3 +374,253 @@ def test_xprof_stub_does_not_outlive_the_tokamax_import():
     stub = sys.modules.get("xprof")
     # Either the real xprof, or nothing: the empty stub was removed after the import.
     assert stub is None or getattr(stub, "__file__", None) is not None
+
+
+# --------------------------------------------------------------------------------------
+# The command line explains itself and refuses what would time nothing
+# --------------------------------------------------------------------------------------
+
+
+def _help_text(capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def _dims_pattern(shape) -> str:
+    return (rf"T={shape.tokens}\s+K={shape.top_k}\s+E={shape.experts}\s+"
+            rf"H={shape.hidden}\s+F={shape.ffn}\s")
+
+
+def test_help_lists_every_shape_with_its_dimensions(capsys):
+    text = _help_text(capsys)
+    for name, full in bench.FULL_SHAPES.items():
+        quick = bench.QUICK_SHAPES[name]
+        block = (rf"\n  {re.escape(name)}: [^\n]*\n\s+full\s+{_dims_pattern(full)}[^\n]*"
+                 rf"\n\s+quick\s+{_dims_pattern(quick)}")
+        assert re.search(block, text), (name, text)
+    assert "--shape [NAME=]T,K,E,H,F" in text
+    assert "replaces" in text and "default shape list" in text  # how --shape combines
+
+
+def test_help_describes_every_pipeline_pass_and_exchange(capsys):
+    text = _help_text(capsys)
+    about = {**bench.IMPL_ABOUT, **bench.TORCH_ABOUT, **bench.EXCHANGE_ABOUT,
+             **bench.PASS_ABOUT}
+    assert set(about) == {*bench.IMPLS, *bench.EXTRA_IMPLS, *bench.TORCH_IMPLS,
+                          *bench.EXCHANGES, *bench.PASSES}
+    for name, description in about.items():
+        # The name opens a line, followed on that line by its description's first words.
+        first_words = r"\s+".join(map(re.escape, description.split()[:3]))
+        assert re.search(rf"\n  {re.escape(name)}\s+{first_words}", text), (name, text)
+    assert re.search(r"\n  moe_epN\s+moe on a mesh of N devices", text)
+    assert "6*T*K*H*F" in text and "18*T*K*H*F" in text and "median" in text
+
+
+def test_docs_cite_no_files_outside_the_repository(capsys):
+    for text in (bench.__doc__, _help_text(capsys)):
+        assert "DESIGN" not in text and "../shared" not in text and "shared/" not in text
+    assert "6*T*K*H*F" in bench.__doc__ and "18*T*K*H*F" in bench.__doc__
+    assert "compute-only" in bench.__doc__
+
+
+def test_custom_shape_replaces_the_shape_list_unless_shapes_is_given():
+    args = bench.parse_args(["--shape", "4096,8,64,2048,1024"])
+    assert args.shapes == []
+    assert args.shape == [bench.Shape("T4096-K8-E64-H2048-F1024", 4096, 8, 64, 2048, 1024)]
+    args = bench.parse_args(["--shape", "mine=16,2,4,8,8", "--shape", "7,1,1,3,5",
+                             "--shapes", "ep"])
+    assert args.shapes == ["ep"]
+    assert [s.name for s in args.shape] == ["mine", "T7-K1-E1-H3-F5"]
+    assert bench.run_shapes(args, True) == [bench.QUICK_SHAPES["ep"], *args.shape]
+    # The default EP shapes: the ep bench shape and every custom one.
+    assert bench.parse_args(["--shape", "mine=16,2,4,8,8", "--shapes", "ep",
+                             "--ep", "2"]).ep_shapes == ["ep", "mine"]
+
+
+def test_custom_shape_is_benchmarked(tmp_path):
+    path = tmp_path / "custom.json"
+    result = bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe,ragged_dot",
+                         "--passes", "fwd", "--repeats", "1", "--warmup", "0",
+                         "--dtype", "f32", "--json", str(path)])
+    records = json.loads(path.read_text())["records"]
+    assert [(r["shape"], r["impl"]) for r in records] == [("mine", "moe"),
+                                                          ("mine", "ragged_dot")]
+    for r in records:
+        assert (r["T"], r["K"], r["E"], r["H"], r["F"]) == (24, 2, 4, 16, 8)
+        assert r["gemm_flops"] == 6 * 24 * 2 * 16 * 8
+        if r["impl"] == "ragged_dot" or _mok_moe_available():
+            assert r["status"] == "ok" and r["median_ms"] > 0, r
+    assert result["settings"]["custom_shapes"] == [
+        {"name": "mine", "tokens": 24, "top_k": 2, "experts": 4, "hidden": 16, "ffn": 8}]
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("1,2,3,4", "five comma-separated"),
+    ("1,2,3,4,5,6", "five comma-separated"),
+    ("a,1,1,1,1", "must be integers"),
+    ("0,1,1,1,1", "T=0"),
+    ("8,1,1,-3,1", "H=-3"),
+    ("4,8,4,4,4", "K <= E"),
+    ("=4,1,4,4,4", "empty NAME"),
+    ("a/b=4,1,4,4,4", "may not contain"),
+    ("ep=4,1,4,4,4", "bench shape"),
+])
+def test_bad_custom_shape_is_a_clear_error(bad, why, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--shape", bad])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --shape" in err and why in err, err
+
+
+def _ep_record(ms, size=2):
+    return {"shape": "ep", "impl": f"moe_ep{size}", "pass": "fwd", "median_ms": ms,
+            "min_ms": ms, "tflops": 1.0, "status": "ok", "error": None, "ep_size": size}
+
+
+def test_ep_rows_are_time_ratios_to_one_device_never_speedups():
+    one = {"shape": "ep", "impl": "moe", "pass": "fwd", "median_ms": 1.0, "min_ms": 1.0,
+           "tflops": 2.0, "status": "ok", "error": None}
+    # EP=2 1.9x slower than one device (the case that used to read "speedup 1.90x").
+    records = [one, _ep_record(1.9), _ep_record(None, size=4)]
+    records[2].update(status="error", error="boom")
+    bench.add_speedups(records)
+    slow = records[1]
+    assert slow["ep_time_ratio"] == pytest.approx(1.9)
+    assert slow["ep_reference_ms"] == 1.0
+    assert records[2]["ep_time_ratio"] is None
+    for r in records[1:]:
+        assert not [key for key in r if "speedup" in key], r
+    text = bench.format_table(records)
+    assert "EP=2 / 1 device: 1.90x (time ratio, lower is better)" in text
+    assert "EP=4 / 1 device: - (time ratio, lower is better): EP run error" in text
+    header = text.splitlines()[0].split("  ")
+    header = [h.strip() for h in header if h.strip()]
+    assert header[-1] == "EP/1 device"
+    row = next(line.split() for line in text.splitlines()
+               if line.split()[:2] == ["ep", "moe_ep2"])
+    assert row[header.index("mok speedup")] == "-" and row[-1] == "1.90x"
+    for line in text.splitlines():
+        if "moe_ep" in line or "EP=" in line:
+            assert "speedup" not in line, line
+    assert bench.ep_ratio_text(slow) == ("EP=2 / 1 device: 1.90x "
+                                         "(time ratio, lower is better)")
+
+
+def test_single_device_table_has_no_ep_column():
+    records = [{"shape": "ep", "impl": "moe", "pass": "fwd", "median_ms": 1.0,
+                "min_ms": 1.0, "tflops": 2.0, "status": "ok", "error": None}]
+    bench.add_speedups(records)
+    text = bench.format_table(records)
+    assert "EP/1 device" not in text and "EP=" not in text
+
+
+@pytest.mark.parametrize("argv, why", [
+    # EP runs only on --ep-shapes (default: ep and the --shape ones) within the shapes.
+    (["--ep", "2", "--shapes", "small-experts"], "would time nothing"),
+    (["--ep", "2", "--shapes", "ep", "--ep-shapes", "small-experts"],
+     "not among this run's shapes"),
+    (["--ep", "2", "--shape", "16,2,4,8,8", "--ep-shapes", "ep"],
+     "not among this run's shapes"),
+    (["--ep-shapes", "ep"], "there is no --ep N"),
+    (["--ep", "1"], "EP=1 is the one-device moe record"),
+    (["--ep", "2", "--shapes", "ep", "--impls", "ragged_dot"], "has no moe"),
+    (["--ep", "2", "--shapes", "ep", "--skip", "moe/fwd"], "the one-device record"),
+    (["--exchange"], "--exchange needs --ep"),
+    # --skip entries that match nothing in this run.
+    (["--impls", "moe", "--skip", "tokamax/fwd"], "tokamax is not in --impls"),
+    (["--passes", "fwd", "--skip", "moe/fwdbwd"], "fwdbwd is not in --passes"),
+    (["--shapes", "small-experts", "--skip", "moe/fwd/ep"], "ep is not among"),
+    (["--impls", "ragged_dot", "--passes", "fwd", "--skip", "ragged_dot/fwd"],
+     "nothing to time"),
+    # Flags that change nothing, or contradict each other.
+    (["--quick", "--full-on-cpu"], "contradict"),
+    (["--quick", "--shape", "16,2,4,8,8"], "timed as given"),
+    (["--torch", "--dtype", "f32"], "bf16 only"),
+    (["--shape", "16,2,4,8,8", "--shape", "16,2,4,8,8"], "given twice"),
+])
+def test_flags_that_select_nothing_are_refused(argv, why, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert why in err, err
+
+
+@pytest.mark.parametrize("argv, platform, why", [
+    (["--impls", "tokamax"], ("cpu", 8), "nothing to time on cpu"),
+    (["--impls", "tokamax", "--torch"], ("cpu", 8), "nothing to time on cpu"),
+    (["--ep", "16", "--shapes", "ep"], ("cpu", 8), "--ep 16 needs 16 devices"),
+    (["--ep", "2", "--shapes", "ep"], ("gpu", 1), "--ep 2 needs 2 devices"),
+    (["--ep", "3", "--shapes", "ep"], ("cpu", 8), "do not split evenly"),
+    (["--try-all"], ("cpu", 8), "--try-all changes nothing"),
+    (["--try-all", "--shapes", "mixtral-like"], ("gpu", 1), "--try-all changes nothing"),
+    (["--full-on-cpu"], ("gpu", 1), "changes nothing on gpu"),
+    (["--impls", "ragged_dot", "--passes", "fwdbwd", "--shapes", "ep"], ("gpu", 1),
+     "--try-all attempts it"),
+])
+def test_flags_that_select_nothing_on_this_platform_are_refused(argv, platform, why,
+                                                                 capsys):
+    bench.parse_args(argv)  # fine before the devices are known ...
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv, platform)  # ... refused once they are
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert why in err, err
+
+
+def test_platform_checks_accept_what_the_platform_runs():
+    assert bench.parse_args(["--impls", "tokamax"], ("gpu", 1)).impls == ["tokamax"]
+    assert bench.parse_args(["--try-all"], ("gpu", 1)).try_all
+    args = bench.parse_args(["--ep", "2,8", "--shapes", "ep"], ("cpu", 8))
+    assert args.ep == [2, 8] and args.ep_shapes == ["ep"]
+    args = bench.parse_args(["--ep", "2", "--shapes", "small-experts",
+                             "--ep-shapes", "small-experts"], ("cpu", 8))
+    assert args.ep_shapes == ["small-experts"]
+
+
+def test_too_many_ep_devices_is_refused_before_anything_runs(monkeypatch, capsys):
+    def must_not_run(*_, **__):
+        raise AssertionError("ran before the --ep device check")
+
+    for name in ("make_inputs", "bench_one", "bench_ep", "torch_records"):
+        monkeypatch.setattr(bench, name, must_not_run)
+    too_many = jax.device_count() + 1
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--shapes", "ep", "--impls", "moe", "--ep", f"2,{too_many}"])
+    assert exit_info.value.code == 2
+    assert f"--ep {too_many} needs {too_many} devices" in capsys.readouterr().err
+
+
+def test_gpu_only_baselines_are_skipped_on_cpu_with_a_note(monkeypatch, capsys, tmp_path):
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU skip")
+    assert bench.platform_skip("tokamax", "gpu") is None
+    for name in ("tokamax", *bench.TORCH_IMPLS, "ragged_all_to_all"):
+        assert "GPU" in bench.platform_skip(name, "cpu")
+    resolve, run = bench.resolve_impl, subprocess.run
+
+    def resolve_no_tokamax(name):
+        assert name != "tokamax", "tokamax attempted on CPU"
+        return resolve(name)
+
+    def run_no_torch(cmd, *a, **kw):
+        assert not any("_torch_moe" in str(c) for c in cmd), "torch attempted on CPU"
+        return run(cmd, *a, **kw)
+
+    monkeypatch.setattr(bench, "resolve_impl", resolve_no_tokamax)
+    monkeypatch.setattr(subprocess, "run", run_no_torch)
+    path = tmp_path / "cpu.json"
+    bench.main(["--quick", "--shapes", "ep", "--impls", "ragged_dot,tokamax", "--passes",
+                "fwd", "--torch", "--repeats", "1", "--warmup", "0", "--json", str(path)])
+    captured = capsys.readouterr()
+    records = {r["impl"]: r for r in json.loads(path.read_text())["records"]}
+    assert set(records) == {"ragged_dot", "tokamax", *bench.TORCH_IMPLS}
+    assert records["ragged_dot"]["status"] == "ok"
+    for name in ("tokamax", *bench.TORCH_IMPLS):
+        assert records[name]["status"] == "skipped", records[name]
+        assert records[name]["error"] == bench.platform_skip(name, "cpu")
+        assert f"note: {name} is not attempted on cpu" in captured.err
+        assert f"{name}: skipped: needs a CUDA GPU" in captured.out  # the table's note

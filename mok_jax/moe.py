@@ -7,7 +7,6 @@ custom VJP over the forward and backward primitives (`mok_jax.primitives`).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -15,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import ep, primitives, sharding
+from mok_jax import ep, layer, primitives, sharding
 
 BACKENDS = ("auto", "fused", "xla")
 _X_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
@@ -107,22 +106,14 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
     tokens, top_k = expert_ids.shape
     cap = capacity(capacity_factor, tokens * ep_size, top_k, num_experts)
     cap = primitives.NO_CAPACITY if cap is None else cap
+    path = _choose_path(backend, axis_name, ep_size, cap, operands)
     with jax.named_scope("mok_jax"):
         if axis_name is not None:
             operands = _vary_alike(operands)
-        if ep_size > 1:
-            cfg = ep._Config(axis_name=axis_name, ep_size=ep_size, capacity=cap,
-                             token_axes=(axis_name,))
-            y, stats = ep.moe_ep(cfg, *operands)
-        elif axis_name is None and sharding.on_a_mesh(operands):
-            if backend == "fused" and sharding.experts_split(w_gate_up):
-                raise NotImplementedError(_FUSED_EP_MISSING)
-            sharding.check_layout(*operands)
-            y, stats = sharding.moe_partitioned(cap, *operands)
-        else:
-            y, stats = _moe_core(cap, *operands)
-            if axis_name is not None:  # an EP axis of size 1: local stats are global;
-                stats = tuple(jax.lax.psum(v, axis_name) for v in stats)  # say so in the type
+        y, stats = layer.run(path, *operands)
+        if axis_name is not None and ep_size == 1 and isinstance(path, layer.LocalPath):
+            # an EP axis of size 1: local stats are global; say so in the type
+            stats = tuple(jax.lax.psum(v, axis_name) for v in stats)
     if return_stats:
         return y, MoEStats(*stats)
     return y
@@ -199,6 +190,32 @@ def _fmt(axes) -> str:
     return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
 
 
+def _choose_path(backend, axis_name, ep_size, cap, operands):
+    """The one place where `backend` and the call's context choose how it runs.
+
+    * inside shard_map with an EP axis of size > 1: the EP layer over a transport
+      ("xla" and "auto": XLA's all_to_all; "fused": not built yet);
+    * plain jit on arrays sharded over a mesh: the partitioned layer (each device
+      runs the EP layer over XLA's all_to_all);
+    * one device (or an EP axis of size 1): "auto" and "fused" run the whole layer
+      in one FFI call per pass; "xla" runs the EP layer's pieces (expert FFN and
+      combine kernels, plan in XLA) with a trivial exchange -- the same bits.
+    """
+    if ep_size > 1:
+        if backend == "fused":
+            raise NotImplementedError(_FUSED_EP_MISSING)
+        return ep.ExchangePath(ep.Config(axis_name, ep_size, cap, (axis_name,)), "xla")
+    if axis_name is None and sharding.on_a_mesh(operands):
+        if backend == "fused" and sharding.experts_split(operands[3]):
+            raise NotImplementedError(_FUSED_EP_MISSING)
+        sharding.check_layout(*operands)
+        return sharding.PartitionedPath(cap)
+    if backend == "xla":
+        token_axes = () if axis_name is None else (axis_name,)
+        return ep.ExchangePath(ep.Config(axis_name, 1, cap, token_axes), "xla")
+    return layer.LocalPath(cap)
+
+
 def _vary_alike(operands):
     """Inside shard_map, makes every operand vary over the same axes (pcast), so
     that the custom VJP's cotangents have their primals' types under check_vma;
@@ -209,31 +226,6 @@ def _vary_alike(operands):
                  for a, v in zip(operands, varying))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _moe_core(cap, x, expert_ids, expert_weights, w_gate_up, w_down):
-    y, _, *stats = primitives.moe_fwd_p.bind(
-        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=False)
-    return y, tuple(stats)
-
-
-def _moe_core_fwd(cap, x, expert_ids, expert_weights, w_gate_up, w_down):
-    y, gate_up, *stats = primitives.moe_fwd_p.bind(
-        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=True)
-    residuals = (x, expert_ids, expert_weights, w_gate_up, w_down, gate_up)
-    return (y, tuple(stats)), residuals
-
-
-def _moe_core_bwd(cap, residuals, cotangents):
-    x, expert_ids, expert_weights, w_gate_up, w_down, gate_up = residuals
-    dy, _ = cotangents  # the statistics are integers: no cotangent
-    dx, d_weights, d_w_gate_up, d_w_down = primitives.moe_bwd_p.bind(
-        x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy.astype(x.dtype),
-        capacity=cap)
-    d_ids = np.zeros(expert_ids.shape, dtype=jax.dtypes.float0)
-    return dx, d_ids, d_weights, d_w_gate_up, d_w_down
-
-
-_moe_core.defvjp(_moe_core_fwd, _moe_core_bwd)
 
 
 def _shape(a) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -140,7 +141,7 @@ def _placement(cap, mesh, arg_shapes):
     arrays."""
     token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
                                   arg_shapes[3].shape[0])
-    cfg = ep._Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
+    cfg = ep.Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
                      capacity=cap, token_axes=token_axes)
     tok = NamedSharding(mesh, P(token_axes or None, None))
     wts = NamedSharding(mesh, P(ep_axis, None, None))
@@ -190,7 +191,8 @@ def _forward_partition(cap, mesh, arg_shapes, result_shape):
     cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes)
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
-        y, stats, _ = ep._forward(cfg, x, expert_ids, expert_weights, w_gate_up, w_down, False)
+        y, stats, _ = ep.ExchangePath(cfg).forward(
+            x, expert_ids, expert_weights, w_gate_up, w_down, save=False)
         return y, _pack_stats(stats)
 
     return mesh, _per_device(lower_fn), (tok, rep), (tok, tok, tok, wts, wts)
@@ -224,9 +226,10 @@ def _backward_partition(cap, mesh, arg_shapes, result_shape):
     cfg, tok, wts, _ = _placement(cap, mesh, arg_shapes)
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy):
-        _, _, residuals = ep.forward_with_residuals(
-            cfg, x, expert_ids, expert_weights, w_gate_up, w_down)
-        return ep.backward(cfg, residuals, dy)
+        path = ep.ExchangePath(cfg)
+        _, _, residuals = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down,
+                                       save=True)
+        return path.backward(residuals, dy)
 
     return mesh, _per_device(lower_fn), (tok, tok, wts, wts), (tok, tok, tok, wts, wts, tok)
 
@@ -238,27 +241,20 @@ _backward.def_partition(
     need_replication_factors=("h", "k", "g", "f"))  # in order of first use
 
 
-# --- the differentiable layer ----------------------------------------------------
+# --- the path -------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def moe_partitioned(cap, x, expert_ids, expert_weights, w_gate_up, w_down):
-    """`moe` on global (possibly sharded) arrays: ``(y, stats)``."""
-    y, packed = _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap)
-    return y, (packed[:-2], packed[-2], packed[-1])
+@dataclasses.dataclass(frozen=True)
+class PartitionedPath:
+    """`moe` on global (possibly sharded) arrays, for `mok_jax.layer.run`."""
 
+    capacity: int
 
-def _fwd(cap, x, expert_ids, expert_weights, w_gate_up, w_down):
-    out = moe_partitioned(cap, x, expert_ids, expert_weights, w_gate_up, w_down)
-    return out, (x, expert_ids, expert_weights, w_gate_up, w_down)
+    def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
+        del save  # the partitioned backward recomputes what it needs
+        operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
+        y, packed = _forward(*operands, self.capacity)
+        return y, (packed[:-2], packed[-2], packed[-1]), operands
 
-
-def _bwd(cap, residuals, cotangents):
-    x, expert_ids, expert_weights, w_gate_up, w_down = residuals
-    dy, _ = cotangents
-    dx, d_weights, d_w_gate_up, d_w_down = _backward(
-        x, expert_ids, expert_weights, w_gate_up, w_down, dy.astype(x.dtype), cap)
-    d_ids = np.zeros(expert_ids.shape, dtype=jax.dtypes.float0)
-    return dx, d_ids, d_weights, d_w_gate_up, d_w_down
-
-
-moe_partitioned.defvjp(_fwd, _bwd)
+    def backward(self, residuals, dy):
+        x = residuals[0]
+        return tuple(_backward(*residuals, dy.astype(x.dtype), self.capacity))

@@ -6,7 +6,6 @@ global; under plain jit the layer partitions itself without gathering tokens
 or weights.
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -16,81 +15,29 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mok_jax
 
-T, K, E, H, F = 64, 3, 8, 16, 12
+from conftest import np_stats
+from ep_harness import (EP_BACKENDS, SHAPE, assert_same_bits,
+                        gathered_types, jit_on_mesh, problem, shard_map_ep, single_device)
+
+T, K, E, H, F = SHAPE
 # These tests run on the 8 host CPU devices (conftest), also on a GPU machine;
 # tests/test_ep_gpu.py runs the same checks across GPUs.
 CPUS = jax.devices("cpu")
 
 
-def _problem(dtype, seed=0, device=None, shape=(T, K, E, H, F)):
-    T, K, E, H, F = shape
-    ks = jax.random.split(jax.random.key(seed), 4)
-    x = jax.random.normal(ks[0], (T, H)).astype(dtype)
-    w, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(ks[1], (T, E))), K)
-    ids = ids.astype(jnp.int32).at[3, 1].set(-1).at[5, 0].set(E + 7).at[40, 2].set(-9)
-    wgu = (jax.random.normal(ks[2], (E, H, 2 * F)) * H**-0.5).astype(dtype)
-    wd = (jax.random.normal(ks[3], (E, F, H)) * F**-0.5).astype(dtype)
-    return jax.device_put((x, ids, w, wgu, wd), device or CPUS[0])
-
-
-def _cot(h=H):
-    return jnp.cos(jnp.arange(h, dtype=jnp.float32))
-
-
-def _bits(a):
-    return np.atleast_1d(np.asarray(a)).view(np.uint8)
-
-
-def _assert_same_bits(a, b, what):
-    np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=what)
-
-
-def _single_device(x, ids, w, wgu, wd, cf):
-    def loss(x, w, wgu, wd):
-        y, s = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=cf, return_stats=True)
-        return jnp.sum(y.astype(jnp.float32) * _cot(x.shape[1])), (y, s)
-    (_, (y, s)), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, w, wgu, wd)
-    return y, s, g
-
-
-def _shard_map_ep(mesh, token_spec, x, ids, w, wgu, wd, cf, axis="ep"):
-    other_axes = tuple(a for a in mesh.axis_names if a != axis)
-
-    def local(x, ids, w, wgu, wd):
-        y, stats = mok_jax.moe(x, ids, w, wgu, wd, axis_name=axis, capacity_factor=cf,
-                               return_stats=True)
-        # moe's statistics are global over the EP group; other groups add theirs.
-        if other_axes:
-            stats = jax.tree.map(lambda v: jax.lax.psum(v, other_axes), stats)
-        return y, stats
-
-    layer = jax.shard_map(local, mesh=mesh, in_specs=(token_spec,) * 3 + (P(axis),) * 2,
-                          out_specs=(token_spec, P()), check_vma=True)
-    tok = NamedSharding(mesh, token_spec)
-    wts = NamedSharding(mesh, P(axis))
-    x, ids, w = (jax.device_put(a, tok) for a in (x, ids, w))
-    wgu, wd = (jax.device_put(a, wts) for a in (wgu, wd))
-
-    def loss(x, w, wgu, wd):
-        y, s = layer(x, ids, w, wgu, wd)
-        return jnp.sum(y.astype(jnp.float32) * _cot(x.shape[1])), (y, s)
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-    (_, (y, s)), g = step(x, w, wgu, wd)
-    return y, s, g
-
-
+@pytest.mark.parametrize("backend", EP_BACKENDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("capacity_factor", [None, 0.6])
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
-def test_shard_map_ep_is_bitwise_equal_to_one_device(ep, capacity_factor, dtype):
-    x, ids, w, wgu, wd = _problem(dtype)
-    y1, s1, g1 = _single_device(x, ids, w, wgu, wd, capacity_factor)
+def test_shard_map_ep_is_bitwise_equal_to_one_device(ep, capacity_factor, dtype, backend):
+    x, ids, w, wgu, wd = problem(dtype)
+    y1, s1, g1 = single_device(x, ids, w, wgu, wd, capacity_factor)
     mesh = jax.make_mesh((ep,), ("ep",), devices=CPUS[:ep])
-    y, s, g = _shard_map_ep(mesh, P("ep"), x, ids, w, wgu, wd, capacity_factor)
-    _assert_same_bits(y, y1, "y")
+    y, s, g = shard_map_ep(mesh, P("ep"), x, ids, w, wgu, wd, capacity_factor,
+                           backend=backend)
+    assert_same_bits(y, y1, "y")
     for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):
-        _assert_same_bits(a, b, name)
+        assert_same_bits(a, b, name)
     np.testing.assert_array_equal(s.tokens_per_expert, s1.tokens_per_expert)
     assert int(s.dropped) == int(s1.dropped)
     assert int(s.invalid) == int(s1.invalid) == 3
@@ -101,54 +48,35 @@ def test_shard_map_ep_is_bitwise_equal_to_one_device(ep, capacity_factor, dtype)
 def test_shard_map_dp2_ep4_matches_each_data_parallel_group():
     """(dp=2, ep=4): each dp group is its own EP=4 layer over its half of the tokens;
     the replicated experts' gradients are the sum over the two groups."""
-    x, ids, w, wgu, wd = _problem(jnp.float32, seed=1)
+    x, ids, w, wgu, wd = problem(jnp.float32, seed=1)
     mesh = jax.make_mesh((2, 4), ("dp", "ep"), devices=CPUS[:8])
-    y, s, g = _shard_map_ep(mesh, P(("dp", "ep")), x, ids, w, wgu, wd, None)
+    y, s, g = shard_map_ep(mesh, P(("dp", "ep")), x, ids, w, wgu, wd, None)
     half = T // 2
-    parts = [_single_device(x[i * half:(i + 1) * half], ids[i * half:(i + 1) * half],
+    parts = [single_device(x[i * half:(i + 1) * half], ids[i * half:(i + 1) * half],
                             w[i * half:(i + 1) * half], wgu, wd, None) for i in range(2)]
-    _assert_same_bits(y, jnp.concatenate([p[0] for p in parts]), "y")
-    _assert_same_bits(g[0], jnp.concatenate([p[2][0] for p in parts]), "dx")
-    _assert_same_bits(g[1], jnp.concatenate([p[2][1] for p in parts]), "d_expert_weights")
-    _assert_same_bits(g[2], parts[0][2][2] + parts[1][2][2], "d_w_gate_up")
-    _assert_same_bits(g[3], parts[0][2][3] + parts[1][2][3], "d_w_down")
+    assert_same_bits(y, jnp.concatenate([p[0] for p in parts]), "y")
+    assert_same_bits(g[0], jnp.concatenate([p[2][0] for p in parts]), "dx")
+    assert_same_bits(g[1], jnp.concatenate([p[2][1] for p in parts]), "d_expert_weights")
+    assert_same_bits(g[2], parts[0][2][2] + parts[1][2][2], "d_w_gate_up")
+    assert_same_bits(g[3], parts[0][2][3] + parts[1][2][3], "d_w_down")
 
 
-def _jit_on_mesh(mesh, token_spec, expert_spec, x, ids, w, wgu, wd, cf):
-    tok = NamedSharding(mesh, token_spec)
-    wts = NamedSharding(mesh, expert_spec)
-    args = [jax.device_put(a, s) for a, s in ((x, tok), (w, tok), (wgu, wts), (wd, wts))]
-    ids = jax.device_put(ids, tok)
-
-    def loss(x, w, wgu, wd, ids):
-        y, s = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=cf, return_stats=True)
-        return jnp.sum(y.astype(jnp.float32) * _cot(x.shape[1])), (y, s)
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-    (_, (y, s)), g = step(*args, ids)
-    hlo = step.lower(*args, ids).compile().as_text()
-    return y, s, g, hlo
-
-
-def _gathered_types(hlo):
-    """Element types of every all-gather result in compiled HLO text."""
-    return re.findall(r"= \(?(\w+)\[[^\]]*\][^=]*? all-gather(?:-start)?\(", hlo)
-
-
+@pytest.mark.parametrize("backend", EP_BACKENDS)
 @pytest.mark.parametrize("capacity_factor", [None, 0.6])
-def test_plain_jit_on_ep_mesh_is_bitwise_equal_and_gathers_no_floats(capacity_factor):
-    x, ids, w, wgu, wd = _problem(jnp.float32, seed=2)
-    y1, s1, g1 = _single_device(x, ids, w, wgu, wd, capacity_factor)
+def test_plain_jit_on_ep_mesh_is_bitwise_equal_and_gathers_no_floats(capacity_factor, backend):
+    x, ids, w, wgu, wd = problem(jnp.float32, seed=2)
+    y1, s1, g1 = single_device(x, ids, w, wgu, wd, capacity_factor)
     mesh = jax.make_mesh((8,), ("ep",), devices=CPUS[:8])
-    y, s, g, hlo = _jit_on_mesh(mesh, P("ep"), P("ep"), x, ids, w, wgu, wd, capacity_factor)
-    _assert_same_bits(y, y1, "y")
+    y, s, g, hlo = jit_on_mesh(mesh, P("ep"), P("ep"), x, ids, w, wgu, wd, capacity_factor,
+                               backend=backend)
+    assert_same_bits(y, y1, "y")
     for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):
-        _assert_same_bits(a, b, name)
+        assert_same_bits(a, b, name)
     np.testing.assert_array_equal(s.tokens_per_expert, s1.tokens_per_expert)
     assert int(s.dropped) == int(s1.dropped)
     assert y.sharding.spec[0] == "ep"              # output stays sharded along tokens
     assert "all-to-all" in hlo                     # rows move by all_to_all ...
-    gathered = _gathered_types(hlo)
+    gathered = gathered_types(hlo)
     assert gathered and set(gathered) <= {"s32"}, gathered  # ... only ids are gathered
 
 
@@ -157,18 +85,18 @@ def test_plain_jit_inside_set_mesh_keeps_tokens_sharded_and_bits(axis_type):
     """`jax.make_mesh` gives Explicit axes; users then jit inside `jax.set_mesh`.
     y and dy must stay split like x (no all-gather of y, no slice of dy around the
     partitioned call), with the single-device bits."""
-    x, ids, w, wgu, wd = _problem(jnp.bfloat16, seed=7)
-    y1, s1, g1 = _single_device(x, ids, w, wgu, wd, 0.6)
+    x, ids, w, wgu, wd = problem(jnp.bfloat16, seed=7)
+    y1, s1, g1 = single_device(x, ids, w, wgu, wd, 0.6)
     types = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
     mesh = jax.make_mesh((4,), ("ep",), devices=CPUS[:4], axis_types=(types[axis_type],))
     with jax.set_mesh(mesh):
-        y, s, g, hlo = _jit_on_mesh(mesh, P("ep"), P("ep"), x, ids, w, wgu, wd, 0.6)
-    _assert_same_bits(y, y1, "y")
+        y, s, g, hlo = jit_on_mesh(mesh, P("ep"), P("ep"), x, ids, w, wgu, wd, 0.6)
+    assert_same_bits(y, y1, "y")
     for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):
-        _assert_same_bits(a, b, name)
+        assert_same_bits(a, b, name)
     assert int(s.dropped) == int(s1.dropped) > 0
     assert y.sharding.spec[0] == "ep" and g[0].sharding.spec[0] == "ep"
-    assert set(_gathered_types(hlo)) <= {"s32"}, _gathered_types(hlo)
+    assert set(gathered_types(hlo)) <= {"s32"}, gathered_types(hlo)
 
 
 def _mesh_typed_values(jaxpr):
@@ -215,33 +143,40 @@ def test_partitioned_code_carries_no_mesh_types_under_an_explicit_mesh(which):
 
 
 def test_plain_jit_dp_ep_mesh_keeps_global_semantics():
-    x, ids, w, wgu, wd = _problem(jnp.float32, seed=3)
-    y1, s1, g1 = _single_device(x, ids, w, wgu, wd, 0.6)
+    x, ids, w, wgu, wd = problem(jnp.float32, seed=3)
+    y1, s1, g1 = single_device(x, ids, w, wgu, wd, 0.6)
     mesh = jax.make_mesh((2, 4), ("dp", "ep"), devices=CPUS[:8])
-    y, s, g, hlo = _jit_on_mesh(mesh, P(("dp", "ep")), P("ep"), x, ids, w, wgu, wd, 0.6)
-    _assert_same_bits(y, y1, "y")
-    _assert_same_bits(g[0], g1[0], "dx")
-    _assert_same_bits(g[1], g1[1], "d_expert_weights")
-    # Replicated experts sum their partial gradients across dp: same math, other order.
-    for a, b in zip(g[2:], g1[2:]):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    y, s, g, hlo = jit_on_mesh(mesh, P(("dp", "ep")), P("ep"), x, ids, w, wgu, wd, 0.6)
+    assert_same_bits(y, y1, "y")
+    assert_same_bits(g[0], g1[0], "dx")
+    assert_same_bits(g[1], g1[1], "d_expert_weights")
+    # Replicated experts add the dp groups' partial weight gradients (psum): each
+    # partial has the bits of one device on that group's tokens under the global
+    # plan (pairs the global plan drops get invalid ids there).
+    _, _, _, keep = np_stats(ids, E, mok_jax.capacity(0.6, T, K, E))
+    half = T // 2
+    parts = [single_device(x[i * half:(i + 1) * half], jnp.where(
+        keep[i * half:(i + 1) * half], ids[i * half:(i + 1) * half], -1).astype(jnp.int32),
+        w[i * half:(i + 1) * half], wgu, wd, None)[2] for i in range(2)]
+    assert_same_bits(g[2], parts[0][2] + parts[1][2], "d_w_gate_up")
+    assert_same_bits(g[3], parts[0][3] + parts[1][3], "d_w_down")
     assert int(s.dropped) == int(s1.dropped) > 0   # capacity over the global batch
-    assert set(_gathered_types(hlo)) <= {"s32"}
+    assert set(gathered_types(hlo)) <= {"s32"}
 
 
 def test_replicated_experts_are_pure_data_parallelism():
-    x, ids, w, wgu, wd = _problem(jnp.float32, seed=4)
-    y1, _, g1 = _single_device(x, ids, w, wgu, wd, None)
+    x, ids, w, wgu, wd = problem(jnp.float32, seed=4)
+    y1, _, g1 = single_device(x, ids, w, wgu, wd, None)
     mesh = jax.make_mesh((4,), ("dp",), devices=CPUS[:4])
-    y, _, g, hlo = _jit_on_mesh(mesh, P("dp"), P(), x, ids, w, wgu, wd, None)
-    _assert_same_bits(y, y1, "y")
-    _assert_same_bits(g[0], g1[0], "dx")
+    y, _, g, hlo = jit_on_mesh(mesh, P("dp"), P(), x, ids, w, wgu, wd, None)
+    assert_same_bits(y, y1, "y")
+    assert_same_bits(g[0], g1[0], "dx")
     assert "all-to-all" not in hlo
-    assert set(_gathered_types(hlo)) <= {"s32"}
+    assert set(gathered_types(hlo)) <= {"s32"}
 
 
 def test_experts_not_divisible_by_the_ep_axis_is_an_error():
-    x, ids, w, wgu, wd = _problem(jnp.float32)
+    x, ids, w, wgu, wd = problem(jnp.float32)
     mesh = jax.make_mesh((8,), ("ep",), devices=CPUS[:8])
     wgu6, wd6 = jax.device_put((jnp.zeros((6, H, 2 * F)), jnp.zeros((6, F, H))), CPUS[0])
     # Under shard_map, jax refuses to split 6 experts over 8 ranks.
@@ -256,7 +191,7 @@ def test_experts_not_divisible_by_the_ep_axis_is_an_error():
 
 
 def test_unknown_axis_name_is_an_error():
-    x, ids, w, wgu, wd = _problem(jnp.float32)
+    x, ids, w, wgu, wd = problem(jnp.float32)
     mesh = jax.make_mesh((2,), ("ep",), devices=CPUS[:2])
     args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ids, w, wgu, wd)]
     with pytest.raises(ValueError, match="axis_name='tp' is not a bound mesh axis"):

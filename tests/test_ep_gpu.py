@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from test_ep import (_assert_same_bits, _jit_on_mesh, _problem, _shard_map_ep,
-                     _single_device)
+from ep_harness import (EP_BACKENDS, assert_same_bits, jit_on_mesh, problem, shard_map_ep,
+                        single_device)
 
 pytestmark = pytest.mark.multigpu
 
@@ -23,27 +23,31 @@ def _gpus():
     return jax.devices("gpu")
 
 
+@pytest.mark.parametrize("backend", EP_BACKENDS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
-def test_shard_map_ep_on_gpus_is_bitwise_equal_to_one_gpu(dtype, capacity_factor):
+def test_shard_map_ep_on_gpus_is_bitwise_equal_to_one_gpu(dtype, capacity_factor, backend):
     gpus = _gpus()
-    x, ids, w, wgu, wd = _problem(dtype, seed=5, device=gpus[0], shape=SHAPE)
-    y1, s1, g1 = _single_device(x, ids, w, wgu, wd, capacity_factor)
+    x, ids, w, wgu, wd = problem(dtype, seed=5, device=gpus[0], shape=SHAPE)
+    y1, s1, g1 = single_device(x, ids, w, wgu, wd, capacity_factor)
     mesh = jax.make_mesh((len(gpus),), ("ep",), devices=gpus)
-    y, s, g = _shard_map_ep(mesh, P("ep"), x, ids, w, wgu, wd, capacity_factor)
-    _assert_same_bits(y, y1, "y")
+    y, s, g = shard_map_ep(mesh, P("ep"), x, ids, w, wgu, wd, capacity_factor,
+                           backend=backend)
+    assert_same_bits(y, y1, "y")
     for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):
-        _assert_same_bits(a, b, name)
+        assert_same_bits(a, b, name)
     assert int(s.dropped) == int(s1.dropped)
 
 
-def test_plain_jit_on_gpus_is_bitwise_equal_to_one_gpu():
+@pytest.mark.parametrize("backend", EP_BACKENDS)
+def test_plain_jit_on_gpus_is_bitwise_equal_to_one_gpu(backend):
     gpus = _gpus()
-    x, ids, w, wgu, wd = _problem(jnp.bfloat16, seed=6, device=gpus[0], shape=SHAPE)
-    y1, _, g1 = _single_device(x, ids, w, wgu, wd, None)
+    x, ids, w, wgu, wd = problem(jnp.bfloat16, seed=6, device=gpus[0], shape=SHAPE)
+    y1, _, g1 = single_device(x, ids, w, wgu, wd, None)
     mesh = jax.make_mesh((len(gpus),), ("ep",), devices=gpus)
-    y, _, g, hlo = _jit_on_mesh(mesh, P("ep"), P("ep"), x, ids, w, wgu, wd, None)
-    _assert_same_bits(y, y1, "y")
+    y, _, g, hlo = jit_on_mesh(mesh, P("ep"), P("ep"), x, ids, w, wgu, wd, None,
+                               backend=backend)
+    assert_same_bits(y, y1, "y")
     for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):
-        _assert_same_bits(a, b, name)
+        assert_same_bits(a, b, name)
     assert "all-to-all" in hlo

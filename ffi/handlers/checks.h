@@ -68,6 +68,15 @@ ffi::Error expect_dtype(const char* op, const char* name, const Buffer& buf,
                                      dtype_name(want) + " (mok_jax.moe checks dtypes)");
 }
 
+// A launcher's result (empty, or what went wrong) as the handler's ffi::Error, the
+// one place where launcher errors become XLA errors. `code`: kInvalidArgument for
+// operands found bad only at run time (CPU group sizes), kInternal for the rest.
+inline ffi::Error launcher_result(const char* op, const std::string& err,
+                                  ffi::ErrorCode code = ffi::ErrorCode::kInternal) {
+  if (err.empty()) return ffi::Error::Success();
+  return ffi::Error(code, std::string("mok_jax ") + op + ": " + err);
+}
+
 }  // namespace mok::ffi_checks
 
 // Returns from the enclosing handler when a check fails.

@@ -32,7 +32,7 @@ ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
       d, x, expert_ids, expert_weights, w_gate_up, w_down, capacity, save_gate_up, *y,
       *gate_up, *tokens_per_expert, *dropped, *invalid);
   std::string err = cpu::moe_forward(args);
-  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(err);
+  return ffi_checks::launcher_result(op, err);
 }
 
 ffi::Error MoeBackwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
@@ -51,7 +51,7 @@ ffi::Error MoeBackwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
       d, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity, *dx,
       *d_expert_weights, *d_w_gate_up, *d_w_down);
   std::string err = cpu::moe_backward(args);
-  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(err);
+  return ffi_checks::launcher_result(op, err);
 }
 
 }  // namespace
@@ -95,7 +95,7 @@ ffi::Error ExpertFfnForwardCpu(ffi::AnyBuffer x_rows, ffi::Buffer<ffi::S32> grou
   a.out_rows = out_rows->untyped_data();
   a.gate_up_out = save_gate_up ? gate_up->untyped_data() : nullptr;
   std::string err = cpu::expert_ffn_forward(a);
-  return err.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(std::string(op) + ": " + err);
+  return ffi_checks::launcher_result(op, err, ffi::ErrorCode::kInvalidArgument);
 }
 
 ffi::Error ExpertFfnBackwardCpu(ffi::AnyBuffer x_rows, ffi::AnyBuffer dy_rows,
@@ -133,7 +133,7 @@ ffi::Error ExpertFfnBackwardCpu(ffi::AnyBuffer x_rows, ffi::AnyBuffer dy_rows,
   a.d_w_gate_up = d_w_gate_up->untyped_data();
   a.d_w_down = d_w_down->untyped_data();
   std::string err = cpu::expert_ffn_backward(a);
-  return err.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(std::string(op) + ": " + err);
+  return ffi_checks::launcher_result(op, err, ffi::ErrorCode::kInvalidArgument);
 }
 
 ffi::Error CombineCpu(ffi::AnyBuffer rows, ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> kept,
@@ -153,7 +153,7 @@ ffi::Error CombineCpu(ffi::AnyBuffer rows, ffi::AnyBuffer weights, ffi::Buffer<f
   a.kept = kept.typed_data();
   a.out = out->untyped_data();
   std::string err = cpu::combine_rows(a);
-  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(std::string(op) + ": " + err);
+  return ffi_checks::launcher_result(op, err);
 }
 
 }  // namespace

@@ -71,7 +71,7 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   void* ws = nullptr;
   MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
   std::string err = cuda::moe_forward(args, ws, bytes, stream);
-  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("mok_jax: " + err);
+  return ffi_checks::launcher_result(op, err);
 }
 
 ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
@@ -97,7 +97,7 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   void* ws = nullptr;
   MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
   std::string err = cuda::moe_backward(args, ws, bytes, stream);
-  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("mok_jax: " + err);
+  return ffi_checks::launcher_result(op, err);
 }
 
 
@@ -124,7 +124,7 @@ ffi::Error ExpertFfnForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scrat
       shape, dt, x_rows.untyped_data(), group_sizes.typed_data(), w_gate_up.untyped_data(),
       w_down.untyped_data(), out_rows->untyped_data(),
       save_gate_up ? gate_up->untyped_data() : nullptr, ws, bytes, stream);
-  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("mok_jax: " + err);
+  return ffi_checks::launcher_result(op, err);
 }
 
 ffi::Error ExpertFfnBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
@@ -153,7 +153,7 @@ ffi::Error ExpertFfnBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scra
       group_sizes.typed_data(), w_gate_up.untyped_data(), w_down.untyped_data(),
       gate_up.untyped_data(), dx_rows->untyped_data(), dw_rows->untyped_data(),
       d_w_gate_up->untyped_data(), d_w_down->untyped_data(), ws, bytes, stream);
-  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("mok_jax: " + err);
+  return ffi_checks::launcher_result(op, err);
 }
 
 ffi::Error CombineCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer rows,
@@ -169,7 +169,7 @@ ffi::Error CombineCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   std::string err = cuda::combine_kept_rows(
       c.x_dtype, c.weight_dtype, rows.untyped_data(), weighted ? weights.untyped_data() : nullptr,
       kept.typed_data(), c.tokens, c.top_k, c.hidden, out->untyped_data(), ws, bytes, stream);
-  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("mok_jax: " + err);
+  return ffi_checks::launcher_result(op, err);
 }
 
 }  // namespace

@@ -1,0 +1,66 @@
+"""One differentiable layer over interchangeable execution paths.
+
+A path is a hashable description of how one call runs, with two methods:
+
+* ``forward(x, expert_ids, expert_weights, w_gate_up, w_down, *, save)`` ->
+  ``(y, stats, residuals)``; ``save=False`` when no backward will follow;
+* ``backward(residuals, dy)`` -> ``(dx, d_expert_weights, d_w_gate_up, d_w_down)``.
+
+`run` wraps any path in the one custom VJP of the library. The paths:
+`LocalPath` (one FFI call per pass on one device), `mok_jax.ep.ExchangePath` (the
+EP layer over a transport, inside shard_map) and `mok_jax.sharding.PartitionedPath`
+(plain jit on sharded arrays). `mok_jax.moe` chooses one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from mok_jax import primitives
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalPath:
+    """The whole layer in one FFI call per pass (``mok_moe_fwd``, ``mok_moe_bwd``)."""
+
+    capacity: int
+
+    def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
+        operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
+        y, gate_up, *stats = primitives.moe_fwd_p.bind(
+            *operands, capacity=self.capacity, save_gate_up=save)
+        return y, tuple(stats), operands + (gate_up,)
+
+    def backward(self, residuals, dy):
+        x = residuals[0]
+        return tuple(primitives.moe_bwd_p.bind(*residuals, dy.astype(x.dtype),
+                                               capacity=self.capacity))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def run(path, x, expert_ids, expert_weights, w_gate_up, w_down):
+    """``(y, stats)`` of one MoE call along `path`; differentiable w.r.t. x,
+    expert_weights, w_gate_up and w_down (expert_ids are integers)."""
+    y, stats, _ = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down, save=False)
+    return y, stats
+
+
+def _run_fwd(path, x, expert_ids, expert_weights, w_gate_up, w_down):
+    y, stats, residuals = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down,
+                                       save=True)
+    return (y, stats), (expert_ids, residuals)
+
+
+def _run_bwd(path, saved, cotangents):
+    expert_ids, residuals = saved
+    dy, _ = cotangents  # the statistics are integers: no cotangent
+    dx, d_weights, d_w_gate_up, d_w_down = path.backward(residuals, dy)
+    d_ids = np.zeros(expert_ids.shape, dtype=jax.dtypes.float0)
+    return dx, d_ids, d_weights, d_w_gate_up, d_w_down
+
+
+run.defvjp(_run_fwd, _run_bwd)

@@ -15,7 +15,7 @@ Each pipeline has the signature of `mok_jax.moe` without its keyword options::
 and returns `y` `[T, H]` in x.dtype with
 `y[t] = sum_k expert_weights[t, k] * FFN_{expert_ids[t, k]}(x[t])`,
 `FFN_e(v) = (silu(v @ Wg_e) * (v @ Wu_e)) @ Wd_e`. They follow the numerics of
-DESIGN.md §1 (f32 accumulation, `h` rounded to x.dtype, expert outputs rounded to
+the contract in docs/contract.md (f32 accumulation, `h` rounded to x.dtype, expert outputs rounded to
 x.dtype, combine in f32), so they agree with `mok_jax.reference.moe_reference` to
 rounding. They are written the way a JAX user writes them today, not tuned; they are
 differentiable with respect to `x`, `expert_weights`, `w_gate_up` and `w_down`.
@@ -104,7 +104,7 @@ def _sorted_pipeline(x, expert_ids, expert_weights, w_gate_up, w_down,
     """Sort pairs by expert, two grouped GEMMs through `ragged_dot`, unsort, combine.
 
     `gemm_out_dtype` is the dtype the GEMMs return (they accumulate in f32 either
-    way): f32 per DESIGN §1, or x.dtype where a kernel's backward needs it.
+    way): f32 per the contract, or x.dtype where a kernel's backward needs it.
     """
     t, h, k, e, f = _check_shapes(x, expert_ids, expert_weights, w_gate_up, w_down)
     n = t * k

@@ -102,8 +102,12 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
                                      axis_name=axis_name, capacity_factor=capacity_factor,
                                      backend=backend)
     operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
-    _check_mesh_axes(operands, axis_name)
+    _check_mesh_axes(operands, axis_name)  # before K <= E: a mesh mistake changes E
     tokens, top_k = expert_ids.shape
+    if top_k > num_experts:
+        raise ValueError(f"mok_jax.moe: top-k K={top_k} exceeds the number of experts "
+                         f"E={num_experts} (got expert_ids {tuple(expert_ids.shape)}, "
+                         f"w_gate_up {tuple(w_gate_up.shape)})")
     cap = capacity(capacity_factor, tokens * ep_size, top_k, num_experts)
     cap = primitives.NO_CAPACITY if cap is None else cap
     path = _choose_path(backend, axis_name, ep_size, cap, operands)
@@ -209,7 +213,7 @@ def _choose_path(backend, axis_name, ep_size, cap, operands):
         if backend == "fused" and sharding.experts_split(operands[3]):
             raise NotImplementedError(_FUSED_EP_MISSING)
         sharding.check_layout(*operands)
-        return sharding.PartitionedPath(cap)
+        return sharding.PartitionedPath(cap, fused=backend == "fused")
     if backend == "xla":
         token_axes = () if axis_name is None else (axis_name,)
         return ep.ExchangePath(ep.Config(axis_name, 1, cap, token_axes), "xla")
@@ -308,7 +312,4 @@ def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
                 "axis_name=None") from err
         if ep_size > 1 and backend == "fused":
             raise NotImplementedError(_FUSED_EP_MISSING)
-    num_experts = experts_local * ep_size
-    if top_k > num_experts:
-        fail(f"top-k K={top_k} exceeds the number of experts E={num_experts}")
-    return num_experts, ep_size
+    return experts_local * ep_size, ep_size

@@ -135,12 +135,16 @@ def _pack_stats(stats):
     return jnp.concatenate([routed, dropped[None], invalid[None]])
 
 
-def _placement(cap, mesh, arg_shapes):
+def _placement(cap, mesh, arg_shapes, fused=False):
     """From the operands' shardings (x is operand 0, w_gate_up operand 3): the EP
     config, and the shardings of token-major arrays, expert weights and replicated
     arrays."""
     token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
                                   arg_shapes[3].shape[0])
+    if fused and ep_axis is not None:  # Auto axes: only the partitioner sees the split
+        raise NotImplementedError(
+            "mok_jax.moe: backend='fused' is not implemented for expert parallelism yet "
+            f"(the experts are split over mesh axis {ep_axis!r}); use backend='xla' or 'auto'")
     cfg = ep.Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
                      capacity=cap, token_axes=token_axes)
     tok = NamedSharding(mesh, P(token_axes or None, None))
@@ -173,22 +177,23 @@ def on_a_mesh(operands) -> bool:
 
 # --- forward -------------------------------------------------------------------
 
-@functools.partial(custom_partitioning, static_argnums=(5,))
-def _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap):
+@functools.partial(custom_partitioning, static_argnums=(5, 6))
+def _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap, fused):
+    del fused
     y, _, *stats = primitives.moe_fwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=False)
     return y, _pack_stats(stats)
 
 
-def _forward_infer(cap, mesh, arg_shapes, result_shape):
-    del result_shape
+def _forward_infer(cap, fused, mesh, arg_shapes, result_shape):
+    del fused, result_shape
     _, tok, _, rep = _placement(cap, mesh, arg_shapes)
     return tok, rep
 
 
-def _forward_partition(cap, mesh, arg_shapes, result_shape):
+def _forward_partition(cap, fused, mesh, arg_shapes, result_shape):
     del result_shape
-    cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes)
+    cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes, fused)
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
         y, stats, _ = ep.ExchangePath(cfg).forward(
@@ -207,23 +212,24 @@ _forward.def_partition(
 
 # --- backward ------------------------------------------------------------------
 
-@functools.partial(custom_partitioning, static_argnums=(6,))
-def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, cap):
+@functools.partial(custom_partitioning, static_argnums=(6, 7))
+def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, cap, fused):
+    del fused
     _, gate_up, *_ = primitives.moe_fwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=True)
     return tuple(primitives.moe_bwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity=cap))
 
 
-def _backward_infer(cap, mesh, arg_shapes, result_shape):
-    del result_shape
+def _backward_infer(cap, fused, mesh, arg_shapes, result_shape):
+    del fused, result_shape
     _, tok, wts, _ = _placement(cap, mesh, arg_shapes)
     return tok, tok, wts, wts
 
 
-def _backward_partition(cap, mesh, arg_shapes, result_shape):
+def _backward_partition(cap, fused, mesh, arg_shapes, result_shape):
     del result_shape
-    cfg, tok, wts, _ = _placement(cap, mesh, arg_shapes)
+    cfg, tok, wts, _ = _placement(cap, mesh, arg_shapes, fused)
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy):
         path = ep.ExchangePath(cfg)
@@ -248,13 +254,14 @@ class PartitionedPath:
     """`moe` on global (possibly sharded) arrays, for `mok_jax.layer.run`."""
 
     capacity: int
+    fused: bool = False  # backend="fused": an error once the experts turn out split
 
     def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
         del save  # the partitioned backward recomputes what it needs
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
-        y, packed = _forward(*operands, self.capacity)
+        y, packed = _forward(*operands, self.capacity, self.fused)
         return y, (packed[:-2], packed[-2], packed[-1]), operands
 
     def backward(self, residuals, dy):
         x = residuals[0]
-        return tuple(_backward(*residuals, dy.astype(x.dtype), self.capacity))
+        return tuple(_backward(*residuals, dy.astype(x.dtype), self.capacity, self.fused))

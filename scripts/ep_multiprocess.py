@@ -35,7 +35,7 @@ def launch(args) -> int:
     """Starts the processes, relays their output, returns 0 if all of them passed."""
     port = _free_port()
     env = dict(os.environ)
-    # NVLink multicast stays off in every process (DESIGN §3).
+    # NVLink multicast stays off in every process (shared machines; docs/architecture.md).
     env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
     procs, logs = [], []

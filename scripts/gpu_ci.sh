@@ -11,7 +11,7 @@ set -uo pipefail
 OUTDIR=$(realpath -m "${1:-${OUT:-gpu_ci_out}}")
 mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/.."
-# NVLink multicast stays off in every process (shared machines; see DESIGN §3).
+# NVLink multicast stays off in every process (shared machines: a program using it can take the host's GPUs out of service).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}

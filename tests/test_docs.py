@@ -146,11 +146,6 @@ _PRIVATE_REF = re.compile("|".join(re.escape(p) for p in (_DIR, _DIR[3:] + "/" +
 _SCANNED = ["README.md", "CMakeLists.txt", "pyproject.toml", "docs", "mok_jax", "examples",
             "scripts", "tests", "ffi", "cmake"]
 _SCANNED_EXT = (".md", ".py", ".sh", ".txt", ".toml", ".cc", ".cu", ".h", ".cuh", ".cmake")
-# Files other engineers own that still point at the old private document; remove an
-# entry when its file is fixed. Everything else must not.
-_PENDING = {"docs/perf.md", "mok_jax/bench.py", "mok_jax/baselines.py", "scripts/gpu_ci.sh",
-            "scripts/ep_multiprocess.py", "tests/test_moe.py", "tests/test_ep.py",
-            "ffi/cpu/moe_cpu.h"}
 
 
 def _scanned_files():
@@ -180,8 +175,7 @@ def test_no_reference_to_a_private_design_document():
         with open(os.path.join(ROOT, relpath), encoding="utf-8", errors="replace") as f:
             hits += [f"{relpath}:{n}: {line.strip()}" for n, line in enumerate(f, 1)
                      if _PRIVATE_REF.search(line) and " not in " not in line]  # not a guard
-    unexpected = [h for h in hits if h.split(":")[0] not in _PENDING]
-    assert not unexpected, "\n".join(unexpected)
+    assert not hits, "\n".join(hits)
 
 
 # --------------------------------------------------------------------------------------

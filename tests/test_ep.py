@@ -1,6 +1,6 @@
 """Expert parallelism on 8 host devices (CPU): shard_map and plain jit.
 
-The contract (DESIGN.md §1): the same global batch gives the same bits for
+The contract (docs/contract.md): the same global batch gives the same bits for
 EP size 1, 2, 4, 8, for y and every gradient; capacity and statistics are
 global; under plain jit the layer partitions itself without gathering tokens
 or weights.
@@ -136,7 +136,7 @@ def test_partitioned_code_carries_no_mesh_types_under_an_explicit_mesh(which):
     partition = {"forward": mok_jax.sharding._forward_partition,
                  "backward": mok_jax.sharding._backward_partition}[which]
     with jax.set_mesh(mesh):
-        _, per_device, _, _ = partition(3, mesh, shapes, None)
+        _, per_device, _, _ = partition(3, False, mesh, shapes, None)
         local = [jax.ShapeDtypeStruct(s.sharding.shard_shape(s.shape), s.dtype) for s in shapes]
         jaxpr = jax.make_jaxpr(per_device, axis_env=list(mesh.shape.items()))(*local)
     assert _mesh_typed_values(jaxpr.jaxpr) == []

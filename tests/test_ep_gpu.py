@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import mok_jax
+
 from ep_harness import (EP_BACKENDS, assert_same_bits, jit_on_mesh, problem, shard_map_ep,
                         single_device)
 
@@ -51,3 +53,17 @@ def test_plain_jit_on_gpus_is_bitwise_equal_to_one_gpu(backend):
     for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):
         assert_same_bits(a, b, name)
     assert "all-to-all" in hlo
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_fused_backend_with_split_experts_is_an_error_not_a_silent_xla_run(axis_type):
+    """backend='fused' has no EP transport yet: with Explicit axes moe sees the split
+    at trace time; with Auto axes only the partitioner does (at compile time)."""
+    gpus = _gpus()
+    x, ids, w, wgu, wd = problem(jnp.bfloat16, seed=8, device=gpus[0], shape=SHAPE)
+    types = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
+    mesh = jax.make_mesh((len(gpus),), ("ep",), devices=gpus, axis_types=(types[axis_type],))
+    put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, P("ep")))  # noqa: E731
+    args = [put(a) for a in (x, ids, w, wgu, wd)]
+    with jax.set_mesh(mesh), pytest.raises(Exception, match="backend='fused' is not implemented"):
+        jax.block_until_ready(jax.jit(lambda *a: mok_jax.moe(*a, backend="fused"))(*args))

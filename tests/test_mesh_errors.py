@@ -132,3 +132,11 @@ def test_plain_jit_layouts_it_cannot_run_as_asked_are_errors(case, match):
             put(wd, s["wd"]))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
         jax.jit(mok_jax.moe)(*args)
+
+
+def test_the_mesh_mistake_is_named_before_k_exceeds_local_experts():
+    """8 experts over 8 ranks leave 1 per rank, fewer than K=2: the error must name
+    the missing axis_name (the cause), not K > E (a symptom)."""
+    mesh = jax.make_mesh((8,), ("ep",), devices=CPUS[:8])
+    with pytest.raises(ValueError, match=r"axis_name='ep'"):
+        _shard_map(mesh, P("ep"), P("ep"))(*_problem())

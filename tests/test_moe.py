@@ -1,5 +1,5 @@
 """Forward pass of mok_jax.moe: values, routing edge cases, capacity, invalid ids,
-NaN/Inf, determinism, transformations, and the fixed numerics of DESIGN.md §1."""
+NaN/Inf, determinism, transformations, and the fixed numerics of docs/contract.md."""
 
 import math
 

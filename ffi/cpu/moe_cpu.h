@@ -1,5 +1,5 @@
 // CPU implementation of the MoE layer (forward and backward) with the contract's
-// numerics (DESIGN.md §1). Launchers take raw pointers and sizes only.
+// numerics (docs/contract.md). Launchers take raw pointers and sizes only.
 //
 // Forward, per kept pair (t, k) routed to expert e:
 //   gu = x[t] @ Wgu[e]                 (f32 accumulate)

@@ -443,7 +443,8 @@ class MoE(nnx.Module):
         self._check_expert_placement()
         lead = x.shape[:-1]
         tokens = x.reshape(-1, self.hidden_size)
-        expert_ids, weights, logits, probs = self.route(tokens)
+        with jax.named_scope("router"):  # profiles group the routing under this name
+            expert_ids, weights, logits, probs = self.route(tokens)
 
         w_gate_up, w_down = self.w_gate_up[...], self.w_down[...]
         dtype = (self.dtype if self.dtype is not None
@@ -454,7 +455,8 @@ class MoE(nnx.Module):
                                backend=self.backend, return_stats=True)
         if self.shared_gate_up is not None:
             y = y + self._shared_expert(xt)
-        aux = self._aux(logits, probs, stats)
+        with jax.named_scope("router"):
+            aux = self._aux(logits, probs, stats)
         return y.reshape(*lead, self.hidden_size), aux
 
     def _check_expert_placement(self) -> None:

@@ -1,0 +1,142 @@
+"""Where a training step's time goes: device time by part of the model.
+
+`examples/train_moe_lm.py --profile DIR` traces a few steps with
+``jax.profiler`` and calls `breakdown`: every GPU kernel in the trace is
+attributed to the HLO instruction that launched it, that instruction to the JAX
+name scope it came from (``metadata={op_name=...}`` of the compiled step), and
+the scope to a part of the model (on a CPU, the runtime's thunks stand in for
+kernels):
+
+    mok_jax -> MoE layer (dispatch, expert GEMMs, combine)   router -> routing + aux losses
+    attention -> attention (QKV, scores, output projection)  norm -> RMSNorms
+    embed_and_loss -> embedding, unembedding, cross-entropy  optimizer -> optax update
+    collectives -> all-reduce / all-to-all / ... not inside a part above
+
+What no kernel covers (host work, launch gaps, synchronisation) is the host gap:
+the steps' wall time minus the time at least one kernel was running.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+PARTS = (  # (label, name-scope keyword), the first match wins
+    ("MoE layer (mok_jax)", "mok_jax"),
+    ("router + aux losses", "router"),
+    ("attention", "attention"),
+    ("norms", "norm"),
+    ("embedding + loss", "embed_and_loss"),
+    ("optimizer", "optimizer"),
+)
+_COLLECTIVE = re.compile(r"all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute|"
+                         r"nccl", re.IGNORECASE)
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=.*?op_name=\"([^\"]*)\"")
+PER_LAYER = {"MoE layer (mok_jax)", "router + aux losses", "attention", "norms"}
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the op_name (JAX name stack) in its metadata."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def part_of(hlo_op: str, op_name: str, kernel: str) -> str:
+    text = op_name or ""
+    for label, key in PARTS:
+        if key in text:
+            return label
+    if _COLLECTIVE.search(hlo_op) or _COLLECTIVE.search(kernel):
+        return "collectives"
+    return "other"
+
+
+def _stat(event, *names):
+    stats = dict(event.stats)
+    for n in names:
+        if n in stats:
+            return str(stats[n])
+    return ""
+
+
+def device_ops(trace_dir: str, module: str = "train_step"):
+    """(start_ns, end_ns, event name, hlo_op) of every operation of the HLO module
+    whose name contains `module`, in the newest trace under `trace_dir`: GPU kernels
+    on the GPU planes' stream lines, or, without a GPU, the CPU runtime's thunks."""
+    from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}")
+    data = ProfileData.from_file(max(paths, key=os.path.getmtime))
+    gpu, cpu = [], []
+    for plane in data.planes:
+        on_gpu = plane.name.startswith("/device:GPU")
+        for line in plane.lines:
+            if on_gpu and not line.name.lower().startswith("stream"):
+                continue  # derived lines (XLA Modules/Ops) repeat the kernels
+            for ev in line.events:
+                stats = dict(ev.stats)
+                hlo_op = str(stats.get("hlo_op", ""))
+                if not hlo_op or module not in str(stats.get("hlo_module", "")):
+                    continue
+                start = float(ev.start_ns)
+                (gpu if on_gpu else cpu).append(
+                    (start, start + float(ev.duration_ns), ev.name, hlo_op))
+    return gpu or cpu
+
+
+def busy_ns(intervals) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def breakdown(trace_dir: str, hlo_text: str, *, steps: int, wall_s: float,
+              n_layers: int) -> dict:
+    """Per-step milliseconds by part (kernel time), the host gap, and per layer."""
+    names = op_names(hlo_text)
+    kernels = device_ops(trace_dir)
+    per_part: dict[str, float] = {}
+    unmatched = 0
+    for start, end, kernel, hlo_op in kernels:
+        op = hlo_op.split(":")[0].strip().lstrip("%")
+        if op not in names:
+            unmatched += 1
+        label = part_of(op, names.get(op, ""), kernel)
+        per_part[label] = per_part.get(label, 0.0) + (end - start)
+    busy = busy_ns([(s, e) for s, e, _, _ in kernels])
+    step_ms = 1e3 * wall_s / steps
+    rows = []
+    for label, ns in sorted(per_part.items(), key=lambda kv: -kv[1]):
+        ms = ns / 1e6 / steps
+        rows.append({"part": label, "ms_per_step": ms, "share": ms / step_ms,
+                     "ms_per_layer": ms / n_layers if label in PER_LAYER else None})
+    gap_ms = max(step_ms - busy / 1e6 / steps, 0.0)
+    rows.append({"part": "host gap (no kernel running)", "ms_per_step": gap_ms,
+                 "share": gap_ms / step_ms, "ms_per_layer": None})
+    return {"steps": steps, "step_ms": step_ms, "busy_ms_per_step": busy / 1e6 / steps,
+            "kernels": len(kernels), "kernels_without_op_name": unmatched, "rows": rows,
+            "note": "kernel times of overlapping streams add up, so parts can sum past the "
+                    "busy time"}
+
+
+def table(result: dict) -> str:
+    lines = [f"step {result['step_ms']:.1f} ms (device busy {result['busy_ms_per_step']:.1f} ms), "
+             f"{result['kernels']} device ops over {result['steps']} steps",
+             "| part | ms / step | share of step | ms / layer |", "| --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        layer = "" if r["ms_per_layer"] is None else f"{r['ms_per_layer']:.2f}"
+        lines.append(f"| {r['part']} | {r['ms_per_step']:.2f} | {100 * r['share']:.1f}% | "
+                     f"{layer} |")
+    return "\n".join(lines)

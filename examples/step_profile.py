@@ -108,11 +108,13 @@ def breakdown(trace_dir: str, hlo_text: str, *, steps: int, wall_s: float,
     names = op_names(hlo_text)
     kernels = device_ops(trace_dir)
     per_part: dict[str, float] = {}
-    unmatched = 0
+    unmatched, sample = 0, {}
     for start, end, kernel, hlo_op in kernels:
         op = hlo_op.split(":")[0].strip().lstrip("%")
         if op not in names:
             unmatched += 1
+            if len(sample) < 12:
+                sample.setdefault(op, kernel[:120])
         label = part_of(op, names.get(op, ""), kernel)
         per_part[label] = per_part.get(label, 0.0) + (end - start)
     busy = busy_ns([(s, e) for s, e, _, _ in kernels])
@@ -126,7 +128,8 @@ def breakdown(trace_dir: str, hlo_text: str, *, steps: int, wall_s: float,
     rows.append({"part": "host gap (no kernel running)", "ms_per_step": gap_ms,
                  "share": gap_ms / step_ms, "ms_per_layer": None})
     return {"steps": steps, "step_ms": step_ms, "busy_ms_per_step": busy / 1e6 / steps,
-            "kernels": len(kernels), "kernels_without_op_name": unmatched, "rows": rows,
+            "kernels": len(kernels), "kernels_without_op_name": unmatched,
+            "unmatched_hlo_ops": sample, "rows": rows,
             "note": "kernel times of overlapping streams add up, so parts can sum past the "
                     "busy time"}
 

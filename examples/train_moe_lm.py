@@ -554,7 +554,8 @@ def parse_args(argv=None):
     parser.add_argument("--profile", metavar="DIR",
                         help="trace --profile-steps steps (after 3 warm ones) with jax.profiler "
                              "into DIR and write the step-time breakdown by part of the model "
-                             "to DIR/breakdown.json (GPU kernels; see examples/step_profile.py)")
+                             "to DIR/breakdown.json (GPU kernels; see examples/step_profile.py); "
+                             "turns XLA's CUDA graphs off for the run")
     parser.add_argument("--profile-steps", type=int, default=5, metavar="N")
     args = parser.parse_args(argv)
     if args.no_checkpoint and (args.resume or args.stop_after):
@@ -595,6 +596,12 @@ def train(args) -> dict:
     """Runs training as configured by ``args`` (from `parse_args`); returns the log."""
     if args.host_devices:
         use_host_devices(args.host_devices)
+    if args.profile and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+        # Kernels replayed from a CUDA graph carry the graph's HLO op, not their own:
+        # the profiled run launches them one by one so that each is attributed (the
+        # throughput it reports is then a little lower than without --profile).
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_gpu_enable_command_buffer=").strip()
     cfg = config_from_args(args)
     if args.trace_only:
         info = trace_only(cfg)

@@ -65,5 +65,5 @@ def test_fused_backend_with_split_experts_is_an_error_not_a_silent_xla_run(axis_
     mesh = jax.make_mesh((len(gpus),), ("ep",), devices=gpus, axis_types=(types[axis_type],))
     put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, P("ep")))  # noqa: E731
     args = [put(a) for a in (x, ids, w, wgu, wd)]
-    with jax.set_mesh(mesh), pytest.raises(Exception, match="backend='fused' is not implemented"):
+    with jax.set_mesh(mesh), pytest.raises(Exception, match="backend='fused'.* not implemented"):
         jax.block_until_ready(jax.jit(lambda *a: mok_jax.moe(*a, backend="fused"))(*args))

@@ -287,7 +287,12 @@ class MoELM(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, list[mnn.MoEAux]]:
         with jax.named_scope("embed_and_loss"):
-            x = self.embed(tokens)
+            # A one-hot matmul rather than a gather: the same rows forward, and its
+            # backward is a [256, B*S] x [B*S, d] GEMM where the gather's is a
+            # scatter-add of B*S rows into 256 (24.7 ms of a 150 ms h200 step,
+            # docs/training.md). Worth it for a byte vocabulary only.
+            table = self.embed.embedding[...].astype(self.embed.dtype)
+            x = jax.nn.one_hot(tokens, VOCAB, dtype=table.dtype) @ table
         auxes = []
         for block in self.blocks:
             x, aux = block(x)

@@ -10,6 +10,21 @@
 
 namespace mok::comm {
 
+// Restores the calling thread's current device when it goes out of scope.
+class DeviceGuard {
+ public:
+  DeviceGuard() { ok_ = cudaGetDevice(&saved_) == cudaSuccess; }
+  ~DeviceGuard() {
+    if (ok_) cudaSetDevice(saved_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int saved_ = 0;
+  bool ok_ = false;
+};
+
 inline std::string call_site(const char* file, int line) {
   return std::string(file) + ":" + std::to_string(line);
 }

@@ -12,21 +12,6 @@ namespace mok::comm {
 
 namespace {
 
-// Restores the calling thread's current device when it goes out of scope.
-class DeviceGuard {
- public:
-  DeviceGuard() { ok_ = cudaGetDevice(&saved_) == cudaSuccess; }
-  ~DeviceGuard() {
-    if (ok_) cudaSetDevice(saved_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int saved_ = 0;
-  bool ok_ = false;
-};
-
 std::string rank_prefix(int rank, int device) {
   return "rank " + std::to_string(rank) + " (device " + std::to_string(device) + "): ";
 }

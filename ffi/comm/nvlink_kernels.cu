@@ -73,20 +73,6 @@ __global__ void __launch_bounds__(kPullRowsThreads)
   }
 }
 
-class DeviceGuard {
- public:
-  DeviceGuard() { ok_ = cudaGetDevice(&saved_) == cudaSuccess; }
-  ~DeviceGuard() {
-    if (ok_) cudaSetDevice(saved_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int saved_ = 0;
-  bool ok_ = false;
-};
-
 std::string check_args(const ncclDevComm& dc, const PullRowsArgs& a, int blocks) {
   const std::string what = "pull_rows (rank " + std::to_string(dc.rank) + "): ";
   if (a.window == nullptr) return what + "window is null";

@@ -203,14 +203,16 @@ def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attention_implementation(name: str, dtype) -> str:
+def attention_implementation(name: str, dtype, head_dim: int = 64) -> str:
     """`jax.nn.dot_product_attention`'s implementation for `name`: "auto" picks cuDNN's
-    fused flash attention on a GPU in 16-bit (1.6x the h200 preset's tokens/s over
-    XLA's, docs/training.md) and XLA's everywhere else."""
+    fused flash attention on a GPU in 16-bit with a head size it takes (a multiple
+    of 8, at most 128; 1.6x the h200 preset's tokens/s over XLA's, docs/training.md)
+    and XLA's everywhere else."""
     if name != "auto":
         return name
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+    fits = head_dim % 8 == 0 and head_dim <= 128
+    return "cudnn" if half and fits and jax.default_backend() == "gpu" else "xla"
 
 
 class CausalSelfAttention(nnx.Module):
@@ -221,7 +223,8 @@ class CausalSelfAttention(nnx.Module):
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not a multiple of n_heads={n_heads}")
         self.n_heads = n_heads
-        self.implementation = attention_implementation(implementation, dtype)
+        self.implementation = attention_implementation(implementation, dtype,
+                                                       d_model // n_heads)
         self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype,
                               kernel_init=_dense_init(("embed", "heads")), rngs=rngs)
         # Residual branches scaled down with depth (GPT-2).
@@ -292,7 +295,8 @@ class MoELM(nnx.Module):
             # scatter-add of B*S rows into 256 (24.7 ms of a 150 ms h200 step,
             # docs/training.md). Worth it for a byte vocabulary only.
             table = self.embed.embedding[...].astype(self.embed.dtype)
-            x = jax.nn.one_hot(tokens, VOCAB, dtype=table.dtype) @ table
+            x = jnp.matmul(jax.nn.one_hot(tokens, VOCAB, dtype=table.dtype), table,
+                           precision=jax.lax.Precision.HIGHEST)  # f32 rows stay exact
         auxes = []
         for block in self.blocks:
             x, aux = block(x)

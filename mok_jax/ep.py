@@ -143,7 +143,7 @@ class ExchangePath:
         experts_local = w_gate_up.shape[0]
         p = plan(expert_ids, cfg, experts_local)
         route = tr.route(p, cfg, expert_ids.shape[1], experts_local)
-        x_rows = tr.dispatch(x, route, cfg, per_token=True)                 # [R, H]
+        x_rows = tr.dispatch(x, route, cfg, repeat=expert_ids.shape[1])     # [R, H]
         out_rows, gate_up = primitives.expert_ffn_fwd_p.bind(
             x_rows, p.group_sizes, w_gate_up, w_down, save_gate_up=save)
         o_pairs = tr.gather_back(out_rows, route, cfg)
@@ -155,8 +155,8 @@ class ExchangePath:
         """Gradients w.r.t. (x, expert_weights, w_gate_up, w_down)."""
         cfg, tr = self.cfg, self.transport
         T, K = res.expert_weights.shape
-        dy_rows = tr.dispatch(dy.astype(res.x_rows.dtype), res.route, cfg, per_token=True)
-        w_rows = tr.dispatch(res.expert_weights.reshape(-1), res.route, cfg, per_token=False)
+        dy_rows = tr.dispatch(dy.astype(res.x_rows.dtype), res.route, cfg, repeat=K)
+        w_rows = tr.dispatch(res.expert_weights.reshape(-1), res.route, cfg)
         dx_rows, dw_rows, d_w_gate_up, d_w_down = primitives.expert_ffn_bwd_p.bind(
             res.x_rows, dy_rows, w_rows, res.plan.group_sizes, res.w_gate_up, res.w_down,
             res.gate_up)

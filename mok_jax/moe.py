@@ -49,7 +49,7 @@ def capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
 def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
         w_gate_up: jax.Array, w_down: jax.Array, *, axis_name: str | None = None,
         capacity_factor: float | None = None, backend: str = "auto",
-        return_stats: bool = False):
+        return_stats: bool = False, check_mesh: bool = True):
     """Mixture-of-Experts layer with SwiGLU experts.
 
     ``y[t] = sum_k expert_weights[t, k] * FFN_{expert_ids[t, k]}(x[t])`` with
@@ -80,6 +80,12 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
       backend: "fused" (CUDA megakernel), "xla" (local kernels, XLA
         collectives for the exchange) or "auto".
       return_stats: also return `MoEStats`.
+      check_mesh: inside ``jax.shard_map`` (with ``check_vma``), check at trace
+        time that the operands vary over the mesh axes as ``axis_name`` says
+        (experts split over it and only over it, tokens split over it; no expert
+        weights that vary while ``axis_name`` is None). False skips these checks,
+        for layouts they cannot tell from mistakes: expert weights all-gathered
+        over a data axis inside shard_map (FSDP), or different per pipeline stage.
 
     Returns:
       ``y`` ``[T, H]`` in ``x.dtype``, or ``(y, MoEStats)``.
@@ -97,12 +103,13 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
       (8, 16)
     """
     _check_static_options(axis_name=axis_name, capacity_factor=capacity_factor,
-                          backend=backend, return_stats=return_stats)
+                          backend=backend, return_stats=return_stats, check_mesh=check_mesh)
     num_experts, ep_size = _validate(x, expert_ids, expert_weights, w_gate_up, w_down,
                                      axis_name=axis_name, capacity_factor=capacity_factor,
                                      backend=backend)
     operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
-    _check_mesh_axes(operands, axis_name)  # before K <= E: a mesh mistake changes E
+    if check_mesh:
+        _check_mesh_axes(operands, axis_name)  # before K <= E: a mesh mistake changes E
     tokens, top_k = expert_ids.shape
     if top_k > num_experts:
         raise ValueError(f"mok_jax.moe: top-k K={top_k} exceeds the number of experts "
@@ -126,7 +133,7 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
 _FUSED_EP_MISSING = (
     "mok_jax.moe: backend='fused' (mok_jax's own NVLink transport) is not implemented "
     "for expert parallelism yet; use backend='xla' or 'auto'")
-_STATIC_OPTIONS = ("axis_name", "capacity_factor", "backend", "return_stats")
+_STATIC_OPTIONS = ("axis_name", "capacity_factor", "backend", "return_stats", "check_mesh")
 
 
 def _check_static_options(**options):
@@ -138,9 +145,10 @@ def _check_static_options(**options):
                 f"traced value ({jax.typeof(value).str_short()}). Under jax.jit pass it as a "
                 f"static argument: jax.jit(mok_jax.moe, static_argnames={_STATIC_OPTIONS}), "
                 f"or close over it (functools.partial(mok_jax.moe, {name}=...)).")
-    if not isinstance(options["return_stats"], (bool, np.bool_)):
-        raise ValueError("mok_jax.moe: return_stats must be True or False, got "
-                         f"{options['return_stats']!r}")
+    for name in ("return_stats", "check_mesh"):
+        if not isinstance(options[name], (bool, np.bool_, int, np.integer)):
+            raise ValueError(f"mok_jax.moe: {name} must be True or False, got "
+                             f"{options[name]!r}")
     axis_name = options["axis_name"]
     if axis_name is not None and not isinstance(axis_name, str):
         raise ValueError("mok_jax.moe: axis_name must be None or the name (a str) of one "
@@ -155,10 +163,13 @@ def _check_mesh_axes(operands, axis_name):
       that is expert parallelism, and without ``axis_name`` each rank would treat
       its ``E_local`` experts as the whole model.
     * With ``axis_name``, the weights must vary over that axis (each rank holds its
-      own ``E / P`` experts) and over no other (replicated over data axes).
-    Tokens may vary over any axes (data parallelism: each shard is its own call).
-    With ``check_vma=False`` JAX tracks none of this and neither can mok_jax: that
-    is the way out for a layout these rules reject on purpose.
+      own ``E / P`` experts) and over no other (replicated over data axes), and
+      the tokens must vary over it too: tokens replicated over the EP axis would
+      be counted P times (capacity, statistics) and give other results.
+    Tokens may vary over any other axes (data parallelism: each shard is its own
+    call). ``moe(..., check_mesh=False)`` skips these checks for layouts they
+    cannot tell from mistakes (weights all-gathered inside shard_map, FSDP, vary
+    over the gathered axis); with ``check_vma=False`` JAX tracks nothing to check.
     """
     names = ("x", "expert_ids", "expert_weights", "w_gate_up", "w_down")
     varying = {n: primitives.varying_axes(jax.typeof(a)) for n, a in zip(names, operands)}
@@ -167,11 +178,13 @@ def _check_mesh_axes(operands, axis_name):
         for name, axes in weights.items():
             if axes:
                 raise ValueError(
-                    f"mok_jax.moe: {name} varies over mesh axis {_fmt(axes)} (each rank holds "
-                    "different experts) but axis_name is None, so every rank would take its "
-                    "local experts for the whole model. Pass axis_name="
-                    f"{sorted(axes)[0]!r} for expert parallelism over that axis, or replicate "
-                    "the expert weights (in_specs P()) for data parallelism.")
+                    f"mok_jax.moe: {name} varies over mesh axis {_fmt(axes)} but axis_name is "
+                    "None. If the experts are split over that axis, every rank would take "
+                    "its local experts for the whole model: pass axis_name="
+                    f"{sorted(axes)[0]!r} for expert parallelism, or replicate the expert "
+                    "weights (in_specs P()) for data parallelism. If every rank holds all E "
+                    "experts and they only vary in type (e.g. all-gathered inside shard_map, "
+                    "FSDP), pass check_mesh=False.")
         return
     if not any(varying.values()):
         return  # shard_map with check_vma=False (or nothing split): nothing to see
@@ -186,7 +199,15 @@ def _check_mesh_axes(operands, axis_name):
         if others:
             raise ValueError(
                 f"mok_jax.moe: {name} also varies over {_fmt(others)}: experts must be split "
-                f"over the EP axis {axis_name!r} alone and replicated over the other axes.")
+                f"over the EP axis {axis_name!r} alone and replicated over the other axes "
+                "(check_mesh=False if they only vary in type there, e.g. all-gathered).")
+    for name in ("x", "expert_ids"):
+        if axis_name not in varying[name]:
+            raise ValueError(
+                f"mok_jax.moe: {name} does not vary over axis_name {axis_name!r}: every EP "
+                "rank would hold the same tokens and the layer would count them once per "
+                f"rank (capacity, statistics). Split the tokens over {axis_name!r} (in_specs "
+                f"P({axis_name!r}) or P((..., {axis_name!r}))).")
 
 
 def _fmt(axes) -> str:

@@ -109,7 +109,8 @@ def experts_split(w_gate_up) -> bool:
 def check_layout(x, expert_ids, expert_weights, w_gate_up, w_down):
     """Trace-time errors for layouts the partitioner cannot run as asked, where the
     operands' types show them (Explicit mesh axes). Auto axes are decided later by
-    XLA's propagation; the partitioner then applies the same rules."""
+    XLA's propagation; the partitioner then refuses experts over two axes and
+    E % P != 0 and reshards (gathers) what it does not split."""
     del expert_ids, expert_weights  # token-major: any split is fine
     wgu, wd, xs = _explicit_spec(w_gate_up), _explicit_spec(w_down), _explicit_spec(x)
     if len(wgu[0]) > 1:

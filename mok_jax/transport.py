@@ -34,9 +34,9 @@ class Transport(Protocol):
     def route(self, plan, cfg, top_k: int, experts_local: int):
         """Per-call routing state (a pytree of arrays) from the global plan."""
 
-    def dispatch(self, values: jax.Array, route, cfg, *, per_token: bool) -> jax.Array:
+    def dispatch(self, values: jax.Array, route, cfg, *, repeat: int = 1) -> jax.Array:
         """``values`` by local pair ``[T*K, ...]`` (or by token ``[T, ...]`` with
-        ``per_token``: every pair of token t sends row t) -> expert-grouped rows
+        ``repeat=K``: every pair of token t sends row t) -> expert-grouped rows
         ``[R, ...]`` on the experts' ranks (zeros past the kept rows)."""
 
     def gather_back(self, rows: jax.Array, route, cfg) -> jax.Array:
@@ -114,10 +114,12 @@ class XlaTransport:
     def _exchange(buf, cfg):
         return buf if cfg.axis_name is None else jax.lax.all_to_all(buf, cfg.axis_name, 0, 0)
 
-    def dispatch(self, values, route: XlaRoute, cfg, *, per_token: bool):
+    def dispatch(self, values, route: XlaRoute, cfg, *, repeat: int = 1):
         P = cfg.ep_size
         C = route.pair_slot.shape[0]
-        pair = route.slot_pair // (C // values.shape[0]) if per_token else route.slot_pair
+        if values.shape[0] * repeat != C:
+            raise ValueError(f"dispatch: {values.shape[0]} rows x repeat {repeat} != {C} pairs")
+        pair = route.slot_pair // repeat
         buf = _take(values, pair).reshape((P, C) + values.shape[1:])
         received = self._exchange(buf, cfg).reshape((P * C,) + values.shape[1:])
         return _take(received, route.row_slot)

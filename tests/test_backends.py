@@ -3,8 +3,9 @@ the same bits."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import mok_jax
 from conftest import assert_bitwise, make_problem
@@ -45,14 +46,32 @@ def test_fused_backend_on_cpu_says_use_xla():
         mok_jax.moe(*make_problem(5, T, K, E, H, F), backend="fused")
 
 
-def test_partitioned_and_shard_map_paths_under_backend_xla_match_auto():
+@pytest.mark.parametrize("backend", ["auto", "xla"])
+def test_shard_map_axis_of_size_one_matches_one_device(backend):
+    """An EP axis of size 1: "auto" runs the one-call path, "xla" the EP pieces."""
     x, ids, w, wgu, wd = make_problem(6, T, K, E, H, F)
-    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices("cpu")[:2])
-    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))  # noqa: E731
-    args = [put(a) for a in (x, w, wgu, wd, ids)]
-    with jax.set_mesh(mesh):
-        (_, y_auto), g_auto = _loss("auto")(*args)
-        (_, y_xla), g_xla = _loss("xla")(*args)
-    assert_bitwise(y_xla, y_auto, "y")
-    for a, b in zip(g_xla, g_auto):
+    mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices("cpu")[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+    def loss(x, w, wgu, wd, ids):
+        y = jax.shard_map(lambda *a: mok_jax.moe(*a, axis_name="ep", backend=backend),
+                          mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep"))(
+            x, ids, w, wgu, wd)
+        return jnp.sum(y * jnp.cos(jnp.arange(H, dtype=jnp.float32))), y
+
+    text = str(jax.make_jaxpr(loss)(x, w, wgu, wd, ids))
+    assert ("mok_expert_ffn_fwd" in text) == (backend == "xla")
+    (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        x, w, wgu, wd, ids)
+    (_, y1), g1 = _loss("auto")(x, w, wgu, wd, ids)
+    assert_bitwise(y, y1, "y")
+    for a, b in zip(g, g1):
         assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("backend", ["auto", "xla"])
+def test_no_tokens(backend):
+    x, ids, w, wgu, wd = make_problem(7, 0, K, E, H, F)
+    (_, y), g = _loss(backend)(x, w, wgu, wd, ids)
+    assert y.shape == (0, H) and g[0].shape == (0, H)
+    assert not np.any(np.asarray(g[2])) and not np.any(np.asarray(g[3]))

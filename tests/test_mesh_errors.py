@@ -140,3 +140,35 @@ def test_the_mesh_mistake_is_named_before_k_exceeds_local_experts():
     mesh = jax.make_mesh((8,), ("ep",), devices=CPUS[:8])
     with pytest.raises(ValueError, match=r"axis_name='ep'"):
         _shard_map(mesh, P("ep"), P("ep"))(*_problem())
+
+
+def test_tokens_replicated_over_the_ep_axis_is_an_error():
+    """Every EP rank would hold the same tokens and count them P times."""
+    mesh = jax.make_mesh((4,), ("ep",), devices=CPUS[:4])
+    with pytest.raises(ValueError, match=r"x does not vary over axis_name 'ep'"):
+        _shard_map(mesh, P(), P("ep"), axis_name="ep")(*_problem())
+
+
+def test_check_mesh_false_lets_fsdp_gathered_weights_through():
+    """Weights stored split over 'dp' and all-gathered inside shard_map hold every
+    expert but vary over 'dp' in type: check_mesh=False is the documented way."""
+    mesh = jax.make_mesh((4,), ("dp",), devices=CPUS[:4])
+    x, ids, w, wgu, wd = _problem(4)
+
+    def local(x, ids, w, wgu, wd, check):
+        wgu, wd = (jax.lax.all_gather(a, "dp", tiled=True) for a in (wgu, wd))
+        return mok_jax.moe(x, ids, w, wgu, wd, check_mesh=check)
+
+    def run(check):
+        f = jax.shard_map(lambda *a: local(*a, check), mesh=mesh,
+                          in_specs=(P("dp"),) * 5, out_specs=P("dp"))
+        specs = (P("dp"),) * 5
+        return jax.jit(f)(*(jax.device_put(a, NamedSharding(mesh, s))
+                            for a, s in zip((x, ids, w, wgu, wd), specs)))
+
+    with pytest.raises(ValueError, match="check_mesh=False"):
+        run(True)
+    q = T // 4
+    want = jnp.concatenate([mok_jax.moe(x[i * q:(i + 1) * q], ids[i * q:(i + 1) * q],
+                                        w[i * q:(i + 1) * q], wgu, wd) for i in range(4)])
+    np.testing.assert_array_equal(np.asarray(run(False)), np.asarray(want))

@@ -81,6 +81,11 @@ std::string check_args(const ncclDevComm& dc, const PullRowsArgs& a, int blocks)
   if (a.window_offset % 16 != 0)
     return what + "window_offset " + std::to_string(a.window_offset) + " is not a multiple of 16";
   if (a.rows_per_rank < 0) return what + "rows_per_rank < 0";
+  if (a.window_offset > a.window_bytes ||
+      static_cast<size_t>(a.rows_per_rank) > (a.window_bytes - a.window_offset) / a.row_bytes)
+    return what + std::to_string(a.rows_per_rank) + " rows of " + std::to_string(a.row_bytes) +
+           " bytes from offset " + std::to_string(a.window_offset) + " exceed the window's " +
+           std::to_string(a.window_bytes) + " bytes";
   if (a.n_rows < 0) return what + "n_rows < 0";
   if (a.n_rows > 0 && (a.src_rank == nullptr || a.src_row == nullptr || a.out == nullptr))
     return what + "src_rank, src_row and out must be set when n_rows > 0";

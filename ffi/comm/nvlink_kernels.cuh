@@ -46,6 +46,7 @@ constexpr int kPullRowsThreads = 512;  // 16 warps per CTA
 
 struct PullRowsArgs {
   ncclWindow_t window = nullptr;       // this rank's handle of the window holding the rows
+  size_t window_bytes = 0;             // the window's size on every rank (bounds the rows)
   size_t window_offset = 0;            // byte offset of row 0 in every rank's window; % 16 == 0
   size_t row_bytes = 0;                // > 0, % 16 == 0
   int64_t rows_per_rank = 0;           // rows in each window after window_offset

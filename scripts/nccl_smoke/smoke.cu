@@ -511,6 +511,7 @@ int main(int argc, char** argv) {
           }
           mok::comm::PullRowsArgs a;
           a.window = comm.window(r);
+          a.window_bytes = comm.buffer_bytes();
           a.window_offset = s.window_offset;
           a.row_bytes = s.row_bytes;
           a.rows_per_rank = s.rows_per_rank;
@@ -599,6 +600,7 @@ int main(int argc, char** argv) {
     auto launch_all = [&](int r) {
       mok::comm::PullRowsArgs a;
       a.window = comm.window(r);
+      a.window_bytes = comm.buffer_bytes();
       a.window_offset = 0;
       a.row_bytes = opt.row_bytes;
       a.rows_per_rank = rows_per_rank;

@@ -314,6 +314,8 @@ class MoE(nnx.Module):
       param_dtype: dtype of every parameter.
       router_kernel_init, expert_kernel_init: initializers (default LeCun
         normal; for experts with the experts axis as a batch axis).
+      check_mesh: passed to `mok_jax.moe` (False skips its shard_map mesh checks,
+        e.g. for expert weights all-gathered inside shard_map).
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     Every argument is checked at construction (ValueError naming it). Each call
@@ -356,7 +358,7 @@ class MoE(nnx.Module):
                  backend: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32,
                  router_kernel_init: nnx.Initializer = _LECUN_NORMAL,
                  expert_kernel_init: nnx.Initializer | None = None,
-                 rngs: nnx.Rngs):
+                 check_mesh: bool = True, rngs: nnx.Rngs):
         _check_config(hidden_size=hidden_size, ffn_size=ffn_size, num_experts=num_experts,
                       top_k=top_k, score_fn=score_fn, renormalize=renormalize,
                       route_scale=route_scale, balance_bias=balance_bias,
@@ -365,6 +367,9 @@ class MoE(nnx.Module):
                       dtype=dtype, param_dtype=param_dtype,
                       router_kernel_init=router_kernel_init,
                       expert_kernel_init=expert_kernel_init, rngs=rngs)
+        if not isinstance(check_mesh, (bool, np.bool_)):
+            raise ValueError(f"MoE: check_mesh must be a bool, got {check_mesh!r}")
+        self.check_mesh = bool(check_mesh)
         self.hidden_size = int(hidden_size)
         self.ffn_size = int(ffn_size)
         self.num_experts = int(num_experts)
@@ -452,7 +457,8 @@ class MoE(nnx.Module):
         xt, w_gate_up, w_down = (a.astype(dtype) for a in (tokens, w_gate_up, w_down))
         y, stats = mok_jax.moe(xt, expert_ids, weights, w_gate_up, w_down,
                                axis_name=self.axis_name, capacity_factor=self.capacity_factor,
-                               backend=self.backend, return_stats=True)
+                               backend=self.backend, return_stats=True,
+                               check_mesh=self.check_mesh)
         if self.shared_gate_up is not None:
             y = y + self._shared_expert(xt)
         with jax.named_scope("router"):

@@ -290,7 +290,8 @@ def test_grads_against_reference_layer(monkeypatch):
     grads = nnx.grad(loss)(layer, x)
 
     # The same layer with mok_jax.moe replaced by the pure-JAX reference.
-    def reference_moe(*args, return_stats=False, axis_name=None, backend=None, **kw):
+    def reference_moe(*args, return_stats=False, axis_name=None, backend=None, check_mesh=True,
+                      **kw):
         return moe_reference(*args, return_stats=return_stats, **kw)
 
     monkeypatch.setattr(mnn.mok_jax, "moe", reference_moe)
@@ -566,3 +567,22 @@ def test_import_mok_jax_exposes_nn_and_reference_lazily():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, timeout=120, cwd=os.path.dirname(package_root))
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_check_mesh_is_validated_and_passed_to_moe(monkeypatch):
+    from flax import nnx
+    with pytest.raises(ValueError, match="check_mesh must be a bool"):
+        mok_jax.nn.MoE(hidden_size=8, ffn_size=4, num_experts=4, top_k=2, check_mesh="no",
+                       rngs=nnx.Rngs(0))
+    layer = mok_jax.nn.MoE(hidden_size=8, ffn_size=4, num_experts=4, top_k=2,
+                           check_mesh=False, rngs=nnx.Rngs(0))
+    seen = {}
+    real = mok_jax.moe
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mok_jax, "moe", spy)
+    y, _ = layer(jnp.ones((3, 8)))
+    assert seen["check_mesh"] is False and y.shape == (3, 8)

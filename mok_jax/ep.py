@@ -61,10 +61,6 @@ class Plan(NamedTuple):
     stats: tuple            # (tokens_per_expert [E], dropped, invalid), global
 
 
-def _exclusive_cumsum(a, axis=-1):
-    return jnp.cumsum(a, axis=axis) - a
-
-
 def plan(expert_ids, cfg: Config, experts_local: int) -> Plan:
     """The global routing plan: stable sort of all ranks' pairs by expert."""
     P = cfg.ep_size

@@ -91,7 +91,7 @@ class XlaTransport:
         # cum[s, l] <= j < cum[s, l + 1]; rows of l are ordered by source rank.
         mine = jax.lax.dynamic_slice_in_dim(plan.counts, plan.me * experts_local,
                                             experts_local, axis=1)  # [P, E_local]
-        group_begin = _exclusive_cumsum(mine.sum(axis=0))
+        group_begin = _exclusive_cumsum(plan.group_sizes)           # = mine.sum(axis=0)
         before = _exclusive_cumsum(mine, axis=0)
         cum = _exclusive_cumsum(mine, axis=1)
         total = mine.sum(axis=1)

@@ -32,6 +32,12 @@ from mok_jax.transport import TRANSPORTS, Transport
 
 _I32 = jnp.int32
 
+# backend="fused" until its NVLink transport exists (mok_jax.moe at trace time,
+# mok_jax.sharding when only the partitioner sees the experts split).
+FUSED_EP_MISSING = (
+    "mok_jax.moe: backend='fused' (mok_jax's own NVLink transport) is not implemented "
+    "for expert parallelism yet; use backend='xla' or 'auto'")
+
 
 class Config(NamedTuple):
     """Static description of one EP call.

@@ -130,9 +130,6 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
     return y
 
 
-_FUSED_EP_MISSING = (
-    "mok_jax.moe: backend='fused' (mok_jax's own NVLink transport) is not implemented "
-    "for expert parallelism yet; use backend='xla' or 'auto'")
 _STATIC_OPTIONS = ("axis_name", "capacity_factor", "backend", "return_stats", "check_mesh")
 
 
@@ -228,11 +225,11 @@ def _choose_path(backend, axis_name, ep_size, cap, operands):
     """
     if ep_size > 1:
         if backend == "fused":
-            raise NotImplementedError(_FUSED_EP_MISSING)
+            raise NotImplementedError(ep.FUSED_EP_MISSING)
         return ep.ExchangePath(ep.Config(axis_name, ep_size, cap, (axis_name,)), "xla")
     if axis_name is None and sharding.on_a_mesh(operands):
         if backend == "fused" and sharding.experts_split(operands[3]):
-            raise NotImplementedError(_FUSED_EP_MISSING)
+            raise NotImplementedError(ep.FUSED_EP_MISSING)
         sharding.check_layout(*operands)
         return sharding.PartitionedPath(cap, fused=backend == "fused")
     if backend == "xla":
@@ -331,6 +328,4 @@ def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
                 f"mok_jax.moe: axis_name={axis_name!r} is not a bound mesh axis; call "
                 "moe inside jax.shard_map over a mesh with that axis, or pass "
                 "axis_name=None") from err
-        if ep_size > 1 and backend == "fused":
-            raise NotImplementedError(_FUSED_EP_MISSING)
     return experts_local * ep_size, ep_size

@@ -47,14 +47,20 @@ def _axes(spec, dim) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _check_one_expert_axis(expert_axes) -> None:
+    """The experts dim may be split over one mesh axis (the EP axis) at most: checked
+    at trace time for Explicit axes (`check_layout`), at partition time for Auto."""
+    if len(expert_axes) > 1:
+        raise ValueError(
+            f"mok_jax.moe: the experts dim of w_gate_up is split over {expert_axes}; split it "
+            "over one mesh axis, the EP axis")
+
+
 def _layout(mesh, x_sharding, w_sharding, num_experts):
     """(token_axes, ep_axis) from the shardings of x and w_gate_up."""
     token_axes = _axes(x_sharding.spec, 0) if isinstance(x_sharding, NamedSharding) else ()
     expert_axes = _axes(w_sharding.spec, 0) if isinstance(w_sharding, NamedSharding) else ()
-    if len(expert_axes) > 1:
-        raise ValueError(
-            "mok_jax.moe: the experts dimension of w_gate_up/w_down is sharded over "
-            f"{expert_axes}; shard it over one mesh axis (the EP axis)")
+    _check_one_expert_axis(expert_axes)
     ep_axis = expert_axes[0] if expert_axes else None
     if ep_axis is not None and num_experts % mesh.shape[ep_axis]:
         # XLA would pad the experts dim; padded experts must never receive rows.
@@ -113,10 +119,7 @@ def check_layout(x, expert_ids, expert_weights, w_gate_up, w_down):
     E % P != 0 and reshards (gathers) what it does not split."""
     del expert_ids, expert_weights  # token-major: any split is fine
     wgu, wd, xs = _explicit_spec(w_gate_up), _explicit_spec(w_down), _explicit_spec(x)
-    if len(wgu[0]) > 1:
-        raise ValueError(
-            f"mok_jax.moe: the experts dim of w_gate_up is split over {wgu[0]}; split it over "
-            "one mesh axis, the EP axis")
+    _check_one_expert_axis(wgu[0])
     if wgu[0] != wd[0]:
         raise ValueError(
             f"mok_jax.moe: w_gate_up's experts dim is split over {wgu[0] or 'no axis'} but "
@@ -143,9 +146,8 @@ def _placement(cap, mesh, arg_shapes, fused=False):
     token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
                                   arg_shapes[3].shape[0])
     if fused and ep_axis is not None:  # Auto axes: only the partitioner sees the split
-        raise NotImplementedError(
-            "mok_jax.moe: backend='fused' is not implemented for expert parallelism yet "
-            f"(the experts are split over mesh axis {ep_axis!r}); use backend='xla' or 'auto'")
+        raise NotImplementedError(f"{ep.FUSED_EP_MISSING} (the experts are split over mesh "
+                                  f"axis {ep_axis!r})")
     cfg = ep.Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
                      capacity=cap, token_axes=token_axes)
     tok = NamedSharding(mesh, P(token_axes or None, None))

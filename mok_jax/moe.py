@@ -250,6 +250,19 @@ def _vary_alike(operands):
 
 
 
+def check_option_values(where: str, *, capacity_factor, backend) -> None:
+    """ValueError (prefixed with `where`) for a `capacity_factor` or `backend` that
+    `moe` refuses; shared with layers that take these options (`mok_jax.nn.MoE`)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
+    if capacity_factor is not None and (
+            isinstance(capacity_factor, (bool, np.bool_))
+            or not isinstance(capacity_factor, (int, float, np.integer, np.floating))
+            or not math.isfinite(capacity_factor) or capacity_factor <= 0):
+        raise ValueError(f"{where}: capacity_factor must be None (never drop) or a positive "
+                         f"finite number, got {capacity_factor!r}")
+
+
 def _shape(a) -> tuple[int, ...]:
     return tuple(np.shape(a))
 
@@ -304,20 +317,10 @@ def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
     if experts_local < 1:
         fail("w_gate_up must hold at least one expert")
 
-    if backend not in BACKENDS:
-        raise ValueError(f"mok_jax.moe: backend must be one of {BACKENDS}, got {backend!r}")
+    check_option_values("mok_jax.moe", capacity_factor=capacity_factor, backend=backend)
     if backend == "fused" and jax.default_backend() != "gpu":
         raise ValueError("mok_jax.moe: backend='fused' needs a CUDA GPU; on "
                          f"{jax.default_backend()!r} use backend='xla' or 'auto'")
-
-    if capacity_factor is not None:
-        if isinstance(capacity_factor, bool) or not isinstance(
-                capacity_factor, (int, float, np.integer, np.floating)):
-            raise ValueError("mok_jax.moe: capacity_factor must be None or a positive "
-                             f"number, got {capacity_factor!r}")
-        if not math.isfinite(capacity_factor) or capacity_factor <= 0:
-            raise ValueError("mok_jax.moe: capacity_factor must be positive and finite, "
-                             f"got {capacity_factor!r}")
 
     ep_size = 1
     if axis_name is not None:

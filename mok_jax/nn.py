@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 import mok_jax
+from mok_jax.moe import check_option_values
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -214,7 +215,7 @@ def _check_experts_split(num_experts, axis_name) -> None:
 def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renormalize,
                   route_scale, balance_bias, shared_ffn_size, capacity_factor, axis_name,
                   batch_axis_names, backend, dtype, param_dtype, router_kernel_init,
-                  expert_kernel_init, rngs) -> None:
+                  expert_kernel_init, check_mesh, rngs) -> None:
     """Every constructor argument of `MoE`, checked before any parameter is made:
     a ValueError naming the argument."""
     for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size),
@@ -228,18 +229,13 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
                          f"got {shared_ffn_size!r}")
     if score_fn not in SCORE_FUNCTIONS:
         raise ValueError(f"MoE: score_fn must be one of {SCORE_FUNCTIONS}, got {score_fn!r}")
-    for name, value in (("renormalize", renormalize), ("balance_bias", balance_bias)):
+    for name, value in (("renormalize", renormalize), ("balance_bias", balance_bias),
+                        ("check_mesh", check_mesh)):
         if not isinstance(value, (bool, np.bool_)):
             raise ValueError(f"MoE: {name} must be a bool, got {value!r}")
     if not _is_real(route_scale) or not math.isfinite(route_scale) or route_scale <= 0:
         raise ValueError(f"MoE: route_scale must be a positive finite number, got {route_scale!r}")
-    if capacity_factor is not None and (
-            not _is_real(capacity_factor) or not math.isfinite(capacity_factor)
-            or capacity_factor <= 0):
-        raise ValueError("MoE: capacity_factor must be None (never drop) or a positive finite "
-                         f"number, got {capacity_factor!r}")
-    if backend not in mok_jax.BACKENDS:
-        raise ValueError(f"MoE: backend must be one of {mok_jax.BACKENDS}, got {backend!r}")
+    check_option_values("MoE", capacity_factor=capacity_factor, backend=backend)
     if dtype is not None:
         _as_dtype("dtype", dtype)
     _as_dtype("param_dtype", param_dtype)
@@ -366,9 +362,7 @@ class MoE(nnx.Module):
                       axis_name=axis_name, batch_axis_names=batch_axis_names, backend=backend,
                       dtype=dtype, param_dtype=param_dtype,
                       router_kernel_init=router_kernel_init,
-                      expert_kernel_init=expert_kernel_init, rngs=rngs)
-        if not isinstance(check_mesh, (bool, np.bool_)):
-            raise ValueError(f"MoE: check_mesh must be a bool, got {check_mesh!r}")
+                      expert_kernel_init=expert_kernel_init, check_mesh=check_mesh, rngs=rngs)
         self.check_mesh = bool(check_mesh)
         self.hidden_size = int(hidden_size)
         self.ffn_size = int(ffn_size)

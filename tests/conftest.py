@@ -6,6 +6,7 @@ takes effect for the whole session (EP tests want 8 host devices on CPU).
 """
 
 import os
+import re
 import sys
 
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
@@ -24,6 +25,13 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 BF16 = np.dtype(jnp.bfloat16)
+
+# Text that points at the project's old private design document, which is not in the
+# repository (docs/contract.md is the contract). Spelled in pieces so that the
+# pattern does not match itself in this file.
+_DIR, _DOC = "../" + "shar" + "ed", "DES" + "IGN"
+PRIVATE_DOC_REF = re.compile("|".join(re.escape(p) for p in (_DIR, _DIR[3:] + "/" + _DOC,
+                                                              _DOC)))
 
 # Test modules do `from conftest import make_problem, ...`. That works under pytest's
 # default import mode; putting this directory on sys.path keeps it working under

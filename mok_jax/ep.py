@@ -27,16 +27,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import primitives
+from mok_jax import comm, primitives
 from mok_jax.transport import TRANSPORTS, Transport
 
 _I32 = jnp.int32
 
-# backend="fused" until its NVLink transport exists (mok_jax.moe at trace time,
-# mok_jax.sharding when only the partitioner sees the experts split).
-FUSED_EP_MISSING = (
-    "mok_jax.moe: backend='fused' (mok_jax's own NVLink transport) is not implemented "
-    "for expert parallelism yet; use backend='xla' or 'auto'")
+def transport_for(backend: str, platform: str) -> str:
+    """The transport of an EP layer (experts split over a mesh axis of size > 1)."""
+    if backend == "fused":
+        if platform != "gpu":
+            raise ValueError(primitives.FUSED_NEEDS_GPU.format(platform=platform.upper()))
+        comm.module()  # raises comm.Missing when this build has no fused transport
+        return "nvlink"
+    if backend == "auto" and comm.auto_selects_fused(platform):
+        return "nvlink"
+    return "xla"
 
 
 class Config(NamedTuple):
@@ -65,6 +70,8 @@ class Plan(NamedTuple):
     me: jax.Array           # my index in the exchange group
     group_sizes: jax.Array  # [E_local] rows per local expert
     stats: tuple            # (tokens_per_expert [E], dropped, invalid), global
+    group_ids: jax.Array    # [P, T*K] expert id of each kept pair of my exchange group's
+                            # ranks (in group order), -1 where not kept
 
 
 def plan(expert_ids, cfg: Config, experts_local: int) -> Plan:
@@ -96,14 +103,18 @@ def plan(expert_ids, cfg: Config, experts_local: int) -> Plan:
     counts = jnp.zeros(G * E + 1, _I32).at[cell].add(1)[:-1].reshape(G, E)  # kept [shard, e]
 
     # My exchange group: the token shards that differ from mine in the EP axis only.
+    kept_ids = jnp.where(kept, flat, -1).astype(_I32).reshape(G, C)
     if cfg.axis_name is None:
         me, counts = jnp.zeros((), _I32), counts[g_me][None]
+        group_ids = kept_ids[g_me][None]
     else:
         sizes = [jax.lax.axis_size(a) for a in cfg.token_axes]
         i = cfg.token_axes.index(cfg.axis_name)
         stride = int(np.prod(sizes[i + 1:], dtype=np.int64))
         me = jax.lax.axis_index(cfg.axis_name)
-        counts = counts[g_me + (jnp.arange(P) - me) * stride]   # [P, E]
+        group = g_me + (jnp.arange(P) - me) * stride
+        counts = counts[group]                                  # [P, E]
+        group_ids = kept_ids[group]                             # [P, C]
 
     mine = jax.lax.dynamic_slice_in_dim(counts, me * experts_local, experts_local, axis=1)
     stats = (routed, jnp.sum(valid & ~kept).astype(_I32), jnp.sum(~valid).astype(_I32))
@@ -113,7 +124,7 @@ def plan(expert_ids, cfg: Config, experts_local: int) -> Plan:
         stats = tuple(jax.lax.pmax(v, cfg.token_axes) for v in stats)
     my_kept = kept.reshape(G, C)[g_me]
     return Plan(my_kept.reshape(T, K).astype(_I32), expert_ids.reshape(-1), counts, me,
-                mine.sum(axis=0), stats)
+                mine.sum(axis=0), stats, group_ids)
 
 
 class Residuals(NamedTuple):
@@ -145,11 +156,10 @@ class ExchangePath:
         experts_local = w_gate_up.shape[0]
         p = plan(expert_ids, cfg, experts_local)
         route = tr.route(p, cfg, expert_ids.shape[1], experts_local)
-        x_rows = tr.dispatch(x, route, cfg, repeat=expert_ids.shape[1])     # [R, H]
+        x_rows, _ = tr.dispatch_tokens(x, route, cfg)                      # [R, H]
         out_rows, gate_up = primitives.expert_ffn_fwd_p.bind(
             x_rows, p.group_sizes, w_gate_up, w_down, save_gate_up=save)
-        o_pairs = tr.gather_back(out_rows, route, cfg)
-        (y,) = primitives.combine_p.bind(o_pairs, expert_weights, p.kept, weighted=True)
+        y, _ = tr.combine(out_rows, route, cfg, expert_weights, p.kept, weighted=True)
         return y, p.stats, Residuals(p, route, x_rows, gate_up, expert_weights, w_gate_up,
                                      w_down)
 
@@ -157,8 +167,8 @@ class ExchangePath:
         """Gradients w.r.t. (x, expert_weights, w_gate_up, w_down)."""
         cfg, tr = self.cfg, self.transport
         T, K = res.expert_weights.shape
-        dy_rows = tr.dispatch(dy.astype(res.x_rows.dtype), res.route, cfg, repeat=K)
-        w_rows = tr.dispatch(res.expert_weights.reshape(-1), res.route, cfg)
+        dy_rows, w_rows = tr.dispatch_tokens(dy.astype(res.x_rows.dtype), res.route, cfg,
+                                             pair_values=res.expert_weights)
         dx_rows, dw_rows, d_w_gate_up, d_w_down = primitives.expert_ffn_bwd_p.bind(
             res.x_rows, dy_rows, w_rows, res.plan.group_sizes, res.w_gate_up, res.w_down,
             res.gate_up)
@@ -167,9 +177,8 @@ class ExchangePath:
         if data_axes:
             d_w_gate_up = jax.lax.psum(d_w_gate_up, data_axes)
             d_w_down = jax.lax.psum(d_w_down, data_axes)
-        dx_pairs = tr.gather_back(dx_rows, res.route, cfg)
-        dw_pairs = tr.gather_back(dw_rows, res.route, cfg).reshape(T, K)
-        (dx,) = primitives.combine_p.bind(dx_pairs, res.expert_weights, res.plan.kept,
-                                          weighted=False)
+        dx, dw_pairs = tr.combine(dx_rows, res.route, cfg, res.expert_weights, res.plan.kept,
+                                  weighted=False, row_values=dw_rows)
+        dw_pairs = dw_pairs.reshape(T, K)
         d_weights = jnp.where(res.plan.kept != 0, dw_pairs, jnp.zeros_like(dw_pairs))
         return dx, d_weights, d_w_gate_up, d_w_down

@@ -216,26 +216,34 @@ def _choose_path(backend, axis_name, ep_size, cap, operands):
     """The one place where `backend` and the call's context choose how it runs.
 
     * inside shard_map with an EP axis of size > 1: the EP layer over a transport
-      ("xla" and "auto": XLA's all_to_all; "fused": not built yet);
+      ("xla": XLA's all_to_all; "fused": mok_jax's NVLink transport; "auto": fused
+      when `mok_jax.comm.auto_selects_fused` says the mesh allows it, else xla);
     * plain jit on arrays sharded over a mesh: the partitioned layer (each device
-      runs the EP layer over XLA's all_to_all);
+      runs the EP layer over the transport the same rule picks, once the
+      partitioner has placed the experts);
     * one device (or an EP axis of size 1): "auto" and "fused" run the whole layer
       in one FFI call per pass; "xla" runs the EP layer's pieces (expert FFN and
       combine kernels, plan in XLA) with a trivial exchange -- the same bits.
     """
     if ep_size > 1:
-        if backend == "fused":
-            raise NotImplementedError(ep.FUSED_EP_MISSING)
-        return ep.ExchangePath(ep.Config(axis_name, ep_size, cap, (axis_name,)), "xla")
+        cfg = ep.Config(axis_name, ep_size, cap, (axis_name,))
+        return ep.ExchangePath(cfg, ep.transport_for(backend, _platform(operands)))
     if axis_name is None and sharding.on_a_mesh(operands):
-        if backend == "fused" and sharding.experts_split(operands[3]):
-            raise NotImplementedError(ep.FUSED_EP_MISSING)
         sharding.check_layout(*operands)
-        return sharding.PartitionedPath(cap, fused=backend == "fused")
+        return sharding.PartitionedPath(cap, backend)
     if backend == "xla":
         token_axes = () if axis_name is None else (axis_name,)
         return ep.ExchangePath(ep.Config(axis_name, 1, cap, token_axes), "xla")
     return layer.LocalPath(cap)
+
+
+def _platform(operands) -> str:
+    """The platform the call will run on, as far as trace time can tell."""
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = getattr(mesh, "_platform", None) or getattr(mesh, "platform", None)
+    if not mesh.empty and platform:
+        return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+    return jax.default_backend()
 
 
 def _vary_alike(operands):

@@ -251,3 +251,112 @@ def _combine_abstract_eval(rows, weights, kept, *, weighted):
 
 _register(combine_p, _ext.COMBINE, _combine_abstract_eval,
           lambda params: {"weighted": bool(params["weighted"])})
+
+
+# --- the fused EP transport (backend="fused" under EP; mok_jax/transport.py) ----
+#
+# ep_dispatch_p: (values [T, H], pair_values [T, K] or [0], entries [P*T] s32,
+#   dest [P*T, K] s32) -> (rows [R, H], row_values [R] or [0]); params axis_name,
+#   rows (R).
+# ep_combine_p: (rows [R, H], row_values [R] or [0], weights [T, K], kept [T, K] s32,
+#   dest [R] s32) -> (out [T, H], pair_values [T*K] or [0]); params axis_name,
+#   weighted.
+# Both run on CUDA only. Their lowering makes (or finds) the NVLink communicators
+# of the mesh's EP groups (`mok_jax.comm.handle_for`) and passes the handle.
+
+EP_DISPATCH = "mok_ep_dispatch"
+EP_COMBINE = "mok_ep_combine"
+
+FUSED_NEEDS_GPU = (
+    "mok_jax.moe: backend='fused' with expert parallelism moves rows over NVLink "
+    "between GPUs and cannot run on {platform}; use backend='xla' (or 'auto')")
+
+
+def _lowering_mesh(ctx, axis_name):
+    """The concrete mesh a lowering runs under (shard_map inside jit, or a
+    custom_partitioning partition), with `axis_name` among its axes."""
+    from jax._src import mesh as mesh_lib
+
+    axis_context = ctx.module_context.axis_context
+    candidates = [getattr(axis_context, "mesh", None), mesh_lib.get_concrete_mesh()]
+    for mesh in candidates:
+        if (mesh is not None and getattr(mesh, "devices", None) is not None
+                and not mesh.empty and axis_name in mesh.axis_names):
+            return mesh
+    abstract = getattr(axis_context, "mesh", None) or getattr(axis_context, "abstract_mesh",
+                                                             None)
+    assignment = getattr(axis_context, "device_assignment", None)
+    if abstract is not None and assignment is not None and axis_name in abstract.axis_names:
+        devices = np.asarray(assignment, dtype=object).reshape(abstract.axis_sizes)
+        return jax.sharding.Mesh(devices, abstract.axis_names)
+    raise ValueError(
+        f"mok_jax.moe: backend='fused' could not find the devices of mesh axis "
+        f"{axis_name!r} while lowering; call it inside jax.shard_map with a concrete "
+        "jax.sharding.Mesh (or under jax.set_mesh)")
+
+
+def _fused_lowering(target, window_of, attrs_of):
+    ffi_rule = jax.ffi.ffi_lowering(target)
+
+    def rule(ctx, *operands, **params):
+        from mok_jax import comm
+
+        mesh = _lowering_mesh(ctx, params["axis_name"])
+        handle = comm.handle_for(mesh, params["axis_name"], window_of(comm, ctx.avals_in))
+        return ffi_rule(ctx, *operands, handle=np.int64(handle), **attrs_of(params))
+
+    return rule
+
+
+def _cpu_refusal(ctx, *operands, **params):
+    raise ValueError(FUSED_NEEDS_GPU.format(platform="CPU"))
+
+
+def _window_of_tokens(comm, avals):
+    values, _, _, dest = avals[:4]
+    return comm.window_bytes(values.shape[0], dest.shape[1], values.shape[1],
+                             np.dtype(values.dtype).itemsize)
+
+
+def _window_of_rows(comm, avals):
+    rows, _, _, kept, _ = avals[:5]
+    return comm.window_bytes(kept.shape[0], kept.shape[1], rows.shape[1],
+                             np.dtype(rows.dtype).itemsize)
+
+
+def _register_fused(prim, target, abstract_eval, window_of, attrs_of):
+    prim.multiple_results = True
+    prim.def_impl(_jit_impl(prim))
+    prim.def_abstract_eval(_typed(abstract_eval))
+    mlir.register_lowering(prim, _fused_lowering(target, window_of, attrs_of),
+                           platform="cuda")
+    mlir.register_lowering(prim, _cpu_refusal, platform="cpu")
+
+
+ep_dispatch_p = Primitive("mok_ep_dispatch")
+
+
+def _ep_dispatch_abstract_eval(values, pair_values, entries, dest, *, axis_name, rows):
+    del entries, dest, axis_name
+    n = rows if pair_values.shape[0] else 0
+    return (_rows_of(values, (rows, values.shape[1]), values.dtype),
+            _rows_of(values, (n,), pair_values.dtype))
+
+
+_register_fused(ep_dispatch_p, EP_DISPATCH, _ep_dispatch_abstract_eval, _window_of_tokens,
+                lambda params: {})
+
+
+ep_combine_p = Primitive("mok_ep_combine")
+
+
+def _ep_combine_abstract_eval(rows, row_values, weights, kept, dest, *, axis_name, weighted):
+    del weights, dest, axis_name, weighted
+    tokens, top_k = kept.shape
+    n = tokens * top_k if row_values.shape[0] else 0
+    return (_rows_of(kept, (tokens, rows.shape[1]), rows.dtype),
+            _rows_of(kept, (n,), row_values.dtype))
+
+
+_register_fused(ep_combine_p, EP_COMBINE, _ep_combine_abstract_eval, _window_of_rows,
+                lambda params: {"weighted": bool(params["weighted"])})

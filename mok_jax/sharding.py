@@ -139,15 +139,12 @@ def _pack_stats(stats):
     return jnp.concatenate([routed, dropped[None], invalid[None]])
 
 
-def _placement(cap, mesh, arg_shapes, fused=False):
+def _placement(cap, mesh, arg_shapes):
     """From the operands' shardings (x is operand 0, w_gate_up operand 3): the EP
     config, and the shardings of token-major arrays, expert weights and replicated
     arrays."""
     token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
                                   arg_shapes[3].shape[0])
-    if fused and ep_axis is not None:  # Auto axes: only the partitioner sees the split
-        raise NotImplementedError(f"{ep.FUSED_EP_MISSING} (the experts are split over mesh "
-                                  f"axis {ep_axis!r})")
     cfg = ep.Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
                      capacity=cap, token_axes=token_axes)
     tok = NamedSharding(mesh, P(token_axes or None, None))
@@ -178,28 +175,38 @@ def on_a_mesh(operands) -> bool:
     return any(m is not None and not m.empty and _unmanaged_size(m) > 1 for m in meshes)
 
 
+def _transport(backend, cfg, mesh) -> str:
+    """The transport each device's EP layer uses (`ep.transport_for`'s rule, now that
+    the partitioner has placed the experts)."""
+    if cfg.axis_name is None or cfg.ep_size == 1:
+        return "xla"  # no exchange
+    platform = np.asarray(mesh.devices).flat[0].platform
+    return ep.transport_for(backend, "gpu" if platform in ("cuda", "gpu") else platform)
+
+
 # --- forward -------------------------------------------------------------------
 
 @functools.partial(custom_partitioning, static_argnums=(5, 6))
-def _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap, fused):
-    del fused
+def _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend):
+    del backend
     y, _, *stats = primitives.moe_fwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=False)
     return y, _pack_stats(stats)
 
 
-def _forward_infer(cap, fused, mesh, arg_shapes, result_shape):
-    del fused, result_shape
+def _forward_infer(cap, backend, mesh, arg_shapes, result_shape):
+    del backend, result_shape
     _, tok, _, rep = _placement(cap, mesh, arg_shapes)
     return tok, rep
 
 
-def _forward_partition(cap, fused, mesh, arg_shapes, result_shape):
+def _forward_partition(cap, backend, mesh, arg_shapes, result_shape):
     del result_shape
-    cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes, fused)
+    cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes)
+    path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh))
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
-        y, stats, _ = ep.ExchangePath(cfg).forward(
+        y, stats, _ = path.forward(
             x, expert_ids, expert_weights, w_gate_up, w_down, save=False)
         return y, _pack_stats(stats)
 
@@ -216,26 +223,26 @@ _forward.def_partition(
 # --- backward ------------------------------------------------------------------
 
 @functools.partial(custom_partitioning, static_argnums=(6, 7))
-def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, cap, fused):
-    del fused
+def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, cap, backend):
+    del backend
     _, gate_up, *_ = primitives.moe_fwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=True)
     return tuple(primitives.moe_bwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity=cap))
 
 
-def _backward_infer(cap, fused, mesh, arg_shapes, result_shape):
-    del fused, result_shape
+def _backward_infer(cap, backend, mesh, arg_shapes, result_shape):
+    del backend, result_shape
     _, tok, wts, _ = _placement(cap, mesh, arg_shapes)
     return tok, tok, wts, wts
 
 
-def _backward_partition(cap, fused, mesh, arg_shapes, result_shape):
+def _backward_partition(cap, backend, mesh, arg_shapes, result_shape):
     del result_shape
-    cfg, tok, wts, _ = _placement(cap, mesh, arg_shapes, fused)
+    cfg, tok, wts, _ = _placement(cap, mesh, arg_shapes)
+    path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh))
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy):
-        path = ep.ExchangePath(cfg)
         _, _, residuals = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down,
                                        save=True)
         return path.backward(residuals, dy)
@@ -257,14 +264,14 @@ class PartitionedPath:
     """`moe` on global (possibly sharded) arrays, for `mok_jax.layer.run`."""
 
     capacity: int
-    fused: bool = False  # backend="fused": an error once the experts turn out split
+    backend: str = "auto"  # picks each device's EP transport once the experts are placed
 
     def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
         del save  # the partitioned backward recomputes what it needs
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
-        y, packed = _forward(*operands, self.capacity, self.fused)
+        y, packed = _forward(*operands, self.capacity, self.backend)
         return y, (packed[:-2], packed[-2], packed[-1]), operands
 
     def backward(self, residuals, dy):
         x = residuals[0]
-        return tuple(_backward(*residuals, dy.astype(x.dtype), self.capacity, self.fused))
+        return tuple(_backward(*residuals, dy.astype(x.dtype), self.capacity, self.backend))

@@ -3,17 +3,24 @@
 The EP layer (`mok_jax.ep`) plans globally (every rank knows every rank's kept
 pairs per expert) and then asks a transport for two moves, forward and backward:
 
-* ``dispatch``: each kept pair's row (of x, dy, or a per-pair value) goes to the
-  rank that owns the pair's expert, landing at its row of that rank's
-  expert-grouped input (each local expert's rows in global token order, then k);
-* ``gather_back``: each expert-grouped row returns to the rank that owns its
-  token, by local pair ``(t, k)`` (zeros for pairs without a row).
+* ``dispatch_tokens``: each kept pair's token row (of x, or dy) goes to the rank
+  that owns the pair's expert, landing at its row of that rank's expert-grouped
+  input (each local expert's rows in global token order, then k); optionally a
+  per-pair value (the expert weight) travels with it;
+* ``combine``: each expert-grouped row returns to the rank that owns its token,
+  which sums its k rows in ascending k in f32 and rounds once (the ``mok_combine``
+  kernel's arithmetic); optionally a per-row value comes back by pair.
 
 A transport adds the routing state it needs (`route`) to the plan once per call.
-Rows are whole rows: a transport never reorders the arithmetic, so every transport
-gives the same bits. `XlaTransport` is the exchange of ``backend="xla"``; the NVLink
-transport of ``backend="fused"`` will implement the same two moves inside mok_jax's
-kernels, pulling rows straight into the grouped GEMM's input tile by tile.
+Rows are whole rows and the sum is the one combine kernel: a transport never
+changes the arithmetic, so every transport gives the same bits.
+
+* `XlaTransport` (``backend="xla"``): XLA's all_to_all with fixed slots.
+* `NvlinkTransport` (``backend="fused"``): mok_jax's own kernels over NCCL
+  symmetric memory (`mok_jax.comm`): the receiving rank pulls each token row it
+  needs once per (token, destination rank) straight into the grouped input; the
+  expert rows are pushed to per-(token, k) slots on the owner, which combines
+  them from its window.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+
+from mok_jax import primitives
 
 _I32 = jnp.int32
 
@@ -34,14 +43,18 @@ class Transport(Protocol):
     def route(self, plan, cfg, top_k: int, experts_local: int):
         """Per-call routing state (a pytree of arrays) from the global plan."""
 
-    def dispatch(self, values: jax.Array, route, cfg, *, repeat: int = 1) -> jax.Array:
-        """``values`` by local pair ``[T*K, ...]`` (or by token ``[T, ...]`` with
-        ``repeat=K``: every pair of token t sends row t) -> expert-grouped rows
-        ``[R, ...]`` on the experts' ranks (zeros past the kept rows)."""
+    def dispatch_tokens(self, tokens: jax.Array, route, cfg, pair_values=None):
+        """Token rows ``[T, H]`` -> expert-grouped rows ``[R, H]`` on the experts'
+        ranks (rows past the kept ones are unspecified: the expert kernels never
+        read them), and, if ``pair_values [T, K]`` is given, its value of each
+        row's pair ``[R]`` (else None)."""
 
-    def gather_back(self, rows: jax.Array, route, cfg) -> jax.Array:
-        """Expert-grouped rows ``[R, ...]`` -> ``[T*K, ...]`` by local pair on the
-        tokens' ranks."""
+    def combine(self, rows: jax.Array, route, cfg, weights, kept, *, weighted: bool,
+                row_values=None):
+        """Expert-grouped rows ``[R, H]`` -> ``[T, H]`` on the tokens' ranks:
+        ``sum over kept k ascending of w[t, k] * row`` (w = 1 unless `weighted`),
+        f32 sum rounded once; and, if ``row_values [R]`` is given, each pair's
+        value ``[T*K]`` (unspecified for pairs without a row; else None)."""
 
 
 class XlaRoute(NamedTuple):
@@ -131,5 +144,81 @@ class XlaTransport:
         back = self._exchange(out, cfg).reshape((P * C,) + rows.shape[1:])
         return _take(back, route.pair_slot)
 
+    def dispatch_tokens(self, tokens, route: XlaRoute, cfg, pair_values=None):
+        top_k = route.pair_slot.shape[0] // tokens.shape[0] if tokens.shape[0] else 1
+        rows = self.dispatch(tokens, route, cfg, repeat=top_k)
+        if pair_values is None:
+            return rows, None
+        return rows, self.dispatch(pair_values.reshape(-1), route, cfg)
 
-TRANSPORTS = {"xla": XlaTransport()}
+    def combine(self, rows, route: XlaRoute, cfg, weights, kept, *, weighted, row_values=None):
+        (out,) = primitives.combine_p.bind(self.gather_back(rows, route, cfg), weights, kept,
+                                           weighted=weighted)
+        if row_values is None:
+            return out, None
+        return out, self.gather_back(row_values, route, cfg)
+
+
+class NvlinkRoute(NamedTuple):
+    """Pull and push lists of the NVLink transport on one rank (P ranks, T tokens,
+    K picks, R = P*T*K grouped rows)."""
+
+    entries: jax.Array    # [P*T] token rows to pull, src_rank * T + t (-1: none, at the end)
+    pull_dest: jax.Array  # [P*T, K] grouped row of each entry's pair k (-1: not here)
+    push_dest: jax.Array  # [R] owner_rank * T*K + pair of each grouped row (-1: none)
+
+
+class NvlinkTransport:
+    """Rows moved by mok_jax's kernels through NCCL symmetric memory over NVLink.
+
+    From the global plan every rank knows every kept pair of its exchange group,
+    so it lists, in canonical order (local expert, then source rank, token, k),
+    the rows it must receive. Dispatch: each rank copies its token rows into its
+    window; a warp per needed (source rank, token) reads that row once from the
+    peer's window and writes it to every grouped row that needs it. Combine: a
+    warp per grouped row writes it to the owner's window at the pair's slot; the
+    owner then runs the combine kernel over its slots. Bytes over NVLink: one
+    token row per (token, destination rank) forward, one row per kept pair back.
+    """
+
+    name = "nvlink"
+
+    def route(self, plan, cfg, top_k: int, experts_local: int) -> NvlinkRoute:
+        ids = plan.group_ids                                     # [P, C], -1: not kept
+        P, C = ids.shape
+        T = C // top_k
+        mine = (ids >= 0) & (ids // experts_local == plan.me)
+        key = jnp.where(mine, ids % experts_local, experts_local).reshape(-1)
+        order = jnp.argsort(key, stable=True).astype(_I32)       # mine first, canonical
+        j = jnp.arange(P * C, dtype=_I32)
+        is_row = j < jnp.sum(mine, dtype=_I32)
+        # order[j] = s * C + c: the owner's rank and its local pair, as the push wants.
+        push_dest = jnp.where(is_row, order, -1)
+        row_of_pair = jnp.full(P * C, -1, _I32).at[order].set(jnp.where(is_row, j, -1))
+        row_of_pair = row_of_pair.reshape(P * T, top_k)
+        need = jnp.any(row_of_pair >= 0, axis=1)                 # [P*T] by (s, t)
+        (entries,) = jnp.nonzero(need, size=P * T, fill_value=-1)
+        entries = entries.astype(_I32)
+        pull_dest = jnp.where(entries[:, None] >= 0,
+                              row_of_pair[jnp.clip(entries, 0, P * T - 1)], -1)
+        return NvlinkRoute(entries, pull_dest, push_dest)
+
+    def dispatch_tokens(self, tokens, route: NvlinkRoute, cfg, pair_values=None):
+        R = route.push_dest.shape[0]
+        T, K = tokens.shape[0], route.pull_dest.shape[1]
+        pv = (jnp.zeros((0,), jnp.float32) if pair_values is None
+              else pair_values.reshape(T, K))
+        rows, row_values = primitives.ep_dispatch_p.bind(
+            tokens, pv, route.entries, route.pull_dest, axis_name=cfg.axis_name, rows=R)
+        return rows, (None if pair_values is None else row_values)
+
+    def combine(self, rows, route: NvlinkRoute, cfg, weights, kept, *, weighted,
+                row_values=None):
+        rv = jnp.zeros((0,), weights.dtype) if row_values is None else row_values
+        out, pair_values = primitives.ep_combine_p.bind(
+            rows, rv, weights, kept, route.push_dest, axis_name=cfg.axis_name,
+            weighted=weighted)
+        return out, (None if row_values is None else pair_values)
+
+
+TRANSPORTS = {"xla": XlaTransport(), "nvlink": NvlinkTransport()}

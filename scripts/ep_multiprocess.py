@@ -12,6 +12,17 @@ its shards of y and of every gradient have the single-device bits.
 
 Exit status 0 when every process agreed; the launcher kills the processes and
 fails after --timeout seconds.
+
+``--backend fused`` runs mok_jax's NVLink transport (GPUs only). Two fault
+scenarios check that it fails cleanly rather than hanging or corrupting memory
+(each process calls the transport's dispatch directly, so that no XLA collective
+runs before its barrier):
+
+    --scenario peer-exits     process 1 compiles, then exits before the call; the
+                              others must fail within MOK_JAX_COMM_TIMEOUT_S
+                              naming the rank and the phase they waited in
+    --scenario shapes-differ  process 1 traces another token count; every process
+                              must fail in the first barrier (signatures differ)
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ def launch(args) -> int:
     # NVLink multicast stays off in every process (shared machines; docs/architecture.md).
     env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
+    if args.scenario != "check":
+        env.setdefault("MOK_JAX_COMM_TIMEOUT_S", "5")
     procs, logs = [], []
     for pid in range(args.processes):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", str(pid),
@@ -51,7 +64,7 @@ def launch(args) -> int:
     while any(c is None for c in codes) and time.monotonic() < deadline:
         time.sleep(0.2)
         codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes):
+        if args.scenario == "check" and any(c not in (None, 0) for c in codes):
             break  # one failed: the others would wait on it in a collective
     for p in procs:
         if p.poll() is None:
@@ -69,6 +82,11 @@ def launch(args) -> int:
             print(f"[process {pid}] exit status {code}"
                   + (" (killed: timeout or another process failed)" if code < 0 else ""))
             ok = False
+    if args.scenario != "check":
+        timed_out = any(c is None for c in codes)
+        print(f"scenario {args.scenario}: "
+              + ("TIMED OUT (a process hung)" if timed_out else "every process ended"))
+        return 1 if timed_out else 0
     print("all processes bitwise equal to one device" if ok else "FAILED")
     return 0 if ok else 1
 
@@ -76,7 +94,8 @@ def launch(args) -> int:
 def _forwarded(args) -> list[str]:
     return (["--processes", str(args.processes), "--platform", args.platform,
              "--devices-per-process", str(args.devices_per_process), "--dtype", args.dtype,
-             "--shape", args.shape, "--layers", args.layers, "--mesh-axes", args.mesh_axes]
+             "--shape", args.shape, "--layers", args.layers, "--mesh-axes", args.mesh_axes,
+             "--backend", args.backend, "--scenario", args.scenario]
             + (["--capacity-factor", str(args.capacity_factor)]
                if args.capacity_factor is not None else [])
             + (["--xla-dump", args.xla_dump] if args.xla_dump else []))
@@ -106,6 +125,9 @@ def child(args) -> int:
     import numpy as np  # pylint: disable=import-outside-toplevel
     from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
     import mok_jax  # pylint: disable=import-outside-toplevel
+
+    if args.scenario != "check":
+        return fault_scenario(args)
 
     n = jax.device_count()
     T, K, E, H, F = (int(v) for v in args.shape.split(","))
@@ -137,6 +159,7 @@ def child(args) -> int:
 
     # One device: this process's first.
     local0 = jax.local_devices()[0]
+    backend = args.backend
     one = loss_of(lambda x, ids, w, wgu, wd: mok_jax.moe(x, ids, w, wgu, wd,
                                                          capacity_factor=cf))
     (_, y1), g1 = one(*jax.device_put((x, w, wgu, wd, ids), local0))
@@ -153,10 +176,10 @@ def child(args) -> int:
     args_ep = [put(a) for a in (x, w, wgu, wd, ids)]
     shard_map_layer = jax.shard_map(
         lambda x, ids, w, wgu, wd: mok_jax.moe(x, ids, w, wgu, wd, axis_name="ep",
-                                               capacity_factor=cf),
+                                               capacity_factor=cf, backend=backend),
         mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=True)
     plain_layer = lambda x, ids, w, wgu, wd: mok_jax.moe(  # noqa: E731
-        x, ids, w, wgu, wd, capacity_factor=cf)
+        x, ids, w, wgu, wd, capacity_factor=cf, backend=backend)
 
     failures = 0
     layers = {"shard_map": shard_map_layer, "plain jit": plain_layer}
@@ -177,11 +200,61 @@ def child(args) -> int:
                             if a.shape == b.shape else "shape")
                     print(f"{name}: {what} shard {shard.index} differs (max |diff| {diff})")
                     failures += 1
-        print(f"{name}: EP={n} over {args.processes} processes, "
+        print(f"{name} ({backend}): EP={n} over {args.processes} processes, "
               f"{'bitwise equal' if failures == before else 'MISMATCH'} (y and 4 gradients, "
               f"{len(jax.local_devices())} local device(s))", flush=True)
     jax.distributed.shutdown()
     return 1 if failures else 0
+
+
+def fault_scenario(args) -> int:
+    """The transport's dispatch alone on a mesh over every process's GPUs (see the
+    module docstring). Exit 3 when the call failed as it must, 1 when it did not."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+    from mok_jax import comm, primitives  # pylint: disable=import-outside-toplevel
+
+    n = jax.device_count()
+    T, K, _, H, _ = (int(v) for v in args.shape.split(","))
+    if args.scenario == "shapes-differ" and args.child == 1:
+        T //= 2
+    mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def dispatch(x, entries, dest):
+        rows, _ = primitives.ep_dispatch_p.bind(
+            x, jnp.zeros((0,), jnp.float32), entries, dest, axis_name="ep", rows=n * T * K)
+        return rows
+
+    # Every rank pulls every token of every rank into row u * K (k = 0 only).
+    entries = np.tile(np.arange(n * T, dtype=np.int32), n)
+    dest = np.full((n * n * T, K), -1, np.int32)
+    dest[:, 0] = np.tile(np.arange(n * T, dtype=np.int32) * K, n)
+    x = np.ones((n * T, H), np.float32)
+    sharded = NamedSharding(mesh, P("ep"))
+    put = lambda a: jax.make_array_from_callback(a.shape, sharded,  # noqa: E731
+                                                 lambda idx: a[idx])
+    step = jax.jit(jax.shard_map(dispatch, mesh=mesh, in_specs=(P("ep"),) * 3,
+                                 out_specs=P("ep"), check_vma=False))
+    operands = [put(a) for a in (x, entries, dest)]
+    compiled = step.lower(*operands).compile()  # bootstraps the communicators (collective)
+    print(f"compiled (T={T} per rank)", flush=True)
+    if args.scenario == "peer-exits" and args.child == 1:
+        print("exiting before the call", flush=True)
+        os._exit(0)  # no jax.distributed.shutdown: the peer is simply gone
+    time.sleep(1.0)
+    start = time.monotonic()
+    try:
+        jax.block_until_ready(compiled(*operands))
+    except Exception as err:  # the trapped kernel surfaces as XLA's error
+        time.sleep(0.5)  # the watchdog polls every 50 ms
+        print(f"call failed after {time.monotonic() - start:.1f} s: "
+              f"{type(err).__name__}: {str(err)[:300]}", flush=True)
+        print(f"mok_jax says: {comm.last_error()}", flush=True)
+        os._exit(3)  # the CUDA context is unusable after a trap: no orderly teardown
+    print("call RETURNED (expected a failure)", flush=True)
+    os._exit(1)
 
 
 def parse_args(argv=None):
@@ -201,6 +274,9 @@ def parse_args(argv=None):
                         help="the mesh's axis type (jax.make_mesh's default is explicit)")
     parser.add_argument("--xla-dump", default=None, metavar="DIR",
                         help="dump each process's HLO pass by pass to DIR/process<i>")
+    parser.add_argument("--backend", choices=["auto", "fused", "xla"], default="auto")
+    parser.add_argument("--scenario", choices=["check", "peer-exits", "shapes-differ"],
+                        default="check", help="fault scenarios of the fused transport")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)

@@ -16,9 +16,10 @@ import mok_jax
 
 SHAPE = (64, 3, 8, 16, 12)  # T, K, E, H, F
 
-# The EP backends every bitwise EP test runs. "fused" joins on GPUs once its NVLink
-# transport exists (it raises NotImplementedError for EP today).
+# The EP backends every bitwise EP test runs: on host devices XLA's exchange only
+# (backend="fused" is a ValueError on CPU); on GPUs also mok_jax's NVLink transport.
 EP_BACKENDS = ("xla",)
+GPU_EP_BACKENDS = ("xla", "fused")
 
 
 def problem(dtype, seed=0, device=None, shape=SHAPE):

@@ -67,11 +67,33 @@ std::string NvlinkComm::init(const NvlinkCommConfig& config) {
 std::string NvlinkComm::init_steps(const NvlinkCommConfig& config) {
   const int n = static_cast<int>(config.devices.size());
   if (n < 1) return "NvlinkComm::init: no devices";
+  const int nranks = config.nranks > 0 ? config.nranks : n;
+  std::vector<int> ranks = config.ranks;
+  if (ranks.empty()) {
+    for (int r = 0; r < n; ++r) ranks.push_back(r);
+  }
+  if (static_cast<int>(ranks.size()) != n) return "NvlinkComm::init: ranks and devices differ in length";
+  if (n > nranks) return "NvlinkComm::init: more local ranks than nranks";
   if (config.buffer_bytes == 0) return "NvlinkComm::init: buffer_bytes is 0";
   if (config.lsa_barriers < 1) return "NvlinkComm::init: lsa_barriers must be >= 1";
   {
     std::set<int> seen(config.devices.begin(), config.devices.end());
     if (static_cast<int>(seen.size()) != n) return "NvlinkComm::init: a device is listed twice";
+    std::set<int> seen_ranks(ranks.begin(), ranks.end());
+    if (static_cast<int>(seen_ranks.size()) != n) return "NvlinkComm::init: a rank is listed twice";
+    for (int r : ranks) {
+      if (r < 0 || r >= nranks) return "NvlinkComm::init: rank " + std::to_string(r) + " not in [0, nranks)";
+    }
+  }
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  if (config.unique_id.empty()) {
+    if (n != nranks) return "NvlinkComm::init: a unique id is needed when other processes hold ranks";
+  } else if (config.unique_id.size() != sizeof(id.internal)) {
+    return "NvlinkComm::init: unique_id has " + std::to_string(config.unique_id.size()) +
+           " bytes, expected " + std::to_string(sizeof(id.internal));
+  } else {
+    std::memcpy(id.internal, config.unique_id.data(), sizeof(id.internal));
   }
 
   // Multicast stays off: NCCL's own symmetric kernels would otherwise ask for
@@ -84,6 +106,7 @@ std::string NvlinkComm::init_steps(const NvlinkCommConfig& config) {
   }
 
   MOK_COMM_RETURN_IF_MESSAGE(check_nccl_runtime_version(nullptr));
+  if (config.unique_id.empty()) MOK_COMM_NCCL_RETURN(ncclGetUniqueId(&id));
 
   int visible = 0;
   MOK_COMM_CUDA_RETURN(cudaGetDeviceCount(&visible));
@@ -95,7 +118,8 @@ std::string NvlinkComm::init_steps(const NvlinkCommConfig& config) {
     }
   }
   // Symmetric memory needs CUDA P2P between every pair; say so plainly here
-  // rather than through ncclDevCommCreate's "no symmetric support".
+  // (for the local pairs; remote ones show in step 2's LSA team check) rather
+  // than through ncclDevCommCreate's "no symmetric support".
   for (int a = 0; a < n; ++a) {
     for (int b = 0; b < n; ++b) {
       if (a == b) continue;
@@ -109,6 +133,8 @@ std::string NvlinkComm::init_steps(const NvlinkCommConfig& config) {
     }
   }
 
+  nranks_ = nranks;
+  ranks_ = ranks;
   devices_ = config.devices;
   buffer_bytes_ = config.buffer_bytes;
   lsa_barriers_ = config.lsa_barriers;
@@ -118,15 +144,25 @@ std::string NvlinkComm::init_steps(const NvlinkCommConfig& config) {
   buffers_.assign(n, nullptr);
   windows_.assign(n, nullptr);
 
-  // 1. Communicators (ncclCommInitAll groups the per-rank inits itself).
-  MOK_COMM_NCCL_RETURN(ncclCommInitAll(comms_.data(), n, devices_.data()));
+  // 1. Communicators: every local rank's ncclCommInitRank in one group (a
+  // single thread drives them; the ranks of other processes join with the same id).
+  {
+    std::string err;
+    MOK_COMM_NCCL_RETURN(ncclGroupStart());
+    for (int r = 0; r < n; ++r) {
+      MOK_COMM_CUDA_COLLECT(err, cudaSetDevice(devices_[r]));
+      MOK_COMM_NCCL_COLLECT(err, ncclCommInitRank(&comms_[r], nranks_, id, ranks_[r]));
+    }
+    MOK_COMM_NCCL_COLLECT(err, ncclGroupEnd());
+    if (!err.empty()) return err;
+  }
   for (int r = 0; r < n; ++r) {
     int rank = -1, count = -1, dev = -1;
     MOK_COMM_NCCL_RETURN(ncclCommUserRank(comms_[r], &rank));
     MOK_COMM_NCCL_RETURN(ncclCommCount(comms_[r], &count));
     MOK_COMM_NCCL_RETURN(ncclCommCuDevice(comms_[r], &dev));
-    if (rank != r || count != n || dev != devices_[r]) {
-      return rank_prefix(r, devices_[r]) + "communicator reports rank " + std::to_string(rank) +
+    if (rank != ranks_[r] || count != nranks_ || dev != devices_[r]) {
+      return rank_prefix(ranks_[r], devices_[r]) + "communicator reports rank " + std::to_string(rank) +
              " of " + std::to_string(count) + " on device " + std::to_string(dev);
     }
   }
@@ -150,14 +186,15 @@ std::string NvlinkComm::init_steps(const NvlinkCommConfig& config) {
   }
   for (int r = 0; r < n; ++r) {
     const ncclDevComm& dc = dev_comms_[r];
-    if (dc.rank != r || dc.nRanks != n || dc.lsaSize != n || dc.lsaRank != r) {
-      return rank_prefix(r, devices_[r]) + "device communicator has rank " +
+    if (dc.rank != ranks_[r] || dc.nRanks != nranks_ || dc.lsaSize != nranks_ ||
+        dc.lsaRank != ranks_[r]) {
+      return rank_prefix(ranks_[r], devices_[r]) + "device communicator has rank " +
              std::to_string(dc.rank) + "/" + std::to_string(dc.nRanks) + ", LSA rank " +
              std::to_string(dc.lsaRank) + "/" + std::to_string(dc.lsaSize) +
              ": every rank must be load/store accessible from every other (one LSA team)";
     }
     if (dc.lsaBarrier.nBarriers < config.lsa_barriers) {
-      return rank_prefix(r, devices_[r]) + "device communicator has " +
+      return rank_prefix(ranks_[r], devices_[r]) + "device communicator has " +
              std::to_string(dc.lsaBarrier.nBarriers) + " LSA barriers, asked for " +
              std::to_string(config.lsa_barriers);
     }
@@ -168,7 +205,7 @@ std::string NvlinkComm::init_steps(const NvlinkCommConfig& config) {
   for (int r = 0; r < n; ++r) {
     MOK_COMM_CUDA_RETURN(cudaSetDevice(devices_[r]));
     MOK_COMM_NCCL_RETURN(ncclMemAlloc(&buffers_[r], buffer_bytes_));
-    if (buffers_[r] == nullptr) return rank_prefix(r, devices_[r]) + "ncclMemAlloc gave null";
+    if (buffers_[r] == nullptr) return rank_prefix(ranks_[r], devices_[r]) + "ncclMemAlloc gave null";
     MOK_COMM_CUDA_RETURN(cudaMemset(buffers_[r], 0, buffer_bytes_));
     MOK_COMM_CUDA_RETURN(cudaDeviceSynchronize());
   }
@@ -189,14 +226,14 @@ std::string NvlinkComm::init_steps(const NvlinkCommConfig& config) {
     // 2.28.9 returns success and leaves the handle untouched when the
     // communicator has no symmetric support; step 2 already rules that out.
     if (windows_[r] == nullptr) {
-      return rank_prefix(r, devices_[r]) +
+      return rank_prefix(ranks_[r], devices_[r]) +
              "ncclCommWindowRegister succeeded but gave no window (no symmetric-memory support?)";
     }
   }
   return "";
 }
 
-std::string NvlinkComm::destroy() {
+std::string NvlinkComm::destroy(bool abort) {
   std::string all;
   const int n = static_cast<int>(devices_.size());
   if (n == 0) {
@@ -233,7 +270,13 @@ std::string NvlinkComm::destroy() {
   // ncclCommDestroy. After a failed finalize, abort instead (does not block).
   bool any_comm = false;
   for (int r = 0; r < n; ++r) any_comm = any_comm || comms_[r] != nullptr;
-  if (any_comm) {
+  if (any_comm && abort) {
+    for (int r = 0; r < n; ++r) {
+      if (comms_[r] == nullptr) continue;
+      MOK_COMM_NCCL_COLLECT(all, ncclCommAbort(comms_[r]));
+      comms_[r] = nullptr;
+    }
+  } else if (any_comm) {
     std::string finalize_err;
     ncclResult_t start = ncclGroupStart();
     if (start != ncclSuccess) {
@@ -257,6 +300,8 @@ std::string NvlinkComm::destroy() {
     }
   }
 
+  nranks_ = 0;
+  ranks_.clear();
   devices_.clear();
   comms_.clear();
   dev_comms_.clear();

@@ -1,5 +1,6 @@
-// NVLink transport, host side: one process drives N local GPUs (rank i on
-// devices[i]) through NCCL symmetric memory and the NCCL device API.
+// NVLink transport, host side: one process drives its ranks of one NCCL
+// communicator (all of them, or one rank per process, or anything between)
+// through NCCL symmetric memory and the NCCL device API.
 //
 // Written against NCCL 2.28.9 exactly: ncclDevComm, ncclDevCommRequirements and
 // ncclWindow_vidmem are plain structs shared by the host library and the device
@@ -8,7 +9,8 @@
 // headers this file was compiled with.
 //
 // What init() builds, in this order (destroy() undoes it in reverse):
-//   1. N communicators, ncclCommInitAll over `devices`;
+//   1. the local ranks' communicators, ncclCommInitRank for each inside one
+//      ncclGroupStart/End (with a fresh unique id when every rank is local);
 //   2. N device communicators, ncclDevCommCreate (grouped: a collective), each
 //      with `lsa_barriers` LSA barriers and no multimem. ncclDevCommCreate fails
 //      on a communicator without symmetric-memory support, so this step also
@@ -46,7 +48,12 @@ std::string nccl_version_string(int code);
 std::string check_nccl_runtime_version(int* runtime_version);
 
 struct NvlinkCommConfig {
-  std::vector<int> devices;  // CUDA ordinals; rank i drives devices[i]
+  int nranks = 0;            // ranks of the communicator (all processes); 0: devices.size()
+  std::vector<int> ranks;    // this process's ranks; empty: 0..devices.size()-1
+  std::vector<int> devices;  // CUDA ordinals; local rank i (ranks[i]) drives devices[i]
+  // ncclUniqueId bytes shared by every process of the communicator (made by one
+  // of them, NCCL_UNIQUE_ID_BYTES long); empty when this process holds every rank.
+  std::string unique_id;
   size_t buffer_bytes = 0;   // symmetric buffer per rank (same on every rank)
   // LSA barriers per device communicator. A kernel uses one per CTA (index =
   // blockIdx.x), so this bounds the grid of every kernel that uses barriers.
@@ -69,10 +76,16 @@ class NvlinkComm {
   // ncclMemFree, ncclDevCommDestroy, ncclCommFinalize (grouped) and
   // ncclCommDestroy (ncclCommAbort if the finalize failed). Carries on past
   // errors and reports them all. Idempotent; safe after a failed init().
-  std::string destroy();
+  // abort=true skips the collective finalize (ncclCommAbort at once): for exit
+  // and after a peer failed, when a finalize could wait for a rank that is gone.
+  std::string destroy(bool abort = false);
 
+  // Below, `rank` is the index of a local rank (0..local_count()-1) and
+  // world_rank(rank) its rank in the communicator.
   bool initialized() const { return initialized_; }
-  int size() const { return static_cast<int>(devices_.size()); }
+  int local_count() const { return static_cast<int>(devices_.size()); }
+  int size() const { return nranks_; }
+  int world_rank(int rank) const { return ranks_[rank]; }
   int device(int rank) const { return devices_[rank]; }
   ncclComm_t nccl_comm(int rank) const { return comms_[rank]; }
   // Passed by value to kernels; the host copy stays valid until destroy().
@@ -89,6 +102,8 @@ class NvlinkComm {
   std::string init_steps(const NvlinkCommConfig& config);
 
   bool initialized_ = false;
+  int nranks_ = 0;
+  std::vector<int> ranks_;
   std::vector<int> devices_;
   std::vector<ncclComm_t> comms_;
   std::vector<ncclDevComm> dev_comms_;

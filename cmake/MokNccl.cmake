@@ -1,0 +1,35 @@
+# Decides whether the fused EP transport (mok_jax._mok_comm) is built. It needs
+# the CUDA build and NCCL >= 2.28 headers with the device API (nccl_device.h)
+# plus libnccl.so.2, from the same NCCL that runs (the device API structs differ
+# between releases; the module refuses a runtime library other than its headers').
+#   MOK_ENABLE_NCCL=AUTO  build it when NCCL is found (default)
+#   MOK_ENABLE_NCCL=ON    require it;  OFF: never
+# Where: -DNCCL_HOME=... (holds include/ and lib/), else $NCCL_HOME, else the
+# nvidia-nccl-cu13 package that the configuring Python imports (the one JAX loads).
+set(MOK_ENABLE_NCCL "AUTO" CACHE STRING "Build the fused EP transport: AUTO, ON or OFF")
+set(MOK_WITH_NCCL OFF)
+if(MOK_WITH_CUDA AND NOT MOK_ENABLE_NCCL STREQUAL "OFF")
+  if(NOT NCCL_HOME AND DEFINED ENV{NCCL_HOME})
+    set(NCCL_HOME "$ENV{NCCL_HOME}")
+  endif()
+  if(NOT NCCL_HOME)
+    execute_process(
+      COMMAND "${Python_EXECUTABLE}" -c
+              "import nvidia.nccl as n; print(list(n.__path__)[0])"
+      OUTPUT_VARIABLE NCCL_HOME OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  endif()
+  if(NCCL_HOME AND EXISTS "${NCCL_HOME}/include/nccl_device.h"
+     AND EXISTS "${NCCL_HOME}/lib/libnccl.so.2")
+    set(MOK_WITH_NCCL ON)
+    set(MOK_NCCL_INCLUDE_DIR "${NCCL_HOME}/include")
+    set(MOK_NCCL_LIBRARY "${NCCL_HOME}/lib/libnccl.so.2")
+    file(STRINGS "${MOK_NCCL_INCLUDE_DIR}/nccl.h" _nccl_code REGEX "^#define NCCL_VERSION_CODE")
+    message(STATUS "mok_jax fused EP transport: NCCL at ${NCCL_HOME} (${_nccl_code})")
+  elseif(MOK_ENABLE_NCCL STREQUAL "ON")
+    message(FATAL_ERROR "MOK_ENABLE_NCCL=ON but no NCCL with nccl_device.h and libnccl.so.2 "
+                        "was found (NCCL_HOME='${NCCL_HOME}')")
+  else()
+    message(STATUS "NCCL with the device API not found: fused EP transport not built")
+  endif()
+endif()
+message(STATUS "mok_jax fused EP transport (_mok_comm): ${MOK_WITH_NCCL}")

@@ -1,0 +1,264 @@
+// The fused EP transport's device side: see ep_kernels.cuh.
+#include "ep_kernels.cuh"
+
+#include <cuda/atomic>
+#include <nccl_device.h>
+
+#include <algorithm>
+
+#include "comm_check.h"
+
+namespace mok::comm {
+
+namespace {
+
+size_t align_up(size_t v) { return (v + kRegionAlign - 1) / kRegionAlign * kRegionAlign; }
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void* peer_ptr(ncclWindow_t w, size_t offset, int peer) {
+  return ncclGetLsaPointer(w, offset, peer);
+}
+
+__device__ void record_error(ErrorRecord* e, int32_t code, const BarrierArgs& a, int peer,
+                             uint32_t peer_sig, uint32_t epoch, uint64_t waited_ns) {
+  if (e != nullptr && e->code == 0) {
+    e->phase = a.phase;
+    e->rank = a.rank;
+    e->peer = peer;
+    e->signature = a.signature;
+    e->peer_signature = peer_sig;
+    e->epoch = epoch;
+    e->waited_ms = static_cast<uint32_t>(waited_ns / 1000000ull);
+    __threadfence_system();
+    e->code = code;  // last: the host reads the fields once code != 0
+    __threadfence_system();
+  }
+}
+
+constexpr int kBarrierThreads = 128;
+
+__global__ void __launch_bounds__(kBarrierThreads) barrier_kernel(const BarrierArgs a) {
+  const uint32_t epoch = static_cast<uint32_t>(*a.epoch + 1);
+  const uint64_t word = (static_cast<uint64_t>(epoch) << 32) | a.signature;
+  // Arrive: word [rank] of every window (mine included). System-scope release:
+  // everything this rank wrote before (earlier kernels on this stream, its
+  // pushes into peers' windows) is visible to a rank that acquires the word.
+  for (int p = threadIdx.x; p < a.nranks; p += blockDim.x) {
+    auto* w = static_cast<uint64_t*>(peer_ptr(a.window, static_cast<size_t>(a.rank) * 8, p));
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*w).store(word,
+                                                                    cuda::memory_order_release);
+  }
+  // Wait for every rank's word in my window to reach this epoch.
+  auto* mine = static_cast<uint64_t*>(peer_ptr(a.window, 0, a.rank));
+  const uint64_t start = global_timer_ns();
+  for (int p = threadIdx.x; p < a.nranks; p += blockDim.x) {
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> flag(mine[p]);
+    uint32_t spins = 0;
+    while (true) {
+      const uint64_t v = flag.load(cuda::memory_order_acquire);
+      const int32_t ahead = static_cast<int32_t>(static_cast<uint32_t>(v >> 32) - epoch);
+      if (ahead >= 0) {
+        // A peer one epoch ahead has already checked our signature against its own.
+        if (ahead == 0 && static_cast<uint32_t>(v) != a.signature) {
+          record_error(a.error, 2, a, p, static_cast<uint32_t>(v), epoch,
+                       global_timer_ns() - start);
+          __trap();
+        }
+        break;
+      }
+      if ((++spins & 255u) == 0) {
+        const uint64_t waited = global_timer_ns() - start;
+        if (waited > a.timeout_ns) {
+          record_error(a.error, 1, a, p, 0, epoch, waited);
+          __trap();
+        }
+      }
+      if (spins > 64) __nanosleep(64);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *a.epoch = epoch;
+}
+
+// 16-byte vectors in flight per lane before their stores.
+constexpr int kUnroll = 4;
+constexpr int kCopyThreads = 512;
+
+__device__ __forceinline__ void copy_scalar(void* dst, const void* src, size_t bytes) {
+  if (bytes == 4) {
+    *static_cast<uint32_t*>(dst) = *static_cast<const volatile uint32_t*>(src);
+  } else {
+    *static_cast<uint16_t*>(dst) = *static_cast<const volatile uint16_t*>(src);
+  }
+}
+
+__global__ void __launch_bounds__(kCopyThreads) pull_kernel(const PullArgs a) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const size_t nvec = a.row_bytes / 16;
+  for (int64_t u = warp; u < a.n_entries; u += n_warps) {
+    const int32_t entry = a.entries[u];
+    if (entry < 0) continue;
+    const int src = static_cast<int>(entry / a.tokens);
+    const int64_t token = entry % a.tokens;
+    if (src >= a.nranks) continue;  // routes come from mok_jax's plan; never out of range
+    const int32_t* dest = a.dest + u * a.top_k;
+    const int4* from = static_cast<const int4*>(
+        peer_ptr(a.window, a.layout.tokens_offset + static_cast<size_t>(token) * a.row_bytes, src));
+    size_t v = lane;
+    for (; v + 32 * (kUnroll - 1) < nvec; v += 32 * kUnroll) {
+      int4 t[kUnroll];
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) t[i] = __ldcg(from + v + 32 * i);
+      for (int64_t k = 0; k < a.top_k; ++k) {
+        const int32_t row = dest[k];
+        if (row < 0 || row >= a.out_rows) continue;
+        int4* to = reinterpret_cast<int4*>(static_cast<char*>(a.out) + row * a.row_bytes);
+#pragma unroll
+        for (int i = 0; i < kUnroll; ++i) to[v + 32 * i] = t[i];
+      }
+    }
+    for (; v < nvec; v += 32) {
+      const int4 t = __ldcg(from + v);
+      for (int64_t k = 0; k < a.top_k; ++k) {
+        const int32_t row = dest[k];
+        if (row < 0 || row >= a.out_rows) continue;
+        reinterpret_cast<int4*>(static_cast<char*>(a.out) + row * a.row_bytes)[v] = t;
+      }
+    }
+    if (a.out_scalars != nullptr) {
+      for (int64_t k = lane; k < a.top_k; k += 32) {
+        const int32_t row = dest[k];
+        if (row < 0 || row >= a.out_rows) continue;
+        const void* s = peer_ptr(a.window,
+                                 a.layout.pair_scalars_offset +
+                                     static_cast<size_t>(token * a.top_k + k) * a.scalar_bytes,
+                                 src);
+        copy_scalar(static_cast<char*>(a.out_scalars) + row * a.scalar_bytes, s, a.scalar_bytes);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kCopyThreads) push_kernel(const PushArgs a) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const size_t nvec = a.row_bytes / 16;
+  for (int64_t j = warp; j < a.n_rows; j += n_warps) {
+    const int32_t d = a.dest[j];
+    if (d < 0) continue;
+    const int owner = static_cast<int>(d / a.pairs);
+    const int64_t pair = d % a.pairs;
+    if (owner >= a.nranks) continue;
+    const int4* from = reinterpret_cast<const int4*>(static_cast<const char*>(a.rows) +
+                                                     j * a.row_bytes);
+    int4* to = static_cast<int4*>(
+        peer_ptr(a.window, a.layout.slots_offset + static_cast<size_t>(pair) * a.row_bytes, owner));
+    size_t v = lane;
+    for (; v + 32 * (kUnroll - 1) < nvec; v += 32 * kUnroll) {
+      int4 t[kUnroll];
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) t[i] = __ldg(from + v + 32 * i);
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) to[v + 32 * i] = t[i];
+    }
+    for (; v < nvec; v += 32) to[v] = __ldg(from + v);
+    if (a.row_scalars != nullptr && lane == 0) {
+      void* s = peer_ptr(a.window,
+                         a.layout.slot_scalars_offset + static_cast<size_t>(pair) * a.scalar_bytes,
+                         owner);
+      copy_scalar(s, static_cast<const char*>(a.row_scalars) + j * a.scalar_bytes, a.scalar_bytes);
+    }
+  }
+}
+
+int copy_grid(int device, int64_t items) {
+  int sms = 132;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    sms = 132;
+  }
+  const int64_t warps_per_cta = kCopyThreads / 32;
+  const int64_t want = (items + warps_per_cta - 1) / warps_per_cta;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, 2 * int64_t(sms))));
+}
+
+}  // namespace
+
+WindowLayout window_layout(int64_t tokens, int64_t top_k, size_t row_bytes, size_t scalar_bytes) {
+  WindowLayout l;
+  const size_t pairs = static_cast<size_t>(tokens) * static_cast<size_t>(top_k);
+  size_t at = kBarrierBytes;
+  l.tokens_offset = at;
+  at += align_up(static_cast<size_t>(tokens) * row_bytes);
+  l.pair_scalars_offset = at;
+  at += align_up(pairs * scalar_bytes);
+  l.slots_offset = at;
+  at += align_up(pairs * row_bytes);
+  l.slot_scalars_offset = at;
+  at += align_up(pairs * scalar_bytes);
+  l.total = at;
+  return l;
+}
+
+const char* phase_name(int32_t phase) {
+  switch (static_cast<Phase>(phase)) {
+    case Phase::kDispatchBegin: return "dispatch (waiting for every rank's token rows)";
+    case Phase::kDispatchEnd: return "dispatch (waiting for every rank to finish pulling)";
+    case Phase::kCombineBegin: return "combine (waiting for every rank to free its slots)";
+    case Phase::kCombineEnd: return "combine (waiting for every rank's pushed rows)";
+  }
+  return "unknown phase";
+}
+
+std::string launch_barrier(const BarrierArgs& args, cudaStream_t stream) {
+  if (args.window == nullptr || args.epoch == nullptr) return "barrier: window or epoch is null";
+  if (args.nranks < 1 || args.nranks > kMaxRanks || args.rank < 0 || args.rank >= args.nranks)
+    return "barrier: rank " + std::to_string(args.rank) + " of " + std::to_string(args.nranks);
+  barrier_kernel<<<1, kBarrierThreads, 0, stream>>>(args);
+  MOK_COMM_CUDA_RETURN(cudaGetLastError());
+  return "";
+}
+
+std::string launch_pull(const PullArgs& a, int device, cudaStream_t stream) {
+  if (a.n_entries == 0) return "";
+  if (a.row_bytes == 0 || a.row_bytes % 16 != 0)
+    return "pull: row bytes " + std::to_string(a.row_bytes) + " is not a positive multiple of 16";
+  if (a.out_scalars != nullptr && a.scalar_bytes != 2 && a.scalar_bytes != 4)
+    return "pull: scalars must be 2 or 4 bytes";
+  if (a.tokens < 1 || a.top_k < 1) return "pull: empty shapes";
+  if (reinterpret_cast<uintptr_t>(a.out) % 16 != 0) return "pull: out is not 16-byte aligned";
+  pull_kernel<<<copy_grid(device, a.n_entries), kCopyThreads, 0, stream>>>(a);
+  MOK_COMM_CUDA_RETURN(cudaGetLastError());
+  return "";
+}
+
+std::string launch_push(const PushArgs& a, int device, cudaStream_t stream) {
+  if (a.n_rows == 0) return "";
+  if (a.row_bytes == 0 || a.row_bytes % 16 != 0)
+    return "push: row bytes " + std::to_string(a.row_bytes) + " is not a positive multiple of 16";
+  if (a.row_scalars != nullptr && a.scalar_bytes != 2 && a.scalar_bytes != 4)
+    return "push: scalars must be 2 or 4 bytes";
+  if (a.pairs < 1) return "push: no pairs";
+  if (reinterpret_cast<uintptr_t>(a.rows) % 16 != 0) return "push: rows are not 16-byte aligned";
+  push_kernel<<<copy_grid(device, a.n_rows), kCopyThreads, 0, stream>>>(a);
+  MOK_COMM_CUDA_RETURN(cudaGetLastError());
+  return "";
+}
+
+std::string load_ep_kernels() {
+  cudaFuncAttributes attr;
+  MOK_COMM_CUDA_RETURN(cudaFuncGetAttributes(&attr, barrier_kernel));
+  MOK_COMM_CUDA_RETURN(cudaFuncGetAttributes(&attr, pull_kernel));
+  MOK_COMM_CUDA_RETURN(cudaFuncGetAttributes(&attr, push_kernel));
+  return "";
+}
+
+}  // namespace mok::comm

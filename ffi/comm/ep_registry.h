@@ -1,0 +1,82 @@
+// The fused EP transport's host state: communicator sets by handle.
+//
+// A set holds, for one layout of EP groups (one mesh axis of one mesh), this
+// process's NvlinkComm of every group that has a local device, each with its
+// symmetric windows. Python (mok_jax/comm.py) creates it at trace time, before
+// any kernel that uses it runs; the FFI handlers find their rank by (handle,
+// CUDA ordinal). No XLA types here.
+//
+// Failed barriers: a watchdog thread polls every rank's host-mapped
+// ErrorRecord and prints the first failure of each (which rank, which phase,
+// which peer, how long) to stderr; the kernel itself traps, so the step ends
+// with a CUDA error rather than a hang.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "ep_kernels.cuh"
+
+namespace mok::comm {
+
+struct GroupSpec {
+  int nranks = 0;
+  std::vector<int> ranks;    // this process's ranks of the group
+  std::vector<int> devices;  // their CUDA ordinals
+  std::string unique_id;     // empty when every rank is local
+};
+
+// One local rank, as a handler sees it.
+struct RankView {
+  ncclWindow_t window = nullptr;
+  void* buffer = nullptr;    // this rank's own window memory (a device pointer)
+  size_t window_bytes = 0;
+  int rank = 0;
+  int nranks = 0;
+  uint64_t* epoch = nullptr;      // device
+  ErrorRecord* error = nullptr;   // device view of the host-mapped record
+  uint64_t timeout_ns = 0;
+};
+
+// Creates a set; returns its handle (> 0) or 0 with *err set.
+int64_t create_comm_set(const std::vector<GroupSpec>& groups, size_t window_bytes,
+                        double timeout_s, std::string* err);
+// Tears the set's communicators down and builds them again with `groups`
+// (fresh unique ids) and `window_bytes`, under the same handle. Collective like
+// creation; waits for the devices first.
+std::string rebuild_comm_set(int64_t handle, const std::vector<GroupSpec>& groups,
+                             size_t window_bytes);
+// abort: skip the collective finalize (exit, or a peer is gone).
+std::string destroy_comm_set(int64_t handle, bool abort);
+// Destroys every set (abort) and stops the watchdog: for interpreter exit.
+std::string shutdown_comm_sets();
+
+// The window size of a set (0 if the handle is unknown).
+size_t comm_set_window_bytes(int64_t handle);
+
+// NCCL versions: the headers this was compiled with, and the loaded library's
+// (with an error message when they differ).
+int nccl_header_version();
+std::string nccl_runtime_version(int* version);
+
+// The first failure any barrier recorded, as text ("" if none).
+std::string comm_last_error();
+
+// Holds the registry's shared lock for the duration of one handler.
+class RankLookup {
+ public:
+  // Empty message on success; then view() is valid until this object dies.
+  std::string find(int64_t handle, int device);
+  const RankView& view() const { return view_; }
+
+ private:
+  std::shared_lock<std::shared_mutex> lock_;
+  RankView view_;
+};
+
+}  // namespace mok::comm

@@ -1,0 +1,241 @@
+"""The NVLink communicators behind ``backend="fused"`` under expert parallelism.
+
+One communicator per EP group (the devices along the EP mesh axis, for each
+combination of the other mesh axes), each rank with one NCCL symmetric window
+(``ncclMemAlloc`` + ``ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC)``)
+and a device communicator (``ncclDevCommCreate``). They are made when a call
+that needs them is lowered -- before any kernel runs -- for every local device
+of the mesh at once, and reused by every later call on the same groups. A later
+call with larger shapes rebuilds them with a larger window (also at lowering,
+never inside a running step). They are destroyed at interpreter exit.
+
+* One process driving several GPUs: every local rank's ``ncclCommInitRank`` in
+  one NCCL group, with a unique id made here.
+* One process per GPU (``jax.distributed``): the process holding a group's rank 0
+  makes the unique id and publishes it in the ``jax.distributed`` key-value
+  store under a key scoped by the group's device ids; the others wait for it.
+  Every process must lower the same calls in the same order (they do when they
+  run the same program); a process that lowers alone waits for its peers.
+
+The C++ side (``mok_jax._mok_comm``, built when NCCL's device-API headers were
+found) is imported only here, so ``import mok_jax`` never loads libnccl.
+
+A rank that never arrives ends a barrier after ``MOK_JAX_COMM_TIMEOUT_S``
+seconds (default 60): the kernel traps, the step fails with a CUDA error, and
+mok_jax prints which rank waited for which, in which phase (`last_error`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import functools
+import os
+import threading
+
+import jax
+import numpy as np
+
+ENV_TIMEOUT = "MOK_JAX_COMM_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 60.0
+_KV_TIMEOUT_MS = 300_000
+_REQUIRED_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+_lock = threading.Lock()
+
+
+class Missing(RuntimeError):
+    """The fused EP transport is not available in this build or on this machine."""
+
+
+def _preload_nccl() -> None:
+    """Loads libnccl.so.2 of the nvidia-nccl package (the NCCL JAX uses), so that the
+    extension binds to that library rather than to another one on the search path."""
+    try:
+        import nvidia.nccl as pkg  # namespace package: no __file__
+    except ImportError:
+        return
+    for root in list(pkg.__path__):
+        lib = os.path.join(root, "lib", "libnccl.so.2")
+        if os.path.exists(lib):
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+            return
+
+
+@functools.cache
+def module():
+    """``mok_jax._mok_comm`` with its FFI targets registered; `Missing` if absent."""
+    for name, value in _REQUIRED_ENV.items():
+        # NVLink multicast stays off (NCCL's symmetric kernels would ask for it).
+        os.environ.setdefault(name, value)
+    _preload_nccl()
+    try:
+        from mok_jax import _mok_comm
+    except ImportError as err:
+        raise Missing(
+            "mok_jax was built without its fused EP transport (mok_jax._mok_comm): it "
+            "needs the CUDA build and NCCL >= 2.28 with its device-API headers (the "
+            "nvidia-nccl-cu13 package JAX uses) when mok_jax is compiled. Use "
+            "backend='xla', or reinstall mok_jax on a machine with nvcc and that "
+            f"package. ({err})") from err
+    for name, capsule in _mok_comm.registrations()["CUDA"].items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    atexit.register(_shutdown)
+    return _mok_comm
+
+
+def available() -> bool:
+    """Whether this build has the fused EP transport."""
+    try:
+        module()
+    except Missing:
+        return False
+    return True
+
+
+@functools.cache
+def auto_selects_fused(platform: str) -> bool:
+    """What ``backend="auto"`` does under EP: the fused transport when this build has
+    it, the mesh is on GPUs, one process drives them all (so every EP group is in
+    this process) and every local GPU can load/store every other's memory (one
+    NVLink domain, as far as this process can tell). Otherwise XLA's collectives;
+    with one process per GPU ask for ``backend="fused"`` explicitly."""
+    if platform not in ("gpu", "cuda") or jax.process_count() != 1:
+        return False
+    if not available():
+        return False
+    ordinals = [int(d.local_hardware_id) for d in jax.local_devices(backend="gpu")]
+    mod = module()
+    return all(mod.can_access_peer(a, b) for a in ordinals for b in ordinals if a != b)
+
+
+def timeout_s() -> float:
+    raw = os.environ.get(ENV_TIMEOUT, "")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{ENV_TIMEOUT}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def window_bytes(tokens: int, top_k: int, hidden: int, itemsize: int) -> int:
+    """Bytes of the symmetric window one call of these shapes needs on every rank."""
+    return int(module().window_bytes(tokens, top_k, hidden, itemsize))
+
+
+def last_error() -> str:
+    """The first barrier failure seen in this process ('' if none)."""
+    return module().last_error()
+
+
+@dataclasses.dataclass
+class _Set:
+    handle: int
+    window_bytes: int
+    builds: int  # how many times its groups were built (scopes the unique-id keys)
+
+
+_sets: dict[tuple, _Set] = {}
+
+
+def ep_groups(mesh, axis_name: str) -> list[tuple]:
+    """The EP groups of `mesh` along `axis_name`: one tuple of devices per
+    combination of the other axes, ordered by their index along the axis."""
+    devices = np.asarray(mesh.devices)
+    axis = list(mesh.axis_names).index(axis_name)
+    rows = np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
+    return [tuple(row) for row in rows]
+
+
+def _kv_client():
+    from jax._src import distributed  # the key-value store of jax.distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise Missing("backend='fused' with EP groups that span processes needs "
+                      "jax.distributed.initialize() (its key-value store carries the "
+                      "NCCL unique id)")
+    return client
+
+
+def _group_specs(groups, build: int):
+    """(nranks, local ranks, local CUDA ordinals, unique id) for every group with a
+    device in this process, in the same order in every process."""
+    me = jax.process_index()
+    specs = []
+    for group in groups:
+        local = [(r, d) for r, d in enumerate(group) if d.process_index == me]
+        if not local:
+            continue
+        ranks = [r for r, _ in local]
+        ordinals = [int(d.local_hardware_id) for _, d in local]
+        uid = b""
+        if len(local) < len(group):
+            key = "mok_jax/comm/{}/{}".format(build, "-".join(str(d.id) for d in group))
+            client = _kv_client()
+            if group[0].process_index == me:
+                uid = bytes(module().unique_id())
+                client.key_value_set_bytes(key, uid)
+            else:
+                uid = bytes(client.blocking_key_value_get_bytes(key, _KV_TIMEOUT_MS))
+        specs.append((len(group), ranks, ordinals, uid))
+    return specs
+
+
+def _agreed_bytes(groups, need_bytes: int, build: int) -> int:
+    """The window size every process of these groups uses: the largest any of them
+    asks for (a window is registered collectively, so all ranks must agree; ranks
+    that traced different shapes then fail in the first barrier, whose signature
+    covers the shapes, instead of running on windows of different sizes)."""
+    me = jax.process_index()
+    processes = sorted({d.process_index for g in groups for d in g})
+    if processes == [me]:
+        return need_bytes
+    client = _kv_client()
+    scope = "mok_jax/comm-bytes/{}/{}".format(
+        build, "-".join(str(d.id) for g in groups for d in g))
+    client.key_value_set_bytes(f"{scope}/{me}", str(int(need_bytes)).encode())
+    sizes = [int(bytes(client.blocking_key_value_get_bytes(f"{scope}/{p}", _KV_TIMEOUT_MS)))
+             for p in processes]
+    return max(sizes)
+
+
+def handle_for(mesh, axis_name: str, need_bytes: int) -> int:
+    """The communicator set of `mesh`'s EP groups along `axis_name`, with windows
+    of at least `need_bytes`: made (or grown) now, at lowering, on every local
+    device together. Returns the handle the FFI handlers look it up by."""
+    mod = module()
+    groups = ep_groups(mesh, axis_name)
+    for group in groups:
+        if any(d.platform != "gpu" for d in group):
+            raise ValueError("mok_jax.moe: backend='fused' moves rows over NVLink between "
+                             f"GPUs; the EP axis {axis_name!r} has devices of platform "
+                             f"{group[0].platform!r}. Use backend='xla'.")
+    key = tuple(tuple(d.id for d in g) for g in groups)
+    with _lock:
+        s = _sets.get(key)
+        if s is None:
+            size = _agreed_bytes(groups, int(need_bytes), 0)
+            handle = int(mod.create(_group_specs(groups, 0), size, timeout_s()))
+            _sets[key] = _Set(handle, size, 1)
+            return handle
+        if s.window_bytes < need_bytes:
+            size = _agreed_bytes(groups, int(need_bytes), s.builds)
+            mod.rebuild(s.handle, _group_specs(groups, s.builds), size)
+            s.window_bytes = size
+            s.builds += 1
+        return s.handle
+
+
+def _shutdown():
+    err = module().shutdown()
+    _sets.clear()
+    if err:
+        import sys
+
+        print(f"mok_jax: fused EP transport teardown: {err}", file=sys.stderr)

@@ -66,6 +66,7 @@ class Config:
     capacity_factor: float | None = None
     dtype: str = "float32"           # computation dtype; parameters are float32
     attention: str = "auto"          # "auto": cuDNN flash attention on GPU (bf16), else XLA
+    moe_backend: str = "auto"        # mok_jax.moe's backend ("fused": NVLink transport under EP)
     seq: int = 128
     batch: int = 16
     steps: int = 400
@@ -256,7 +257,8 @@ class Block(nnx.Module):
                            num_experts=cfg.n_experts, top_k=cfg.top_k, score_fn=cfg.score_fn,
                            renormalize=cfg.top_k > 1, balance_bias=cfg.balance == "bias",
                            shared_ffn_size=cfg.shared_ffn, capacity_factor=cfg.capacity_factor,
-                           dtype=dtype, rngs=rngs, **(moe_kwargs or {}))
+                           backend=cfg.moe_backend, dtype=dtype, rngs=rngs,
+                           **(moe_kwargs or {}))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, mnn.MoEAux]:
         # Named scopes label the profile's step-time breakdown (--profile).
@@ -509,7 +511,7 @@ def config_from_args(args) -> Config:
     cfg = PRESETS[args.preset]
     overrides = {name: getattr(args, name) for name in
                  ("steps", "batch", "seq", "lr", "seed", "balance", "eval_every", "ckpt_every",
-                  "log_every", "eval_batches", "attention", "dtype")
+                  "log_every", "eval_batches", "attention", "dtype", "moe_backend")
                  if getattr(args, name, None) is not None}
     if overrides.get("steps") is not None:
         overrides.setdefault("warmup", min(cfg.warmup, max(1, overrides["steps"] // 10)))
@@ -533,6 +535,9 @@ def parse_args(argv=None):
     parser.add_argument("--attention", choices=["auto", "xla", "cudnn"],
                         help="jax.nn.dot_product_attention implementation (default auto: "
                              "cudnn on a GPU in bfloat16, else xla)")
+    parser.add_argument("--moe-backend", choices=["auto", "fused", "xla"],
+                        help="mok_jax.moe's backend (default auto: under --ep on GPUs of one "
+                             "process, the fused NVLink transport; xla: XLA's all_to_all)")
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--eval-batches", type=int)
     parser.add_argument("--log-every", type=int)

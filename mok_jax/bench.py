@@ -13,11 +13,20 @@ subprocess run just before). `mok speedup` is baseline median / `moe` median of
 the same shape and pass (> 1: `moe` is faster).
 
 EP (`--ep N`): `moe` on a mesh of N devices, experts and tokens sharded, T tokens
-per device (weak scaling). Its reference is the compute-only time of one device
-doing one rank's work: the single-device `moe` record of the same shape and pass,
-which has the same T tokens and GEMM FLOPs per device and no communication. EP
-rows are reported as the time ratio EP=N / 1 device (lower is better, 1.00x is
-perfect weak scaling), never as a speedup.
+per device (weak scaling), once per exchange backend: `moe_epN_xla` (XLA's
+all_to_all) and `moe_epN_fused` (mok_jax's NVLink transport; GPU only, recorded as
+skipped on CPU and as unavailable on a GPU build without it). Their reference is
+`moe_compute_epN`, measured in the same run: `moe` on ONE device with shape
+(T, K, E/N, H, F), exactly one EP rank's expert work (the same T*K rows and GEMM
+FLOPs per device, E/N experts, no communication; where K > E/N, T*K/(E/N) tokens
+of E/N picks keep the rows). EP rows are reported as the time
+ratio EP=N / compute-only (`ep_time_ratio`; lower is better, 1.00x is perfect
+weak scaling), never as a speedup; the ratio to the single-device `moe` record with
+all E experts is kept beside it (`ep_time_ratio_all_experts`). `--exchange` adds the
+dispatch exchange alone: XLA's all_to_all variants on balanced synthetic rows, and
+the fused transport's dispatch (`nvlink_pull`, with and without its route
+computation) on the bench inputs' real routing, each with the bytes it moves per
+device and GB/s.
 
 GPU-only baselines (tokamax's Pallas kernels, the torch `_grouped_mm` ones,
 ragged_all_to_all in `--exchange`) are not attempted on CPU: they are recorded as
@@ -34,7 +43,8 @@ Examples::
     python -m mok_jax.bench --shapes ep --impls moe,tokamax --passes fwd --json out.json
     python -m mok_jax.bench --shape 4096,8,64,2048,1024    # one custom problem only
     python -m mok_jax.bench --check                        # + errors vs the reference
-    python -m mok_jax.bench --shapes ep --impls moe --ep 2  # + EP=2 over 2 devices
+    python -m mok_jax.bench --shapes ep --impls moe --ep 2  # + EP=2 (xla, fused) and
+                                                           #   its compute-only reference
 
 --check also compares every pipeline's y and gradients with the dense reference
 (relative Frobenius error per output), so that a fast but wrong pipeline shows.
@@ -62,6 +72,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mok_jax import baselines
 
@@ -152,12 +163,25 @@ GPU_ONLY = {
                         "JAX pipelines here run on the CPU, so a GPU time would not "
                         "compare)",
     "ragged_all_to_all": "needs a GPU: XLA has no CPU lowering of ragged_all_to_all",
+    "moe_epN_fused": "needs a CUDA GPU: backend='fused' moves the EP rows with mok_jax's "
+                     "NVLink kernels, which run on GPUs only (on CPU mok_jax.moe raises "
+                     "ValueError)",
+    "nvlink_pull": "needs a CUDA GPU: the fused EP transport's dispatch (ep_dispatch_p) "
+                   "pulls rows over NVLink and has no CPU lowering",
+    "nvlink_pull_prerouted": "needs a CUDA GPU: the fused EP transport's dispatch "
+                             "(ep_dispatch_p) pulls rows over NVLink and has no CPU "
+                             "lowering",
 }
+
+# The EP exchange backends timed by --ep (mok_jax.moe's `backend` under EP), and the
+# GPU_ONLY name of the fused one.
+EP_BACKENDS = ("xla", "fused")
+FUSED_EP = "moe_epN_fused"
 
 
 def platform_skip(name: str, backend: str) -> str | None:
-    """Why the pipeline, torch baseline or exchange `name` is not attempted on
-    `backend` (a GPU-only one on CPU), or None."""
+    """Why the pipeline, torch baseline, exchange or EP backend (FUSED_EP) `name` is
+    not attempted on `backend` (a GPU-only one on CPU), or None."""
     if backend == "cpu" and name in GPU_ONLY:
         return GPU_ONLY[name]
     return None
@@ -191,20 +215,38 @@ def resolve_impl(name: str) -> tuple[MoEFn | None, str | None]:
     raise ValueError(f"unknown impl {name!r}; choose from {IMPLS + EXTRA_IMPLS}")
 
 
+def _input_keys(seed: int) -> jax.Array:
+    return jax.random.split(jax.random.key(seed), 6)
+
+
+def make_routing(shape: Shape, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(expert_ids [T, K] int32, expert_weights [T, K] f32): the routing of
+    make_inputs(shape, ..., seed), made alone (no weights)."""
+    logits = jax.random.normal(_input_keys(seed)[0], (shape.tokens, shape.experts),
+                               jnp.float32)
+    top_logits, expert_ids = jax.lax.top_k(logits, shape.top_k)
+    return expert_ids.astype(jnp.int32), jax.nn.softmax(top_logits, axis=-1)
+
+
+def make_tokens(shape: Shape, dtype, seed: int = 0) -> jax.Array:
+    """x [T, H]: the tokens of make_inputs(shape, dtype, seed), made alone."""
+    return jax.random.normal(_input_keys(seed)[1], (shape.tokens, shape.hidden),
+                             jnp.float32).astype(dtype)
+
+
 def make_inputs(shape: Shape, dtype, seed: int = 0) -> dict[str, jax.Array]:
     """Random layer inputs and routing (made here, outside every timed function).
 
     Routing: top-K of [T, E] normal logits; weights are the softmax of the K chosen
     logits. dy is a fixed [T, H] cotangent for the backward pass.
     """
-    t, k, e, h, f = shape.tokens, shape.top_k, shape.experts, shape.hidden, shape.ffn
-    keys = jax.random.split(jax.random.key(seed), 6)
-    logits = jax.random.normal(keys[0], (t, e), jnp.float32)
-    top_logits, expert_ids = jax.lax.top_k(logits, k)
+    t, e, h, f = shape.tokens, shape.experts, shape.hidden, shape.ffn
+    keys = _input_keys(seed)
+    expert_ids, expert_weights = make_routing(shape, seed)
     inputs = {
-        "x": jax.random.normal(keys[1], (t, h), jnp.float32).astype(dtype),
-        "expert_ids": expert_ids.astype(jnp.int32),
-        "expert_weights": jax.nn.softmax(top_logits, axis=-1),
+        "x": make_tokens(shape, dtype, seed),
+        "expert_ids": expert_ids,
+        "expert_weights": expert_weights,
         "w_gate_up": (jax.random.normal(keys[2], (e, h, 2 * f), jnp.float32)
                       * h ** -0.5).astype(dtype),
         "w_down": (jax.random.normal(keys[3], (e, f, h), jnp.float32)
@@ -375,16 +417,109 @@ def ep_mesh(ep_size: int):
     return jax.make_mesh((ep_size,), ("ep",), devices=jax.devices()[:ep_size]), None
 
 
+def compute_only_shape(shape: Shape, ep_size: int) -> Shape:
+    """One EP rank's expert work as a single-device problem: T tokens, top-K of
+    E/ep_size experts, H, F (the same T*K rows, hence the same GEMM FLOPs, over the
+    rank's E/P experts). Where K > E/P (K distinct picks do not fit), K' = E/P picks
+    of T*K/K' tokens keep the rows; ValueError if T*K does not split so."""
+    if shape.experts % ep_size:
+        raise ValueError(f"E={shape.experts} experts do not split over {ep_size} devices")
+    e_local = shape.experts // ep_size
+    if shape.top_k <= e_local:
+        return dataclasses.replace(shape, experts=e_local)
+    rows = shape.tokens * shape.top_k
+    if rows % e_local:
+        raise ValueError(f"K={shape.top_k} > E/P={e_local} experts per device, and the "
+                         f"T*K={rows} rows do not split into tokens of {e_local} picks")
+    return dataclasses.replace(shape, tokens=rows // e_local, top_k=e_local,
+                               experts=e_local)
+
+
+def compute_only_impl(ep_size: int) -> str:
+    return f"moe_compute_ep{ep_size}"
+
+
+def ep_impl(ep_size: int, backend: str) -> str:
+    return f"moe_ep{ep_size}_{backend}"
+
+
+def bench_compute_only(shape: Shape, ep_size: int, pass_name: str, *, dtype,
+                       dtype_name: str, seed: int, warmup: int, repeats: int,
+                       verbose: bool = False) -> dict:
+    """`moe` on one device with compute_only_shape(shape, ep_size): the compute-only
+    time of one EP rank (its rows and its E/P experts, no communication), the
+    reference of the EP records' `ep_time_ratio`. Record impl `moe_compute_epN`; its
+    T, K, E fields are the single-device problem's (E = E/N), `experts_global` and
+    `compute_only_for_ep` say which EP problem it stands for."""
+    impl = compute_only_impl(ep_size)
+    try:
+        local = compute_only_shape(shape, ep_size)
+    except ValueError as err:
+        record = new_record(dataclasses.replace(shape, experts=shape.experts // ep_size),
+                            impl, pass_name, dtype_name=dtype_name, warmup=warmup,
+                            repeats=repeats)
+        record.update(status="unavailable", error=str(err))
+    else:
+        try:
+            inputs = make_inputs(local, dtype, seed)
+        except Exception as err:  # pylint: disable=broad-except
+            record = new_record(local, impl, pass_name, dtype_name=dtype_name,
+                                warmup=warmup, repeats=repeats)
+            record.update(status="error", error=_error_string(err))
+        else:
+            record = bench_one(local, MOK, pass_name, inputs, dtype_name=dtype_name,
+                               warmup=warmup, repeats=repeats, verbose=verbose)
+            del inputs
+        record["impl"] = impl
+    record.update(compute_only_for_ep=ep_size, experts_global=shape.experts,
+                  backend="auto")
+    if record["T"] != shape.tokens:
+        record["note"] = (f"K={shape.top_k} > E/P={shape.experts // ep_size}: "
+                          f"{record['T']} tokens x {record['K']} picks keep the "
+                          f"{shape.tokens * shape.top_k} rows of one rank")
+    return record
+
+
+def fused_unavailable() -> str | None:
+    """Why this build cannot run the fused EP transport (mok_jax._mok_comm missing,
+    comm.Missing's message), or None. Call on GPU only (it loads libnccl)."""
+    try:
+        from mok_jax import comm  # pylint: disable=import-outside-toplevel
+        comm.module()
+    except Exception as err:  # pylint: disable=broad-except  (comm.Missing, import errors)
+        return _error_string(err)
+    return None
+
+
+def fused_skip(backend: str) -> tuple[str, str] | None:
+    """(status, why) when the fused EP transport is not attempted here: "skipped" on
+    a backend it cannot run on (platform_skip), "unavailable" on a GPU build without
+    it; None when it can run."""
+    why = platform_skip(FUSED_EP, backend)
+    if why:
+        return "skipped", why
+    why = fused_unavailable()
+    return ("unavailable", why) if why else None
+
+
 def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: str,
-             seed: int, warmup: int, repeats: int, verbose: bool = False) -> dict:
-    """`moe` under jit on a mesh of `ep_size` devices (experts sharded, EP over
-    XLA collectives), with `shape.tokens` tokens per device: the per-device work
-    of the single-device record of the same shape, so the two times compare."""
+             seed: int, warmup: int, repeats: int, backend: str = "xla",
+             verbose: bool = False) -> dict:
+    """`mok_jax.moe(..., backend=backend)` under jit on a mesh of `ep_size` devices
+    (experts sharded; "xla": XLA's all_to_all, "fused": the NVLink transport), with
+    `shape.tokens` tokens per device: the per-device work of the compute-only record
+    (bench_compute_only), so the two times compare. Record impl `moe_epN_<backend>`."""
     from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
-    impl = f"moe_ep{ep_size}"
+    impl = ep_impl(ep_size, backend)
     record = new_record(shape, impl, pass_name, dtype_name=dtype_name, warmup=warmup,
                         repeats=repeats)
-    record["ep_size"] = ep_size
+    record.update(ep_size=ep_size, backend=backend,
+                  experts_per_device=shape.experts // ep_size)
+    if backend == "fused":
+        skip = fused_skip(jax.default_backend())
+        if skip:
+            record.update(status=skip[0], error=skip[1])
+            return record
     mesh, why = ep_mesh(ep_size)
     if mesh is None:
         record.update(status="unavailable", error=why)
@@ -394,14 +529,18 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
         if fn is None:
             record.update(status="unavailable", error=why)
             return record
+        fn = functools.partial(fn, backend=backend)
         global_shape = dataclasses.replace(shape, tokens=shape.tokens * ep_size)
         inputs = make_inputs(global_shape, dtype, seed)
         # Tokens, routing, dy and the experts dim of both weights: all split on dim 0.
         sharded = NamedSharding(mesh, PartitionSpec("ep"))
         inputs = {k: jax.device_put(v, sharded) for k, v in inputs.items()}
         step, names = build_step(fn, pass_name)
-        compile_s, times_ms, _ = time_step(step, [inputs[n] for n in names], warmup=warmup,
-                                           repeats=repeats)
+        # Under the mesh, as the fused transport's plain-jit tests run it: its
+        # lowering finds the EP group's devices there (primitives._lowering_mesh).
+        with jax.set_mesh(mesh):
+            compile_s, times_ms, _ = time_step(step, [inputs[n] for n in names],
+                                               warmup=warmup, repeats=repeats)
     except Exception as err:  # pylint: disable=broad-except
         record.update(status="error", error=_error_string(err))
         if verbose:
@@ -410,14 +549,24 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
     return finish_record(record, times_ms, compile_s)
 
 
-EXCHANGES = ("all_to_all_slots", "all_to_all_exact", "ragged_all_to_all")
+XLA_EXCHANGES = ("all_to_all_slots", "all_to_all_exact", "ragged_all_to_all")
+NVLINK_EXCHANGES = ("nvlink_pull", "nvlink_pull_prerouted")
+EXCHANGES = XLA_EXCHANGES + NVLINK_EXCHANGES
 EXCHANGE_ABOUT = {
     "all_to_all_slots": "all_to_all with ep.py's layout: a fixed slot of T*K rows per "
-                        "peer (any routing fits; P times the rows travel)",
+                        "peer (any routing fits; P times the rows travel: P x T*K "
+                        "rows x H x itemsize per device in slots, (P-1)/P of them leave "
+                        "it)",
     "all_to_all_exact": "all_to_all with slots of exactly T*K/P rows (what a balanced "
                         "routing needs)",
     "ragged_all_to_all": "the T*K/P rows per peer named by offsets and sizes (only the "
                          "real rows travel); needs a GPU",
+    "nvlink_pull": "the fused transport's dispatch on the bench inputs' routing: plan, "
+                   "NvlinkTransport.route and dispatch_tokens (ep_dispatch_p), all timed; "
+                   "one row per (token, other destination rank) travels; needs a GPU",
+    "nvlink_pull_prerouted": "nvlink_pull with the plan and route made before, outside "
+                             "the timed function: the ep_dispatch_p primitive alone; "
+                             "needs a GPU",
 }
 
 
@@ -431,6 +580,7 @@ def exchange_fn(kind: str, ep_size: int, rows: int, hidden: int) -> Callable:
     - all_to_all_exact: slots of exactly rows // P (what a balanced routing needs);
     - ragged_all_to_all: the rows // P rows per peer named by offsets and sizes
       (any routing fits, only the real rows travel).
+    (The nvlink exchanges are nvlink_fns'.)
     """
     per_peer = rows // ep_size
 
@@ -450,48 +600,175 @@ def exchange_fn(kind: str, ep_size: int, rows: int, hidden: int) -> Callable:
                 buf, out, peers * per_peer, sizes,
                 jnp.full((ep_size,), me * per_peer, jnp.int32), sizes, axis_name="ep")
         return ragged
-    raise ValueError(f"unknown exchange {kind!r}; choose from {EXCHANGES}")
+    raise ValueError(f"unknown exchange {kind!r}; choose from {XLA_EXCHANGES}")
+
+
+def nvlink_fns(ep_size: int, experts: int) -> dict[str, Callable]:
+    """The fused transport's dispatch over axis "ep", as local functions of a
+    shard_map (each rank: x [T, H], expert_ids [T, K] global ids, no capacity):
+
+    - "route": expert_ids -> NvlinkRoute (ep.plan, then NvlinkTransport.route);
+    - "nvlink_pull": (x, expert_ids) -> expert-grouped rows [P*T*K, H]: route and
+      dispatch_tokens (ep_dispatch_p), what moe's EP forward does before its experts;
+    - "nvlink_pull_prerouted": (x, entries, pull_dest, push_dest) -> the same rows
+      from a route made before: the ep_dispatch_p primitive alone.
+    """
+    from mok_jax import ep, primitives, transport  # pylint: disable=import-outside-toplevel
+    e_local = experts // ep_size
+    cfg = ep.Config("ep", ep_size, primitives.NO_CAPACITY, ("ep",))
+    tr = transport.NvlinkTransport()
+
+    def route(expert_ids):
+        return tr.route(ep.plan(expert_ids, cfg, e_local), cfg, expert_ids.shape[1], e_local)
+
+    def pull(x, expert_ids):
+        return tr.dispatch_tokens(x, route(expert_ids), cfg)[0]
+
+    def pull_prerouted(x, entries, pull_dest, push_dest):
+        return tr.dispatch_tokens(x, transport.NvlinkRoute(entries, pull_dest, push_dest),
+                                  cfg)[0]
+
+    return {"route": route, "nvlink_pull": pull, "nvlink_pull_prerouted": pull_prerouted}
+
+
+def nvlink_pull_rows(expert_ids, ep_size: int, experts: int) -> np.ndarray:
+    """Token rows each rank pulls from other ranks in one fused dispatch, [P] by
+    receiving rank: the distinct (token, destination rank) pairs of the global
+    routing `expert_ids` [P*T, K] (rank r holds tokens [r*T, (r+1)*T), expert e is
+    on rank e // (E/P)) whose destination is not the token's own rank (that copy
+    stays on the device). Ids outside [0, E) move nothing. numpy, no devices."""
+    ids = np.asarray(expert_ids)
+    n_tokens = ids.shape[0]
+    if n_tokens % ep_size or experts % ep_size:
+        raise ValueError(f"{n_tokens} tokens / {experts} experts do not split over "
+                         f"{ep_size} ranks")
+    e_local = experts // ep_size
+    valid = (ids >= 0) & (ids < experts)
+    token = np.broadcast_to(np.arange(n_tokens)[:, None], ids.shape)[valid]
+    need = np.zeros((n_tokens, ep_size), bool)
+    need[token, ids[valid] // e_local] = True           # one row per (token, rank)
+    need[np.arange(n_tokens), np.arange(n_tokens) // (n_tokens // ep_size)] = False
+    return need.sum(axis=0)
+
+
+def nvlink_pull_bytes(expert_ids, ep_size: int, experts: int, hidden: int,
+                      itemsize: int) -> np.ndarray:
+    """Bytes each rank pulls from other ranks in one fused dispatch, [P] by
+    receiving rank: nvlink_pull_rows x H x itemsize."""
+    return nvlink_pull_rows(expert_ids, ep_size, experts) * hidden * itemsize
+
+
+def exchange_bytes(kind: str, shape: Shape, ep_size: int, itemsize: int) -> dict:
+    """The byte fields of an XLA exchange record (per device, T*K rows sent, balanced):
+    `buffer_bytes_per_device` (the buffer exchanged), `bytes_moved_per_device` (what
+    leaves the device), `bytes_per_device` (what GB/s counts: the rows that must leave,
+    (P-1)/P of the T*K) and `bytes_basis`."""
+    rows, row_bytes = shape.tokens * shape.top_k, shape.hidden * itemsize
+    useful = rows * (ep_size - 1) // ep_size * row_bytes
+    if kind == "all_to_all_slots":
+        return {"buffer_bytes_per_device": ep_size * rows * row_bytes,
+                "bytes_moved_per_device": (ep_size - 1) * rows * row_bytes,
+                "bytes_per_device": useful,
+                "bytes_basis": "slots: P x T*K rows x H x itemsize per device, of which "
+                               "(P-1)/P leave it (bytes_moved_per_device); GB/s counts "
+                               "only the rows that must leave, (P-1)/P of the T*K "
+                               "(bytes_per_device)"}
+    return {"buffer_bytes_per_device": rows // ep_size * ep_size * row_bytes,
+            "bytes_moved_per_device": rows // ep_size * (ep_size - 1) * row_bytes,
+            "bytes_per_device": useful,
+            "bytes_basis": "T*K/P rows to each peer; GB/s counts the (P-1)/P of the "
+                           "T*K rows x H x itemsize that leave the device"}
 
 
 def bench_exchange(shape: Shape, ep_size: int, kind: str, *, dtype, warmup: int,
-                   repeats: int) -> dict:
-    """Time of one dispatch exchange of `shape`'s T*K rows per device over `ep_size`
-    devices; GB/s counts the rows that must leave each device ((P-1)/P of them)."""
+                   repeats: int, seed: int = 0) -> dict:
+    """Time of one dispatch exchange of `shape` (T tokens, T*K rows per device) over
+    `ep_size` devices. Every record has `bytes_per_device` and `gb_per_s` =
+    bytes_per_device / median: for the XLA kinds the rows that must leave each device
+    under balanced routing ((P-1)/P of T*K, exchange_bytes); for the nvlink kinds the
+    mean over devices of the token rows pulled from other ranks on the bench inputs'
+    real routing (seed `seed`, as bench_ep's; nvlink_pull_bytes; the max is
+    `bytes_per_device_max`)."""
     from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
     rows, hidden = shape.tokens * shape.top_k, shape.hidden
+    itemsize = jnp.dtype(dtype).itemsize
     record = {"shape": shape.name, "exchange": kind, "ep_size": ep_size, "rows": rows,
               "hidden": hidden, "dtype": jnp.dtype(dtype).name, "status": "ok",
-              "error": None, "median_ms": None, "gb_per_s": None}
+              "error": None, "median_ms": None, "min_ms": None, "gb_per_s": None}
+    nvlink = kind in NVLINK_EXCHANGES
+    global_shape = dataclasses.replace(shape, tokens=shape.tokens * ep_size)
+    if nvlink:
+        try:
+            ids_global = make_routing(global_shape, seed)[0]
+            ids_np = np.asarray(jax.device_get(ids_global))
+            pulled = nvlink_pull_rows(ids_np, ep_size, shape.experts)
+            per_device = [int(b) for b in nvlink_pull_bytes(ids_np, ep_size, shape.experts,
+                                                            hidden, itemsize)]
+        except Exception as err:  # pylint: disable=broad-except
+            record.update(status="error", error=_error_string(err))
+            return record
+        record.update(
+            pulled_rows_per_device=[int(n) for n in pulled],
+            bytes_per_device=sum(per_device) / ep_size,
+            bytes_per_device_max=max(per_device),
+            bytes_moved_per_device=sum(per_device) / ep_size,
+            bytes_basis="token rows pulled from other ranks: distinct (token, "
+                        "destination rank) pairs of the bench routing whose "
+                        "destination is not the token's rank, x H x itemsize; "
+                        "bytes_per_device (and gb_per_s) is the mean over receiving "
+                        "devices, bytes_per_device_max (gb_per_s_max) the largest")
+    else:
+        record.update(exchange_bytes(kind, shape, ep_size, itemsize))
     why = platform_skip(kind, jax.default_backend())
     if why:
         record.update(status="skipped", error=why)
+        return record
+    why = fused_unavailable() if nvlink else None
+    if why:
+        record.update(status="unavailable", error=why)
         return record
     mesh, why = ep_mesh(ep_size)
     if mesh is None:
         record.update(status="unavailable", error=why)
         return record
     try:
-        sharded = NamedSharding(mesh, PartitionSpec("ep"))
-        local_rows = rows * ep_size if kind == "all_to_all_slots" else rows
+        spec = PartitionSpec("ep")
+        sharded = NamedSharding(mesh, spec)
+        if nvlink:
+            fns = nvlink_fns(ep_size, shape.experts)
+            x = jax.jit(lambda: make_tokens(global_shape, dtype, seed),
+                        out_shardings=sharded)()
+            ids = jax.device_put(ids_global, sharded)
+            if kind == "nvlink_pull":
+                args, specs = [x, ids], (spec, spec)
+            else:  # the route made here, outside the timed function
+                route = jax.jit(jax.shard_map(fns["route"], mesh=mesh, in_specs=(spec,),
+                                              out_specs=spec))(ids)
+                args, specs = [x, *jax.block_until_ready(route)], (spec,) * 4
+            local_fn = fns[kind]
+        else:
+            local_rows = rows * ep_size if kind == "all_to_all_slots" else rows
 
-        def filled(n_rows, value):  # made in place, shard by shard (not on one device)
-            return jax.jit(lambda: jnp.full((ep_size * n_rows, hidden), value, dtype),
-                           out_shardings=sharded)()
-        args = [filled(local_rows, 1)]
-        specs = (PartitionSpec("ep"),)
-        if kind == "ragged_all_to_all":
-            args.append(filled(rows, 0))
-            specs += (PartitionSpec("ep"),)
-        step = jax.jit(jax.shard_map(exchange_fn(kind, ep_size, rows, hidden), mesh=mesh,
-                                     in_specs=specs, out_specs=PartitionSpec("ep")))
+            def filled(n_rows, value):  # made in place, shard by shard (not on one device)
+                return jax.jit(lambda: jnp.full((ep_size * n_rows, hidden), value, dtype),
+                               out_shardings=sharded)()
+            args = [filled(local_rows, 1)]
+            specs = (spec,)
+            if kind == "ragged_all_to_all":
+                args.append(filled(rows, 0))
+                specs += (spec,)
+            local_fn = exchange_fn(kind, ep_size, rows, hidden)
+        step = jax.jit(jax.shard_map(local_fn, mesh=mesh, in_specs=specs, out_specs=spec))
         compile_s, times_ms, _ = time_step(step, args, warmup=warmup, repeats=repeats)
     except Exception as err:  # pylint: disable=broad-except
         record.update(status="error", error=_error_string(err))
         return record
     median = statistics.median(times_ms)
-    leaving = rows * (ep_size - 1) // ep_size * hidden * jnp.dtype(dtype).itemsize
     record.update(median_ms=median, min_ms=min(times_ms), compile_s=compile_s,
-                  times_ms=times_ms, gb_per_s=leaving / (median * 1e-3) / 1e9)
+                  times_ms=times_ms,
+                  gb_per_s=record["bytes_per_device"] / (median * 1e-3) / 1e9)
+    if nvlink:
+        record["gb_per_s_max"] = record["bytes_per_device_max"] / (median * 1e-3) / 1e9
     return record
 
 
@@ -560,6 +837,11 @@ def is_ep_record(record: dict) -> bool:
     return (record.get("ep_size") or 1) > 1
 
 
+def is_compute_only_record(record: dict) -> bool:
+    """Whether `record` is one EP rank's work on one device (bench_compute_only)."""
+    return bool(record.get("compute_only_for_ep"))
+
+
 # What the derived fields mean; written into the JSON (its "legend").
 LEGEND = {
     "median_ms": "median of the timed runs (milliseconds), after compilation and "
@@ -568,57 +850,86 @@ LEGEND = {
               "per device for EP records",
     "mok_speedup": "baseline median / moe median, same shape, pass and process "
                    "(> 1: moe is faster); single-device baselines only, absent from "
-                   "EP records",
-    "ep_time_ratio": "EP records only: EP=N median / the one-device moe median of the "
-                     "same shape and pass (T tokens and the same GEMM FLOPs per "
-                     "device, no communication). A time ratio, lower is better; 1.0 "
-                     "is perfect weak scaling; not a speedup",
+                   "EP records and None on compute-only records",
+    "compute_only_for_ep": "on moe_compute_epN records: N. moe on one device with T "
+                           "tokens, K picks of E/N experts (its E field; experts_global "
+                           "is the EP problem's E): exactly one EP rank's expert work, "
+                           "no communication",
+    "ep_time_ratio": "EP records (moe_epN_xla, moe_epN_fused) only: EP=N median / the "
+                     "compute-only median (moe_compute_epN, ep_reference_ms) of the "
+                     "same shape and pass (same T*K rows and GEMM FLOPs per device, "
+                     "E/N experts, no communication). A time ratio, lower is better; "
+                     "1.0 is perfect weak scaling; not a speedup",
+    "ep_time_ratio_all_experts": "EP records only: EP=N median / the single-device moe "
+                                 "median with all E experts (one_device_ms) of the same "
+                                 "shape and pass, when that record was measured",
+    "bytes_per_device": "exchange records: the bytes per device that gb_per_s counts "
+                        "(bytes_basis says which; bytes_moved_per_device: what leaves a "
+                        "device)",
+    "gb_per_s": "exchange records: bytes_per_device / median time, 1e9 bytes per GB",
     "status": "ok; error (attempted and failed: see error); unavailable (not "
-              "importable, or too few devices); skipped (not attempted: --skip, "
-              "auto-skip or needs a GPU; error says why)",
+              "importable or not built, or too few devices); skipped (not attempted: "
+              "--skip, auto-skip or needs a GPU; error says why)",
 }
 
 
 def add_speedups(records: list[dict]) -> None:
     """Sets `mok_speedup` = baseline median / moe median on each measured
-    single-device baseline, and on each EP record (no `mok_speedup` there)
-    `ep_time_ratio` = EP median / the one-device moe median of the same shape and
-    pass, with that median as `ep_reference_ms`."""
+    single-device baseline (None on compute-only records); on each EP record (no
+    `mok_speedup` there) `ep_time_ratio` = EP median / the compute-only median of
+    the same shape, pass and EP size (that median: `ep_reference_ms`, its impl:
+    `ep_reference`), and `ep_time_ratio_all_experts` = EP median / the one-device
+    moe median (`one_device_ms`)."""
     mok_ms = {(r["shape"], r["pass"]): r["median_ms"] for r in records
               if r["impl"] == MOK and r["median_ms"]}
+    compute_ms = {(r["shape"], r["pass"], r["compute_only_for_ep"]): r["median_ms"]
+                  for r in records if is_compute_only_record(r) and r["median_ms"]}
     for r in records:
-        ref = mok_ms.get((r["shape"], r["pass"]))
+        one = mok_ms.get((r["shape"], r["pass"]))
         if is_ep_record(r):
+            ref = compute_ms.get((r["shape"], r["pass"], r["ep_size"]))
+            ms = r["median_ms"]
             r.pop("mok_speedup", None)
+            r["ep_reference"] = compute_only_impl(r["ep_size"])
             r["ep_reference_ms"] = ref
-            r["ep_time_ratio"] = r["median_ms"] / ref if ref and r["median_ms"] else None
+            r["ep_time_ratio"] = ms / ref if ref and ms else None
+            r["one_device_ms"] = one
+            r["ep_time_ratio_all_experts"] = ms / one if one and ms else None
             continue
-        r["mok_speedup"] = (r["median_ms"] / ref
-                            if ref and r["median_ms"] and r["impl"] != MOK else None)
+        r["mok_speedup"] = (r["median_ms"] / one
+                            if one and r["median_ms"] and r["impl"] != MOK
+                            and not is_compute_only_record(r) else None)
 
 
 def ep_ratio_text(record: dict) -> str:
-    """One EP record's comparison with one device, e.g.
-    "EP=2 / 1 device: 1.90x (time ratio, lower is better)"."""
+    """One EP record's comparison with the compute-only time, e.g. "EP=2 fused /
+    compute-only: 1.90x (time ratio, lower is better); / 1 device, all 128
+    experts: 1.85x"."""
     ratio = record.get("ep_time_ratio")
     value = "-" if ratio is None else f"{ratio:.2f}x"
-    text = f"EP={record['ep_size']} / 1 device: {value} (time ratio, lower is better)"
+    backend = f" {record['backend']}" if record.get("backend") else ""
+    text = (f"EP={record['ep_size']}{backend} / compute-only: {value} "
+            "(time ratio, lower is better)")
     if ratio is None:
-        text += (": no one-device moe time to compare with" if record["median_ms"]
+        text += (": no compute-only time to compare with" if record["median_ms"]
                  else f": EP run {record['status']}")
+    elif record.get("ep_time_ratio_all_experts") is not None:
+        text += (f"; / 1 device, all {record.get('E', 'E')} experts: "
+                 f"{record['ep_time_ratio_all_experts']:.2f}x")
     return text
 
 
 def format_table(records: list[dict]) -> str:
     """A text table: one row per record; errors shortened to one line.
 
-    Single-device baselines get `mok speedup`; EP rows get `EP/1 device`, the time
-    ratio to one device (lower is better), and an EP summary line each below.
+    Single-device baselines get `mok speedup`; EP rows get `EP/compute`, the time
+    ratio to the compute-only record (lower is better), and an EP summary line each
+    below; compute-only rows are marked `(ref)` there.
     """
     checked = any(r.get("rel_err") for r in records)
     ep_records = [r for r in records if is_ep_record(r)]
     header = ("shape", "impl", "pass", "median ms", "min ms", "TFLOP/s", "mok speedup")
-    header += ("EP/1 device",) if ep_records else ()
+    header += ("EP/compute",) if ep_records else ()
     header += ("max rel err",) if checked else ()
     rows = [header]
     notes: dict[str, list[str]] = {}   # one line per distinct failure, with where
@@ -638,7 +949,8 @@ def format_table(records: list[dict]) -> str:
                "-" if speedup is None else f"{speedup:.2f}x")
         if ep_records:
             ratio = r.get("ep_time_ratio")
-            row += ("-" if ratio is None else f"{ratio:.2f}x",)
+            row += ("(ref)" if is_compute_only_record(r)
+                    else "-" if ratio is None else f"{ratio:.2f}x",)
         if checked:
             errs = r.get("rel_err") or {}
             worst = max(errs, key=errs.get) if errs else None
@@ -652,19 +964,52 @@ def format_table(records: list[dict]) -> str:
     text += ("\n\nmok speedup: baseline median / moe median, same shape, pass and process "
              "(> 1: moe is faster); single-device rows only.")
     if ep_records:
-        text += ("\nEP/1 device: EP=N median / the one-device moe median of the same shape "
-                 "and pass (both T tokens per device, the same GEMM FLOPs per device; "
-                 "one device does no communication). A time ratio: lower is better, "
-                 "1.00x is perfect weak scaling. TFLOP/s of EP rows are per device.")
+        text += ("\nEP/compute: EP=N median / the median of moe_compute_epN, moe on one "
+                 "device with one rank's work (T tokens, K of E/N experts: the same rows "
+                 "and GEMM FLOPs per device, no communication). A time ratio: lower is "
+                 "better, 1.00x is perfect weak scaling. TFLOP/s of EP rows are per "
+                 "device.")
     if checked:
         text += ("\nmax rel err: the largest relative Frobenius error over y and the "
                  "gradients, against the reference (in parentheses: which output).")
     for note, where in notes.items():
         text += f"\n{note}  [{', '.join(where)}]"
     if ep_records:
-        text += "\n\nEP against one device:"
+        text += "\n\nEP against compute-only (one device, one rank's E/N experts):"
         for r in ep_records:
-            text += f"\n  {r['shape']} {r['pass']}: {ep_ratio_text(r)}"
+            text += f"\n  {r['shape']} {r['pass']} {r['impl']}: {ep_ratio_text(r)}"
+    return text
+
+
+def format_exchanges(records: list[dict]) -> str:
+    """A text table of the --exchange records: time, bytes per device, GB/s."""
+    header = ("shape", "exchange", "P", "median ms", "MB/device", "GB/s", "status")
+    rows = [header]
+    for r in records:
+        mb = r.get("bytes_per_device")
+        rows.append((r["shape"], r["exchange"], str(r["ep_size"]),
+                     "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}",
+                     "-" if mb is None else f"{mb / 1e6:.2f}",
+                     "-" if r["gb_per_s"] is None else f"{r['gb_per_s']:.1f}",
+                     r["status"]))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i < 2 or i == 6 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    text = "\n".join(lines)
+    text += ("\n\nMB/device, GB/s: all_to_all_* and ragged count the (P-1)/P of the T*K "
+             "rows that must leave a device under balanced routing (all_to_all_slots "
+             "moves P-1 times that: bytes_moved_per_device); nvlink_pull* count the "
+             "token rows each device pulls from other ranks (one per distinct token and "
+             "destination rank, real routing), the mean over devices.")
+    notes: dict[str, list[str]] = {}
+    for r in records:
+        if r["median_ms"] is None and r["error"]:
+            first = (r["error"].splitlines() or [""])[0][:300]
+            notes.setdefault(f"{r['exchange']}: {r['status']}: {first}", []).append(
+                f"{r['shape']}/P={r['ep_size']}")
+    for note, where in notes.items():
+        text += f"\n{note}  [{', '.join(where)}]"
     return text
 
 
@@ -813,11 +1158,24 @@ def _entry(name: str, text: str, width: int) -> list[str]:
                          subsequent_indent=" " * (width + 4))
 
 
+# What --ep N adds (help; N stands for each size).
+EP_ABOUT = {
+    "moe_compute_epN": "moe on ONE device with T tokens, top-K of E/N experts: one EP "
+                       "rank's expert work without communication, the reference of the "
+                       "EP rows",
+    "moe_epN_xla": "moe(backend='xla') on a mesh of N devices (experts and tokens "
+                   "sharded, T tokens per device), rows moved by XLA's all_to_all",
+    "moe_epN_fused": "moe(backend='fused') on the same mesh, rows moved by mok_jax's "
+                     "NVLink transport; needs a CUDA GPU and a build with it",
+}
+
+
 def help_epilog() -> str:
     """The end of --help: every shape with its dimensions, every pipeline, pass and
     exchange with what it is, and how to read the numbers (made from the tables
     above, so it cannot go stale)."""
-    width = max(len(n) for n in (*IMPLS, *EXTRA_IMPLS, *TORCH_IMPLS, *EXCHANGES))
+    width = max(len(n) for n in (*IMPLS, *EXTRA_IMPLS, *TORCH_IMPLS, *EXCHANGES,
+                                 *EP_ABOUT))
     lines = ["shapes (--shapes; T tokens per device, top-K of E experts, hidden H,",
              "expert FFN F; rows per expert T*K/E):"]
     for name, full in FULL_SHAPES.items():
@@ -846,9 +1204,10 @@ def help_epilog() -> str:
     lines += [
         "--ep N adds, for each N >= 2 and each of --ep-shapes:",
     ]
-    lines += _entry("moe_epN", "moe on a mesh of N devices (experts and tokens sharded, T "
-                    "tokens per device); reported as a time ratio to one device", width)
-    lines.append("--exchange adds, with --ep N, the EP dispatch exchange alone (GB/s):")
+    for name, text in EP_ABOUT.items():
+        lines += _entry(name, text, width)
+    lines.append("--exchange adds, with --ep N, the EP dispatch exchange alone (bytes per "
+                 "device, GB/s):")
     for name in EXCHANGES:
         lines += _entry(name, EXCHANGE_ABOUT[name], width)
     lines.append("passes (--passes; default both):")
@@ -864,10 +1223,13 @@ def help_epilog() -> str:
         "reading the results:",
         "  mok speedup   baseline median / moe median, same shape and pass (> 1: moe is",
         "                faster); single-device rows only",
-        "  EP/1 device   EP=N median / the one-device moe median of the same shape and",
+        "  EP/compute    EP=N median / the moe_compute_epN median of the same shape and",
         "                pass, the compute-only time of one device doing one rank's work",
-        "                (same T and GEMM FLOPs per device, no communication); a time",
-        "                ratio, lower is better, 1.00x is perfect weak scaling",
+        "                (T tokens, K of E/N experts: the same rows and GEMM FLOPs per",
+        "                device, no communication); a time ratio, lower is better, 1.00x",
+        "                is perfect weak scaling. The JSON also has the ratio to the",
+        "                one-device moe record with all E experts",
+        "                (ep_time_ratio_all_experts)",
     ]
     lines += textwrap.wrap(
         f"GPU-only measurements ({', '.join(GPU_ONLY)}) are not attempted on CPU: they "
@@ -922,9 +1284,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "CUDA (skipped, with the reason, on CPU)")
     parser.add_argument("--ep", type=_int_list, default=[], metavar="N[,N...]",
                         help="also time moe on a mesh of N devices (experts and tokens "
-                             "sharded; T tokens per device: weak scaling) for each of "
-                             "--ep-shapes; a comma list times each size, e.g. 2,4,8. "
-                             "Needs N devices, moe in --impls, and E divisible by N")
+                             "sharded; T tokens per device: weak scaling) per exchange "
+                             "backend (xla, fused), and one rank's work on one device "
+                             "(compute-only, their reference), for each of --ep-shapes; "
+                             "a comma list times each size, e.g. 2,4,8. Needs N devices, "
+                             "moe in --impls, and E divisible by N")
     parser.add_argument("--exchange", action="store_true",
                         help="with --ep N: also time the EP dispatch exchange alone "
                              "(see below) for each of --ep-shapes")
@@ -1034,16 +1398,18 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             missing = [n for n in args.ep_shapes if n not in selected]
             if missing:
                 fail(f"--ep-shapes {','.join(missing)}: not among this run's shapes "
-                     f"({','.join(selected)}); EP rows are compared with the one-device moe "
-                     "record of the same shape, so add them to --shapes (or --shape)")
+                     f"({','.join(selected)}); EP rows are also compared with the "
+                     "one-device moe record of the same shape, so add them to --shapes "
+                     "(or --shape)")
         if MOK not in args.impls:
-            fail(f"--ep compares moe on N devices with the one-device moe record of the same "
-                 f"shape, and --impls ({','.join(args.impls)}) has no moe; add moe to --impls")
+            fail(f"--ep times moe (on N devices, and on one device with one rank's E/N "
+                 f"experts), and --impls ({','.join(args.impls)}) has no moe; add moe to "
+                 "--impls")
         for name in args.ep_shapes:
             for pass_name in args.passes:
                 if skipped(args.skip, MOK, pass_name, name):
                     fail(f"--skip removes moe/{pass_name} on {name}, the one-device record "
-                         f"its EP rows are compared with")
+                         f"(all E experts) its EP rows are also compared with")
     else:
         args.ep_shapes = []
     if not args.torch and not args.ep and not plan(args, run_shapes(args, False)):
@@ -1156,6 +1522,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
               "shapes (pass --full-on-cpu to run the full ones).", file=sys.stderr)
     shapes = run_shapes(args, quick)
     gpu_only = [n for n in (*args.impls, *(TORCH_IMPLS if args.torch else ()),
+                            *((FUSED_EP,) if args.ep else ()),
                             *(EXCHANGES if args.exchange else ()))
                 if platform_skip(n, backend)]
     for name in gpu_only:
@@ -1239,18 +1606,27 @@ def main(argv: Sequence[str] | None = None) -> dict:
             for ep_size in (args.ep if shape.name in args.ep_shapes else []):
                 if ep_size < 2:
                     continue  # EP=1 is the single-device record above
-                record = bench_ep(shape, ep_size, pass_name, dtype=DTYPES[args.dtype],
-                                  dtype_name=args.dtype, seed=args.seed, warmup=args.warmup,
-                                  repeats=args.repeats, verbose=args.verbose)
-                records.append(record)
-                _print_progress(record)
-                save(records + pre_records)
+                common = {"dtype": DTYPES[args.dtype], "dtype_name": args.dtype,
+                          "seed": args.seed, "warmup": args.warmup,
+                          "repeats": args.repeats, "verbose": args.verbose}
+                # The reference first: one rank's expert work on one device, then
+                # the EP layer over each exchange backend (each saved as it ends).
+                runs = [functools.partial(bench_compute_only, shape, ep_size, pass_name,
+                                          **common)]
+                runs += [functools.partial(bench_ep, shape, ep_size, pass_name, backend=b,
+                                           **common) for b in EP_BACKENDS]
+                for run in runs:
+                    record = run()
+                    records.append(record)
+                    _print_progress(record)
+                    save(records + pre_records)
         del inputs
         exchange_sizes = [n for n in args.ep if n > 1] if args.exchange else []
         for ep_size, kind in ((n, k) for n in exchange_sizes for k in EXCHANGES):
             if shape.name in args.ep_shapes:
                 xrec = bench_exchange(shape, ep_size, kind, dtype=DTYPES[args.dtype],
-                                      warmup=args.warmup, repeats=args.repeats)
+                                      warmup=args.warmup, repeats=args.repeats,
+                                      seed=args.seed)
                 exchange_records.append(xrec)
                 done = (f"{xrec['median_ms']:.3f} ms, {xrec['gb_per_s']:.1f} GB/s"
                         if xrec["median_ms"] is not None
@@ -1261,6 +1637,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     records += pre_records
     add_speedups(records)
     print(format_table(records))
+    if exchange_records:
+        print("\n" + format_exchanges(exchange_records))
     print(f"\n{len(records)} measurements in {time.perf_counter() - start:.1f} s")
     result = save(records)
     if args.json:

@@ -1,5 +1,6 @@
 """Tests for mok_jax.baselines (against oracles) and mok_jax.bench (CLI, JSON, table)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -254,33 +255,173 @@ def test_check_reports_relative_errors():
         assert max(r["rel_err"].values()) < 1e-5, r["rel_err"]
 
 
-def test_ep_mode_times_moe_on_meshes_of_each_size():
-    result = bench.main(["--quick", "--shapes", "ep", "--impls", "moe", "--passes", "fwd",
-                         "--repeats", "1", "--warmup", "0", "--dtype", "f32", "--ep", "1,2,4",
-                         "--exchange"])
+@pytest.fixture(scope="module")
+def ep_run():
+    """One --ep 1,2,4 --exchange run (quick ep shape, fwd), shared by the EP tests."""
+    return bench.main(["--quick", "--shapes", "ep", "--impls", "moe", "--passes", "fwd",
+                       "--repeats", "1", "--warmup", "0", "--dtype", "f32",
+                       "--ep", "1,2,4", "--exchange"])
+
+
+def _fused_expected_status(record):
+    """The fused EP transport on this machine: skipped on CPU (the reason mentions
+    the GPU), else measured, or unavailable/error with the reason."""
+    if jax.default_backend() == "cpu":
+        assert record["status"] == "skipped" and record["median_ms"] is None, record
+        assert "GPU" in record["error"], record
+    else:
+        assert (record["status"] == "ok" and record["median_ms"] > 0) or (
+            record["status"] in ("unavailable", "error") and record["error"]), record
+
+
+def test_ep_mode_times_moe_on_meshes_of_each_size(ep_run):
+    result = ep_run
     by_impl = {r["impl"]: r for r in result["records"]}
-    assert set(by_impl) == {"moe", "moe_ep2", "moe_ep4"}  # EP=1 is the plain record
+    # EP=1 is the plain record; each EP size adds its compute-only reference and
+    # one record per exchange backend.
+    assert set(by_impl) == {"moe"} | {f"moe_{name}" for n in (2, 4) for name in (
+        f"compute_ep{n}", f"ep{n}_xla", f"ep{n}_fused")}
+    assert [r["impl"] for r in result["records"]] == [
+        "moe", "moe_compute_ep2", "moe_ep2_xla", "moe_ep2_fused",
+        "moe_compute_ep4", "moe_ep4_xla", "moe_ep4_fused"]
     for size in (2, 4):
-        ep = by_impl[f"moe_ep{size}"]
-        assert ep["status"] == "ok", ep["error"]
-        assert ep["ep_size"] == size and ep["median_ms"] > 0
-        # Same per-device work, so the same FLOPs are credited to both records.
-        assert ep["gemm_flops"] == by_impl["moe"]["gemm_flops"]
-        # A time ratio to the one-device record, never a speedup.
-        assert not [key for key in ep if "speedup" in key], ep
-        assert ep["ep_reference_ms"] == by_impl["moe"]["median_ms"]
-        assert ep["ep_time_ratio"] == pytest.approx(
-            ep["median_ms"] / by_impl["moe"]["median_ms"])
+        compute = by_impl[f"moe_compute_ep{size}"]
+        assert compute["status"] == "ok", compute["error"]
+        assert compute["mok_speedup"] is None and "ep_size" not in compute
+        for backend in bench.EP_BACKENDS:
+            ep = by_impl[f"moe_ep{size}_{backend}"]
+            assert ep["ep_size"] == size and ep["backend"] == backend
+            assert ep["experts_per_device"] == bench.QUICK_SHAPES["ep"].experts // size
+            # Same per-device work, so the same FLOPs are credited to all three.
+            assert ep["gemm_flops"] == compute["gemm_flops"] == by_impl["moe"]["gemm_flops"]
+            # A time ratio to the compute-only record, never a speedup.
+            assert not [key for key in ep if "speedup" in key], ep
+            assert ep["ep_reference"] == f"moe_compute_ep{size}"
+            assert ep["ep_reference_ms"] == compute["median_ms"]
+            assert ep["one_device_ms"] == by_impl["moe"]["median_ms"]
+            if backend == "fused":
+                _fused_expected_status(ep)
+            else:
+                assert ep["status"] == "ok", ep["error"]
+            if ep["status"] == "ok":
+                assert ep["median_ms"] > 0
+                assert ep["ep_time_ratio"] == pytest.approx(
+                    ep["median_ms"] / compute["median_ms"])
+                assert ep["ep_time_ratio_all_experts"] == pytest.approx(
+                    ep["median_ms"] / by_impl["moe"]["median_ms"])
+            else:
+                assert ep["ep_time_ratio"] is None
     assert "absent from EP records" in result["legend"]["mok_speedup"]
     assert "lower is better" in result["legend"]["ep_time_ratio"]
+    assert "compute-only" in result["legend"]["ep_time_ratio"]
     exchanges = {(r["ep_size"], r["exchange"]): r for r in result["exchange"]}
     assert set(exchanges) == {(n, k) for n in (2, 4) for k in bench.EXCHANGES}
+    backend = jax.default_backend()
     for (n, kind), r in exchanges.items():
-        if kind == "ragged_all_to_all" and jax.default_backend() == "cpu":
+        assert r["bytes_per_device"] > 0 and "gb_per_s" in r, r
+        if bench.platform_skip(kind, backend):
             # No CPU lowering: not attempted, recorded as skipped with the reason.
-            assert r["status"] == "skipped" and "ragged_all_to_all" in r["error"], r
+            assert r["status"] == "skipped" and r["gb_per_s"] is None, r
+            assert r["error"] == bench.platform_skip(kind, backend) and "GPU" in r["error"]
+        elif kind in bench.NVLINK_EXCHANGES:
+            _fused_expected_status(r)
         else:
             assert r["status"] == "ok" and r["gb_per_s"] > 0, r
+        if r["status"] == "ok":
+            assert r["gb_per_s"] == pytest.approx(
+                r["bytes_per_device"] / (r["median_ms"] * 1e-3) / 1e9)
+
+
+def test_compute_only_record_is_one_ranks_work_with_e_over_p_experts(ep_run):
+    shape = bench.QUICK_SHAPES["ep"]   # T=64, K=8, E=32
+    for size in (2, 4):
+        (compute,) = [r for r in ep_run["records"] if r["impl"] == f"moe_compute_ep{size}"]
+        assert (compute["T"], compute["K"], compute["E"], compute["H"], compute["F"]) == (
+            shape.tokens, shape.top_k, shape.experts // size, shape.hidden, shape.ffn)
+        assert compute["compute_only_for_ep"] == size
+        assert compute["experts_global"] == shape.experts
+        assert compute["shape"] == "ep" and compute["pass"] == "fwd"
+    # K > E/P: K' = E/P picks of T*K/K' tokens keep the T*K rows (and GEMM FLOPs).
+    local = bench.compute_only_shape(shape, 8)
+    assert (local.tokens, local.top_k, local.experts) == (128, 4, 4)
+    assert local.gemm_flops("fwd") == shape.gemm_flops("fwd")
+    assert bench.compute_only_shape(bench.FULL_SHAPES["ep"], 8) == bench.Shape(
+        "ep", 4096, 8, 16, 7168, 2048)
+
+
+def test_fused_ep_is_skipped_on_cpu_and_unavailable_without_the_build(monkeypatch):
+    status, why = bench.fused_skip("cpu")
+    assert status == "skipped" and "GPU" in why and "fused" in why
+    monkeypatch.setattr(bench, "fused_unavailable",
+                        lambda: "Missing: mok_jax was built without its fused EP transport")
+    assert bench.fused_skip("gpu") == (
+        "unavailable", "Missing: mok_jax was built without its fused EP transport")
+    monkeypatch.setattr(bench, "fused_unavailable", lambda: None)
+    assert bench.fused_skip("gpu") is None
+    if jax.default_backend() == "cpu":
+        record = bench.bench_ep(bench.QUICK_SHAPES["ep"], 2, "fwd", dtype=jnp.float32,
+                                dtype_name="f32", seed=0, warmup=0, repeats=1,
+                                backend="fused")
+        assert record["impl"] == "moe_ep2_fused" and record["status"] == "skipped"
+        assert "GPU" in record["error"]
+
+
+def test_nvlink_pull_bytes_on_a_hand_made_routing():
+    # P=2 ranks, T=3 tokens each, K=2, E=4: experts 0,1 on rank 0, experts 2,3 on rank 1.
+    ids = np.array([[0, 1],    # t0 (rank 0): rank 0 only                  -> nothing
+                    [1, 2],    # t1 (rank 0): rank 0 and rank 1            -> rank 1 pulls 1
+                    [3, 2],    # t2 (rank 0): rank 1 twice, pulled once    -> rank 1 pulls 1
+                    [0, 3],    # t3 (rank 1): rank 0 and rank 1            -> rank 0 pulls 1
+                    [2, 0],    # t4 (rank 1): rank 1 and rank 0            -> rank 0 pulls 1
+                    [1, 0]],   # t5 (rank 1): rank 0 twice, pulled once    -> rank 0 pulls 1
+                   np.int32)
+    hidden, itemsize = 5, 2
+    np.testing.assert_array_equal(bench.nvlink_pull_rows(ids, 2, 4), [3, 2])
+    np.testing.assert_array_equal(bench.nvlink_pull_bytes(ids, 2, 4, hidden, itemsize),
+                                  [3 * 5 * 2, 2 * 5 * 2])
+    # Ids outside [0, E) move nothing: t1 loses its pick of rank 1.
+    ids[1, 1] = -1
+    np.testing.assert_array_equal(bench.nvlink_pull_rows(ids, 2, 4), [3, 1])
+
+
+def test_nvlink_pull_rows_match_the_transports_own_route():
+    """The byte count helper counts the remote entries NvlinkTransport.route lists
+    (its route runs on CPU; only the dispatch needs a GPU)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    shape = bench.Shape("tiny", 16, 3, 8, 8, 8)
+    for ep_size in (2, 4):
+        ids = bench.make_routing(dataclasses.replace(shape, tokens=16 * ep_size), 3)[0]
+        mesh, _ = bench.ep_mesh(ep_size)
+        sharded = NamedSharding(mesh, P("ep"))
+        route = jax.jit(jax.shard_map(bench.nvlink_fns(ep_size, shape.experts)["route"],
+                                      mesh=mesh, in_specs=(P("ep"),), out_specs=P("ep")))(
+            jax.device_put(ids, sharded))
+        entries = np.asarray(route.entries).reshape(ep_size, -1)   # src * T + t, -1: none
+        remote = [int(np.sum((e >= 0) & (e // shape.tokens != r)))
+                  for r, e in enumerate(entries)]
+        np.testing.assert_array_equal(
+            bench.nvlink_pull_rows(np.asarray(ids), ep_size, shape.experts), remote)
+
+
+def test_nvlink_exchanges_trace_to_the_fused_dispatch():
+    """Both nvlink exchange functions build the ep_dispatch_p program (lowering it
+    needs a GPU): the rows of every rank's possible pairs, [P*T*K, H] per device."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    ep_size, shape = 2, bench.QUICK_SHAPES["ep"]
+    global_shape = dataclasses.replace(shape, tokens=shape.tokens * ep_size)
+    mesh, _ = bench.ep_mesh(ep_size)
+    sharded = NamedSharding(mesh, P("ep"))
+    fns = bench.nvlink_fns(ep_size, shape.experts)
+    x = jax.device_put(bench.make_tokens(global_shape, jnp.bfloat16), sharded)
+    ids = jax.device_put(bench.make_routing(global_shape)[0], sharded)
+    route = jax.jit(jax.shard_map(fns["route"], mesh=mesh, in_specs=(P("ep"),),
+                                  out_specs=P("ep")))(ids)
+    for kind, args in (("nvlink_pull", (x, ids)), ("nvlink_pull_prerouted", (x, *route))):
+        fn = jax.jit(jax.shard_map(fns[kind], mesh=mesh, in_specs=(P("ep"),) * len(args),
+                                   out_specs=P("ep")))
+        assert "mok_ep_dispatch" in str(jax.make_jaxpr(fn)(*args)), kind
+        out = jax.eval_shape(fn, *args)
+        assert out.shape == (ep_size * ep_size * shape.tokens * shape.top_k, shape.hidden)
 
 
 def test_ep_sizes_must_be_positive_integers():
@@ -407,14 +548,16 @@ def test_help_lists_every_shape_with_its_dimensions(capsys):
 def test_help_describes_every_pipeline_pass_and_exchange(capsys):
     text = _help_text(capsys)
     about = {**bench.IMPL_ABOUT, **bench.TORCH_ABOUT, **bench.EXCHANGE_ABOUT,
-             **bench.PASS_ABOUT}
+             **bench.PASS_ABOUT, **bench.EP_ABOUT}
     assert set(about) == {*bench.IMPLS, *bench.EXTRA_IMPLS, *bench.TORCH_IMPLS,
-                          *bench.EXCHANGES, *bench.PASSES}
+                          *bench.EXCHANGES, *bench.PASSES, "moe_compute_epN",
+                          "moe_epN_xla", "moe_epN_fused"}
     for name, description in about.items():
         # The name opens a line, followed on that line by its description's first words.
         first_words = r"\s+".join(map(re.escape, description.split()[:3]))
         assert re.search(rf"\n  {re.escape(name)}\s+{first_words}", text), (name, text)
-    assert re.search(r"\n  moe_epN\s+moe on a mesh of N devices", text)
+    assert re.search(r"\n  moe_compute_epN\s+moe on ONE device with T tokens, top-K of "
+                     r"E/N experts", text)
     assert "6*T*K*H*F" in text and "18*T*K*H*F" in text and "median" in text
 
 
@@ -475,38 +618,56 @@ def test_bad_custom_shape_is_a_clear_error(bad, why, capsys):
     assert "argument --shape" in err and why in err, err
 
 
-def _ep_record(ms, size=2):
-    return {"shape": "ep", "impl": f"moe_ep{size}", "pass": "fwd", "median_ms": ms,
-            "min_ms": ms, "tflops": 1.0, "status": "ok", "error": None, "ep_size": size}
+def _ep_record(ms, size=2, backend="xla"):
+    return {"shape": "ep", "impl": f"moe_ep{size}_{backend}", "pass": "fwd",
+            "median_ms": ms, "min_ms": ms, "tflops": 1.0, "status": "ok", "error": None,
+            "ep_size": size, "backend": backend, "E": 32}
 
 
-def test_ep_rows_are_time_ratios_to_one_device_never_speedups():
-    one = {"shape": "ep", "impl": "moe", "pass": "fwd", "median_ms": 1.0, "min_ms": 1.0,
+def _compute_record(ms, size=2):
+    return {"shape": "ep", "impl": f"moe_compute_ep{size}", "pass": "fwd",
+            "median_ms": ms, "min_ms": ms, "tflops": 2.0, "status": "ok", "error": None,
+            "compute_only_for_ep": size, "E": 32 // size, "experts_global": 32}
+
+
+def test_ep_rows_are_time_ratios_to_compute_only_never_speedups():
+    one = {"shape": "ep", "impl": "moe", "pass": "fwd", "median_ms": 0.5, "min_ms": 0.5,
            "tflops": 2.0, "status": "ok", "error": None}
-    # EP=2 1.9x slower than one device (the case that used to read "speedup 1.90x").
-    records = [one, _ep_record(1.9), _ep_record(None, size=4)]
-    records[2].update(status="error", error="boom")
+    # EP=2 xla 1.9x slower than the compute-only time (the case that used to read
+    # "speedup 1.90x"), EP=2 fused 1.5x; EP=4 failed.
+    records = [one, _compute_record(1.0), _ep_record(1.9), _ep_record(1.5, backend="fused"),
+               _compute_record(0.5, size=4), _ep_record(None, size=4)]
+    records[-1].update(status="error", error="boom")
     bench.add_speedups(records)
-    slow = records[1]
+    slow, fused = records[2], records[3]
     assert slow["ep_time_ratio"] == pytest.approx(1.9)
-    assert slow["ep_reference_ms"] == 1.0
-    assert records[2]["ep_time_ratio"] is None
-    for r in records[1:]:
+    assert slow["ep_reference_ms"] == 1.0 and slow["ep_reference"] == "moe_compute_ep2"
+    assert slow["one_device_ms"] == 0.5
+    assert slow["ep_time_ratio_all_experts"] == pytest.approx(1.9 / 0.5)
+    assert fused["ep_time_ratio"] == pytest.approx(1.5)
+    assert records[-1]["ep_time_ratio"] is None
+    assert records[-1]["ep_reference_ms"] == 0.5  # its own size's compute-only record
+    assert records[1]["mok_speedup"] is None  # compute-only: not a baseline of moe
+    for r in records[2:4] + records[5:]:
         assert not [key for key in r if "speedup" in key], r
     text = bench.format_table(records)
-    assert "EP=2 / 1 device: 1.90x (time ratio, lower is better)" in text
-    assert "EP=4 / 1 device: - (time ratio, lower is better): EP run error" in text
+    assert ("EP=2 xla / compute-only: 1.90x (time ratio, lower is better); "
+            "/ 1 device, all 32 experts: 3.80x") in text
+    assert "EP=2 fused / compute-only: 1.50x" in text
+    assert "EP=4 xla / compute-only: - (time ratio, lower is better): EP run error" in text
     header = text.splitlines()[0].split("  ")
     header = [h.strip() for h in header if h.strip()]
-    assert header[-1] == "EP/1 device"
-    row = next(line.split() for line in text.splitlines()
-               if line.split()[:2] == ["ep", "moe_ep2"])
+    assert header[-1] == "EP/compute"
+    rows = {tuple(line.split()[:2]): line.split() for line in text.splitlines()}
+    row = rows[("ep", "moe_ep2_xla")]
     assert row[header.index("mok speedup")] == "-" and row[-1] == "1.90x"
+    assert rows[("ep", "moe_compute_ep2")][-1] == "(ref)"
     for line in text.splitlines():
         if "moe_ep" in line or "EP=" in line:
             assert "speedup" not in line, line
-    assert bench.ep_ratio_text(slow) == ("EP=2 / 1 device: 1.90x "
-                                         "(time ratio, lower is better)")
+    assert bench.ep_ratio_text(slow) == ("EP=2 xla / compute-only: 1.90x "
+                                         "(time ratio, lower is better); / 1 device, "
+                                         "all 32 experts: 3.80x")
 
 
 def test_single_device_table_has_no_ep_column():
@@ -514,7 +675,7 @@ def test_single_device_table_has_no_ep_column():
                 "min_ms": 1.0, "tflops": 2.0, "status": "ok", "error": None}]
     bench.add_speedups(records)
     text = bench.format_table(records)
-    assert "EP/1 device" not in text and "EP=" not in text
+    assert "EP/compute" not in text and "EP=" not in text
 
 
 @pytest.mark.parametrize("argv, why", [

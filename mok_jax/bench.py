@@ -619,7 +619,9 @@ def nvlink_fns(ep_size: int, experts: int) -> dict[str, Callable]:
     tr = transport.NvlinkTransport()
 
     def route(expert_ids):
-        return tr.route(ep.plan(expert_ids, cfg, e_local), cfg, expert_ids.shape[1], e_local)
+        tokens, top_k = expert_ids.shape
+        return tr.route(ep.plan(expert_ids, cfg, e_local), cfg, top_k, e_local,
+                        ep_size * tokens * top_k)
 
     def pull(x, expert_ids):
         return tr.dispatch_tokens(x, route(expert_ids), cfg)[0]

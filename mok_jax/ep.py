@@ -142,20 +142,35 @@ class Residuals(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class ExchangePath:
     """The EP layer over one transport: `mok_jax.layer`'s path for shard_map EP
-    (and, per device, for plain jit on a mesh)."""
+    (and, per device, for plain jit on a mesh).
+
+    rows: the expert-grouped buffers' row count (None: ``P * T * K``, every pair of
+    the exchange group). `mok_jax.sharding` asks for more when the buffers must have
+    a shape fixed before the partitioner chose P; rows past the kept ones are never
+    read.
+    """
 
     cfg: Config
     transport_name: str = "xla"
+    rows: int | None = None
 
     @property
     def transport(self) -> Transport:
         return TRANSPORTS[self.transport_name]
 
+    def routing(self, expert_ids, experts_local):
+        """The global plan and the transport's routing state for it."""
+        p = plan(expert_ids, self.cfg, experts_local)
+        T, K = expert_ids.shape
+        rows = self.cfg.ep_size * T * K if self.rows is None else self.rows
+        if rows < self.cfg.ep_size * T * K:
+            raise ValueError(f"ExchangePath: {rows} rows cannot hold the "
+                             f"{self.cfg.ep_size * T * K} pairs of the exchange group")
+        return p, self.transport.route(p, self.cfg, K, experts_local, rows)
+
     def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
         cfg, tr = self.cfg, self.transport
-        experts_local = w_gate_up.shape[0]
-        p = plan(expert_ids, cfg, experts_local)
-        route = tr.route(p, cfg, expert_ids.shape[1], experts_local)
+        p, route = self.routing(expert_ids, w_gate_up.shape[0])
         x_rows, _ = tr.dispatch_tokens(x, route, cfg)                      # [R, H]
         out_rows, gate_up = primitives.expert_ffn_fwd_p.bind(
             x_rows, p.group_sizes, w_gate_up, w_down, save_gate_up=save)

@@ -230,7 +230,7 @@ def _choose_path(backend, axis_name, ep_size, cap, operands):
         return ep.ExchangePath(cfg, ep.transport_for(backend, _platform(operands)))
     if axis_name is None and sharding.on_a_mesh(operands):
         sharding.check_layout(*operands)
-        return sharding.PartitionedPath(cap, backend)
+        return sharding.PartitionedPath(cap, backend, sharding.ep_bound(operands))
     if backend == "xla":
         token_axes = () if axis_name is None else (axis_name,)
         return ep.ExchangePath(ep.Config(axis_name, 1, cap, token_axes), "xla")

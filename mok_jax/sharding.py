@@ -17,9 +17,14 @@ gradients with ``psum``. Neither tokens nor weights are ever gathered; y, dx
 and d expert_weights are bitwise equal to the single-device result, and so
 are the weight gradients when no data-parallel axis exists.
 
-The backward recomputes the expert forward (one grouped GEMM and the
-exchange) instead of carrying per-device residuals across the partitioning
-boundary.
+Under differentiation the forward also returns each device's expert-grouped
+inputs and saved projections (the EP layer's residuals), so the backward does
+not run the forward again; it recomputes only the routing plan (the ids'
+all-gather and sorts). Their global shape must be fixed before the partitioner
+places the experts, so each device's buffers hold ``T_local * A * K`` rows, A
+an upper bound on the EP axis size (the size of the axis splitting the experts
+when the types say it, else the largest mesh axis): exact for EP over one axis,
+A / P times the rows otherwise (rows past the kept ones are never touched).
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ from mok_jax import ep, primitives
 
 # Factors: t tokens, k top-k, h hidden, e experts, g 2F, f F, s packed statistics.
 _FWD_RULE = "t h, t k, t k, e h g, e f h -> t h, s"
-_BWD_RULE = "t h, t k, t k, e h g, e f h, t h -> t h, t k, e h g, e f h"
+# With residuals: r is A*K rows per token (each device's [T_local * A * K] rows).
+_FWD_SAVE_RULE = "t h, t k, t k, e h g, e f h -> t h, s, t r h, t r g"
+_BWD_RULE = "t h, t k, t k, e h g, e f h, t h, t r h, t r g -> t h, t k, e h g, e f h"
 
 
 def _axes(spec, dim) -> tuple[str, ...]:
@@ -220,41 +227,103 @@ _forward.def_partition(
     need_replication_factors=("h", "k", "g", "f", "s"))  # in order of first use
 
 
-# --- backward ------------------------------------------------------------------
+# --- forward saving residuals, backward using them ----------------------------
 
-@functools.partial(custom_partitioning, static_argnums=(6, 7))
-def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, cap, backend):
+def _rows_per_token(mesh, arg_shapes, bound):
+    """(A*K, the EP size P): A is the trace-time bound on P; P must not exceed it."""
+    _, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
+                         arg_shapes[3].shape[0])
+    ep_size = mesh.shape[ep_axis] if ep_axis else 1
+    if ep_size > bound:
+        raise ValueError(f"mok_jax.moe: the experts are split over {ep_size} devices but "
+                         f"the trace assumed at most {bound} (internal error)")
+    return bound * arg_shapes[1].shape[1], ep_size
+
+
+@functools.partial(custom_partitioning, static_argnums=(5, 6, 7))
+def _forward_saving(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend, bound):
     del backend
+    y, _, *stats = primitives.moe_fwd_p.bind(
+        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=False)
+    T, K = expert_ids.shape
+    r = bound * K
+    return (y, _pack_stats(stats), jnp.zeros((T, r, x.shape[1]), x.dtype),
+            jnp.zeros((T, r, w_gate_up.shape[2]), x.dtype))
+
+
+def _residual_sharding(tok):
+    return NamedSharding(tok.mesh, P(tok.spec[0], None, None))
+
+
+def _forward_saving_infer(cap, backend, bound, mesh, arg_shapes, result_shape):
+    del backend, bound, result_shape
+    _, tok, _, rep = _placement(cap, mesh, arg_shapes)
+    return tok, rep, _residual_sharding(tok), _residual_sharding(tok)
+
+
+def _forward_saving_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
+    del result_shape
+    cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes)
+    r, _ = _rows_per_token(mesh, arg_shapes, bound)
+
+    def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
+        T = x.shape[0]
+        path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh), rows=T * r)
+        y, stats, res = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down,
+                                     save=True)
+        return (y, _pack_stats(stats), res.x_rows.reshape(T, r, -1),
+                res.gate_up.reshape(T, r, -1))
+
+    res = _residual_sharding(tok)
+    return mesh, _per_device(lower_fn), (tok, rep, res, res), (tok, tok, tok, wts, wts)
+
+
+_forward_saving.def_partition(
+    partition=_forward_saving_partition,
+    infer_sharding_from_operands=_forward_saving_infer,
+    sharding_rule=_FWD_SAVE_RULE,
+    need_replication_factors=("h", "k", "g", "f", "s", "r"))  # in order of first use
+
+
+@functools.partial(custom_partitioning, static_argnums=(8, 9, 10))
+def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up, cap,
+              backend, bound):
+    del backend, bound, x_rows, gate_up
     _, gate_up, *_ = primitives.moe_fwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=True)
     return tuple(primitives.moe_bwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity=cap))
 
 
-def _backward_infer(cap, backend, mesh, arg_shapes, result_shape):
-    del backend, result_shape
+def _backward_infer(cap, backend, bound, mesh, arg_shapes, result_shape):
+    del backend, bound, result_shape
     _, tok, wts, _ = _placement(cap, mesh, arg_shapes)
     return tok, tok, wts, wts
 
 
-def _backward_partition(cap, backend, mesh, arg_shapes, result_shape):
+def _backward_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
     del result_shape
     cfg, tok, wts, _ = _placement(cap, mesh, arg_shapes)
-    path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh))
+    r, _ = _rows_per_token(mesh, arg_shapes, bound)
 
-    def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy):
-        _, _, residuals = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down,
-                                       save=True)
-        return path.backward(residuals, dy)
+    def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up):
+        T = x.shape[0]
+        path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh), rows=T * r)
+        p, route = path.routing(expert_ids, w_gate_up.shape[0])  # the plan, again (cheap)
+        res = ep.Residuals(p, route, x_rows.reshape(T * r, -1), gate_up.reshape(T * r, -1),
+                           expert_weights, w_gate_up, w_down)
+        return path.backward(res, dy)
 
-    return mesh, _per_device(lower_fn), (tok, tok, wts, wts), (tok, tok, tok, wts, wts, tok)
+    res = _residual_sharding(tok)
+    return (mesh, _per_device(lower_fn), (tok, tok, wts, wts),
+            (tok, tok, tok, wts, wts, tok, res, res))
 
 
 _backward.def_partition(
     partition=_backward_partition,
     infer_sharding_from_operands=_backward_infer,
     sharding_rule=_BWD_RULE,
-    need_replication_factors=("h", "k", "g", "f"))  # in order of first use
+    need_replication_factors=("h", "k", "g", "f", "r"))  # in order of first use
 
 
 # --- the path -------------------------------------------------------------------
@@ -265,13 +334,39 @@ class PartitionedPath:
 
     capacity: int
     backend: str = "auto"  # picks each device's EP transport once the experts are placed
+    ep_bound: int = 1      # the most devices the experts can be split over (see top)
 
     def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
-        del save  # the partitioned backward recomputes what it needs
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
-        y, packed = _forward(*operands, self.capacity, self.backend)
-        return y, (packed[:-2], packed[-2], packed[-1]), operands
+        if not save:
+            y, packed = _forward(*operands, self.capacity, self.backend)
+            return y, (packed[:-2], packed[-2], packed[-1]), operands
+        y, packed, x_rows, gate_up = _forward_saving(*operands, self.capacity, self.backend,
+                                                     self.ep_bound)
+        return y, (packed[:-2], packed[-2], packed[-1]), (operands, x_rows, gate_up)
 
     def backward(self, residuals, dy):
-        x = residuals[0]
-        return tuple(_backward(*residuals, dy.astype(x.dtype), self.capacity, self.backend))
+        operands, x_rows, gate_up = residuals
+        return tuple(_backward(*operands, dy.astype(operands[0].dtype), x_rows, gate_up,
+                               self.capacity, self.backend, self.ep_bound))
+
+
+def ep_bound(operands) -> int:
+    """A trace-time upper bound on the EP size: the size of the mesh axis the experts
+    are split over when w_gate_up's type says it (Explicit axes; 1 if unsplit), else
+    the largest axis of the operands' or the context's mesh."""
+    meshes = [getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+              for a in operands] + [jax.sharding.get_abstract_mesh()]
+    mesh = next((m for m in meshes if m is not None and not m.empty
+                 and _unmanaged_size(m) > 1), None)
+    if mesh is None:
+        return 1
+    expert_axes = _explicit_spec(operands[3])[0]
+    if expert_axes:
+        return int(np.prod([mesh.shape[a] for a in expert_axes]))
+    explicit = all(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()))
+    if explicit:
+        return 1  # the types say the experts are not split
+    manual = set(getattr(mesh, "manual_axes", ()))
+    return max(size for name, size in zip(mesh.axis_names, mesh.axis_sizes)
+               if name not in manual)

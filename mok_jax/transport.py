@@ -40,8 +40,9 @@ class Transport(Protocol):
 
     name: str
 
-    def route(self, plan, cfg, top_k: int, experts_local: int):
-        """Per-call routing state (a pytree of arrays) from the global plan."""
+    def route(self, plan, cfg, top_k: int, experts_local: int, rows: int):
+        """Per-call routing state (a pytree of arrays) from the global plan, for
+        expert-grouped buffers of `rows` rows (>= P*T*K)."""
 
     def dispatch_tokens(self, tokens: jax.Array, route, cfg, pair_values=None):
         """Token rows ``[T, H]`` -> expert-grouped rows ``[R, H]`` on the experts'
@@ -85,7 +86,7 @@ class XlaTransport:
 
     name = "xla"
 
-    def route(self, plan, cfg, top_k: int, experts_local: int) -> XlaRoute:
+    def route(self, plan, cfg, top_k: int, experts_local: int, rows: int) -> XlaRoute:
         P = cfg.ep_size
         C = plan.my_ids.shape[0]                                 # T*K slots per peer
         my_kept = plan.kept.reshape(-1) != 0
@@ -113,13 +114,13 @@ class XlaTransport:
         local = jnp.clip(local, 0, experts_local - 1)
         s = jnp.arange(P)[:, None]
         row = group_begin[local] + before[s, local] + j[None, :] - cum[s, local]
-        recv_row = jnp.where(j[None, :] < total[:, None], row, P * C).reshape(-1)
+        recv_row = jnp.where(j[None, :] < total[:, None], row, rows).reshape(-1)
 
         # The inverse maps, so that every move is a gather (no zero fill + scatter
         # of [rows, H] blocks).
         slot_pair = jnp.full(P * C + 1, C, _I32).at[pair_slot].set(
             jnp.arange(C, dtype=_I32))[:-1]
-        row_slot = jnp.full(P * C + 1, P * C, _I32).at[recv_row].set(
+        row_slot = jnp.full(rows + 1, P * C, _I32).at[recv_row].set(
             jnp.arange(P * C, dtype=_I32))[:-1]
         return XlaRoute(pair_slot, slot_pair, row_slot, recv_row)
 
@@ -165,7 +166,7 @@ class NvlinkRoute(NamedTuple):
 
     entries: jax.Array    # [P*T] token rows to pull, src_rank * T + t (-1: none, at the end)
     pull_dest: jax.Array  # [P*T, K] grouped row of each entry's pair k (-1: not here)
-    push_dest: jax.Array  # [R] owner_rank * T*K + pair of each grouped row (-1: none)
+    push_dest: jax.Array  # [R >= P*T*K] owner_rank * T*K + pair of each grouped row (-1: none)
 
 
 class NvlinkTransport:
@@ -183,7 +184,7 @@ class NvlinkTransport:
 
     name = "nvlink"
 
-    def route(self, plan, cfg, top_k: int, experts_local: int) -> NvlinkRoute:
+    def route(self, plan, cfg, top_k: int, experts_local: int, rows: int) -> NvlinkRoute:
         ids = plan.group_ids                                     # [P, C], -1: not kept
         P, C = ids.shape
         T = C // top_k
@@ -193,7 +194,8 @@ class NvlinkTransport:
         j = jnp.arange(P * C, dtype=_I32)
         is_row = j < jnp.sum(mine, dtype=_I32)
         # order[j] = s * C + c: the owner's rank and its local pair, as the push wants.
-        push_dest = jnp.where(is_row, order, -1)
+        push_dest = jnp.pad(jnp.where(is_row, order, -1), (0, rows - P * C),
+                            constant_values=-1)
         row_of_pair = jnp.full(P * C, -1, _I32).at[order].set(jnp.where(is_row, j, -1))
         row_of_pair = row_of_pair.reshape(P * T, top_k)
         need = jnp.any(row_of_pair >= 0, axis=1)                 # [P*T] by (s, t)

@@ -116,7 +116,7 @@ def _mesh_typed_values(jaxpr):
     return found
 
 
-@pytest.mark.parametrize("which", ["forward", "backward"])
+@pytest.mark.parametrize("which", ["forward", "forward_saving", "backward"])
 def test_partitioned_code_carries_no_mesh_types_under_an_explicit_mesh(which):
     """The root cause of the one-process-per-GPU compiler abort: custom_partitioning
     traces the per-device function inside the caller's mesh context, and with
@@ -131,12 +131,18 @@ def test_partitioned_code_carries_no_mesh_types_under_an_explicit_mesh(which):
               jax.ShapeDtypeStruct((T, K), jnp.float32, sharding=tok),
               jax.ShapeDtypeStruct((E, H, 2 * F), jnp.float32, sharding=wts),
               jax.ShapeDtypeStruct((E, F, H), jnp.float32, sharding=wts)]
+    bound = 4  # the EP axis size: residual rows per token = bound * K
+    res = NamedSharding(mesh, P("ep", None, None))
     if which == "backward":
-        shapes.append(jax.ShapeDtypeStruct((T, H), jnp.float32, sharding=tok))
+        shapes += [jax.ShapeDtypeStruct((T, H), jnp.float32, sharding=tok),
+                   jax.ShapeDtypeStruct((T, bound * K, H), jnp.float32, sharding=res),
+                   jax.ShapeDtypeStruct((T, bound * K, 2 * F), jnp.float32, sharding=res)]
     partition = {"forward": mok_jax.sharding._forward_partition,
+                 "forward_saving": mok_jax.sharding._forward_saving_partition,
                  "backward": mok_jax.sharding._backward_partition}[which]
+    static = (3, "xla") if which == "forward" else (3, "xla", bound)
     with jax.set_mesh(mesh):
-        _, per_device, _, _ = partition(3, False, mesh, shapes, None)
+        _, per_device, _, _ = partition(*static, mesh, shapes, None)
         local = [jax.ShapeDtypeStruct(s.sharding.shard_shape(s.shape), s.dtype) for s in shapes]
         jaxpr = jax.make_jaxpr(per_device, axis_env=list(mesh.shape.items()))(*local)
     assert _mesh_typed_values(jaxpr.jaxpr) == []
@@ -197,3 +203,29 @@ def test_unknown_axis_name_is_an_error():
     with pytest.raises(ValueError, match="axis_name='tp' is not a bound mesh axis"):
         jax.shard_map(lambda *a: mok_jax.moe(*a, axis_name="tp"), mesh=mesh,
                       in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=True)(*args)
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["ep4", "dp2xep2"])
+def test_plain_jit_backward_uses_the_forward_residuals(axis_type, mesh_shape):
+    """Under plain jit the forward's custom partitioning hands each device's grouped
+    inputs and projections to the backward: the compiled forward+backward runs the
+    expert forward once (it ran it twice when the backward recomputed it), gathers
+    no floats, and still gives one device's bits."""
+    names = ("ep",) if len(mesh_shape) == 1 else ("dp", "ep")
+    types = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
+    mesh = jax.make_mesh(mesh_shape, names, devices=CPUS[:4],
+                         axis_types=(types[axis_type],) * len(names))
+    x, ids, w, wgu, wd = problem(jnp.float32, seed=21)
+    y1, _, g1 = single_device(x, ids, w, wgu, wd, 0.75)
+    with jax.set_mesh(mesh):
+        y, _, g, hlo = jit_on_mesh(mesh, P(names), P("ep"), x, ids, w, wgu, wd, 0.75)
+    assert hlo.count('custom_call_target="mok_expert_ffn_fwd"') == 1
+    assert hlo.count('custom_call_target="mok_expert_ffn_bwd"') == 1
+    assert [t for t in gathered_types(hlo) if t not in ("s32", "u32", "pred")] == []
+    assert_same_bits(y, y1, "y")
+    assert_same_bits(g[0], g1[0], "dx")
+    assert_same_bits(g[1], g1[1], "d_expert_weights")
+    if names == ("ep",):  # no data axis: the weight gradients have one device's bits too
+        assert_same_bits(g[2], g1[2], "d_w_gate_up")
+        assert_same_bits(g[3], g1[3], "d_w_down")

@@ -100,9 +100,9 @@ def _routes(axes, T, K, capacity, ids_global, x, pair_values, rows_in):
 
     def local(ids, x, pv, rows):
         p = ep.plan(ids, cfg, el)
-        nv = NvlinkTransport().route(p, cfg, K, el)
+        nv = NvlinkTransport().route(p, cfg, K, el, Pep * ids.shape[0] * K)
         xla = XlaTransport()
-        xr = xla.route(p, cfg, K, el)
+        xr = xla.route(p, cfg, K, el, Pep * ids.shape[0] * K)
         x_rows, pv_rows = xla.dispatch_tokens(x, xr, cfg, pair_values=pv)
         back = xla.gather_back(rows, xr, cfg)                  # [T*K, H] by pair
         outs = (nv.entries, nv.pull_dest, nv.push_dest, p.group_sizes, p.kept,

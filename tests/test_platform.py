@@ -45,3 +45,19 @@ def test_gpu_without_cuda_handlers_says_how_to_rebuild():
     else:
         with pytest.raises(RuntimeError, match="MOK_ENABLE_CUDA=ON"):
             jax.block_until_ready(mok_jax.moe(*problem))
+
+
+def test_import_and_a_cpu_call_never_load_the_nccl_transport():
+    """mok_jax._mok_comm links libnccl; only backend="fused" under EP imports it."""
+    import subprocess
+    import sys
+    code = ("import sys, jax.numpy as jnp, mok_jax\n"
+            "x = jnp.ones((4, 8)); ids = jnp.zeros((4, 2), jnp.int32)\n"
+            "mok_jax.moe(x, ids, jnp.ones((4, 2)), jnp.ones((2, 8, 6)), jnp.ones((2, 3, 8)),"
+            " backend='xla').block_until_ready()\n"
+            "assert 'mok_jax._mok_comm' not in sys.modules, 'transport loaded'\n"
+            "assert not any('libnccl' in l for l in open('/proc/self/maps')), 'libnccl mapped'\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"}, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -73,26 +73,39 @@ NB_MODULE(_mok_comm, m) {
   m.def("unique_id", &unique_id, "A fresh ncclUniqueId, as bytes.");
   m.def(
       "create",
-      [](const std::vector<GroupTuple>& groups, size_t window_bytes, double timeout_s) {
+      [](const std::vector<GroupTuple>& groups, size_t window_bytes, double timeout_s,
+         uint64_t fingerprint) {
+        std::vector<mok::comm::GroupSpec> specs = to_specs(groups);
         std::string err;
-        int64_t h = mok::comm::create_comm_set(to_specs(groups), window_bytes, timeout_s, &err);
+        int64_t h;
+        {
+          // NCCL's collective init and device syncs block: let host callbacks of
+          // running steps (which need the GIL) finish meanwhile.
+          nb::gil_scoped_release release;
+          h = mok::comm::create_comm_set(specs, window_bytes, timeout_s, fingerprint, &err);
+        }
         raise_if(err);
         return h;
       },
-      nb::arg("groups"), nb::arg("window_bytes"), nb::arg("timeout_s"),
+      nb::arg("groups"), nb::arg("window_bytes"), nb::arg("timeout_s"), nb::arg("fingerprint"),
       "Communicators for this process's ranks of every group [(nranks, ranks, devices, "
       "unique_id)], each with a symmetric window of window_bytes; returns the handle.");
   m.def(
-      "rebuild",
-      [](int64_t handle, const std::vector<GroupTuple>& groups, size_t window_bytes) {
-        raise_if(mok::comm::rebuild_comm_set(handle, to_specs(groups), window_bytes));
-      },
-      nb::arg("handle"), nb::arg("groups"), nb::arg("window_bytes"));
-  m.def(
       "destroy",
-      [](int64_t handle, bool abort) { raise_if(mok::comm::destroy_comm_set(handle, abort)); },
+      [](int64_t handle, bool abort) {
+        std::string err;
+        {
+          nb::gil_scoped_release release;
+          err = mok::comm::destroy_comm_set(handle, abort);
+        }
+        raise_if(err);
+      },
       nb::arg("handle"), nb::arg("abort") = false);
-  m.def("shutdown", []() { return mok::comm::shutdown_comm_sets(); },
+  m.def("shutdown",
+        []() {
+          nb::gil_scoped_release release;
+          return mok::comm::shutdown_comm_sets();
+        },
         "Destroys every set (no collective finalize) and stops the watchdog; returns errors.");
   m.def(
       "window_bytes",

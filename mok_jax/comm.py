@@ -6,8 +6,9 @@ combination of the other mesh axes), each rank with one NCCL symmetric window
 and a device communicator (``ncclDevCommCreate``). They are made when a call
 that needs them is lowered -- before any kernel runs -- for every local device
 of the mesh at once, and reused by every later call on the same groups. A later
-call with larger shapes rebuilds them with a larger window (also at lowering,
-never inside a running step). They are destroyed at interpreter exit.
+call with larger shapes gets a new set with a larger window (also made at
+lowering); the old set stays for the executables compiled with it, so nothing
+is torn down under a running step. All are destroyed at interpreter exit.
 
 * One process driving several GPUs: every local rank's ``ncclCommInitRank`` in
   one NCCL group, with a unique id made here.
@@ -94,20 +95,30 @@ def available() -> bool:
     return True
 
 
+ROW_ALIGN = 16  # bytes: the transport moves rows as 16-byte vectors
+
+
 @functools.cache
-def auto_selects_fused(platform: str) -> bool:
-    """What ``backend="auto"`` does under EP: the fused transport when this build has
-    it, the mesh is on GPUs, one process drives them all (so every EP group is in
-    this process) and every local GPU can load/store every other's memory (one
-    NVLink domain, as far as this process can tell). Otherwise XLA's collectives;
-    with one process per GPU ask for ``backend="fused"`` explicitly."""
-    if platform not in ("gpu", "cuda") or jax.process_count() != 1:
+def _auto_machine_ok() -> bool:
+    if jax.process_count() != 1 or not available():
         return False
-    if not available():
-        return False
-    ordinals = [int(d.local_hardware_id) for d in jax.local_devices(backend="gpu")]
     mod = module()
+    if mod.nccl_runtime_version() != mod.NCCL_HEADER_VERSION:
+        return False  # create() would refuse it: stay on XLA's collectives
+    ordinals = [int(d.local_hardware_id) for d in jax.local_devices(backend="gpu")]
     return all(mod.can_access_peer(a, b) for a in ordinals for b in ordinals if a != b)
+
+
+def auto_selects_fused(platform: str, row_bytes: int) -> bool:
+    """What ``backend="auto"`` does under EP: the fused transport when this build has
+    it (with the NCCL it was built for), the mesh is on GPUs, one process drives
+    them all (so every EP group is in this process), every local GPU can
+    load/store every other's memory (one NVLink domain, as far as this process can
+    tell) and a token row is a multiple of 16 bytes. Otherwise XLA's collectives;
+    with one process per GPU ask for ``backend="fused"`` explicitly."""
+    if platform not in ("gpu", "cuda") or row_bytes % ROW_ALIGN:
+        return False
+    return _auto_machine_ok()
 
 
 def timeout_s() -> float:
@@ -137,10 +148,11 @@ def last_error() -> str:
 class _Set:
     handle: int
     window_bytes: int
-    builds: int  # how many times its groups were built (scopes the unique-id keys)
 
 
-_sets: dict[tuple, _Set] = {}
+_sets: dict[tuple, _Set] = {}      # the newest set of each layout of groups
+_retired: list[_Set] = []          # older (smaller) sets, kept for their executables
+_created: dict[tuple, int] = {}    # sets made per layout: scopes the key-value keys
 
 
 def ep_groups(mesh, axis_name: str) -> list[tuple]:
@@ -163,6 +175,19 @@ def _kv_client():
     return client
 
 
+def _scope(groups, build: int) -> str:
+    """A key-value scope unique to this layout of groups and this creation of it."""
+    return "{}/{}".format(build, ";".join("-".join(str(d.id) for d in g) for g in groups))
+
+
+def fingerprint(groups) -> int:
+    """A 63-bit id of the groups' devices, in order (checked by the handlers)."""
+    import hashlib
+
+    text = ";".join("-".join(str(d.id) for d in g) for g in groups).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & (2**63 - 1)
+
+
 def _group_specs(groups, build: int):
     """(nranks, local ranks, local CUDA ordinals, unique id) for every group with a
     device in this process, in the same order in every process."""
@@ -176,7 +201,8 @@ def _group_specs(groups, build: int):
         ordinals = [int(d.local_hardware_id) for _, d in local]
         uid = b""
         if len(local) < len(group):
-            key = "mok_jax/comm/{}/{}".format(build, "-".join(str(d.id) for d in group))
+            key = "mok_jax/comm-id/{}/{}".format(_scope(groups, build),
+                                                 "-".join(str(d.id) for d in group))
             client = _kv_client()
             if group[0].process_index == me:
                 uid = bytes(module().unique_id())
@@ -197,18 +223,17 @@ def _agreed_bytes(groups, need_bytes: int, build: int) -> int:
     if processes == [me]:
         return need_bytes
     client = _kv_client()
-    scope = "mok_jax/comm-bytes/{}/{}".format(
-        build, "-".join(str(d.id) for g in groups for d in g))
+    scope = "mok_jax/comm-bytes/{}".format(_scope(groups, build))
     client.key_value_set_bytes(f"{scope}/{me}", str(int(need_bytes)).encode())
     sizes = [int(bytes(client.blocking_key_value_get_bytes(f"{scope}/{p}", _KV_TIMEOUT_MS)))
              for p in processes]
     return max(sizes)
 
 
-def handle_for(mesh, axis_name: str, need_bytes: int) -> int:
+def handle_for(mesh, axis_name: str, need_bytes: int) -> tuple[int, int]:
     """The communicator set of `mesh`'s EP groups along `axis_name`, with windows
-    of at least `need_bytes`: made (or grown) now, at lowering, on every local
-    device together. Returns the handle the FFI handlers look it up by."""
+    of at least `need_bytes`: found, or made now (at lowering) on every local device
+    together. Returns (handle, fingerprint), the FFI handlers' attributes."""
     mod = module()
     groups = ep_groups(mesh, axis_name)
     for group in groups:
@@ -217,24 +242,25 @@ def handle_for(mesh, axis_name: str, need_bytes: int) -> int:
                              f"GPUs; the EP axis {axis_name!r} has devices of platform "
                              f"{group[0].platform!r}. Use backend='xla'.")
     key = tuple(tuple(d.id for d in g) for g in groups)
+    print_ = fingerprint(groups)
     with _lock:
         s = _sets.get(key)
-        if s is None:
-            size = _agreed_bytes(groups, int(need_bytes), 0)
-            handle = int(mod.create(_group_specs(groups, 0), size, timeout_s()))
-            _sets[key] = _Set(handle, size, 1)
-            return handle
-        if s.window_bytes < need_bytes:
-            size = _agreed_bytes(groups, int(need_bytes), s.builds)
-            mod.rebuild(s.handle, _group_specs(groups, s.builds), size)
-            s.window_bytes = size
-            s.builds += 1
-        return s.handle
+        if s is not None and s.window_bytes >= need_bytes:
+            return s.handle, print_
+        build = _created.get(key, 0)
+        _created[key] = build + 1  # counted even if it fails: the next try gets new keys
+        size = _agreed_bytes(groups, int(need_bytes), build)
+        handle = int(mod.create(_group_specs(groups, build), size, timeout_s(), print_))
+        if s is not None:
+            _retired.append(s)
+        _sets[key] = _Set(handle, size)
+        return handle, print_
 
 
 def _shutdown():
     err = module().shutdown()
     _sets.clear()
+    _retired.clear()
     if err:
         import sys
 

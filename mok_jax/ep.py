@@ -32,14 +32,21 @@ from mok_jax.transport import TRANSPORTS, Transport
 
 _I32 = jnp.int32
 
-def transport_for(backend: str, platform: str) -> str:
-    """The transport of an EP layer (experts split over a mesh axis of size > 1)."""
+def transport_for(backend: str, platform: str, row_bytes: int) -> str:
+    """The transport of an EP layer (experts split over a mesh axis of size > 1);
+    `row_bytes`: one token row (H * x.dtype's size)."""
     if backend == "fused":
         if platform != "gpu":
             raise ValueError(primitives.FUSED_NEEDS_GPU.format(platform=platform.upper()))
+        if row_bytes % comm.ROW_ALIGN:
+            raise ValueError(
+                f"mok_jax.moe: backend='fused' moves token rows as 16-byte vectors; a row "
+                f"here is {row_bytes} bytes (H times x's item size). Use H a multiple of "
+                f"{comm.ROW_ALIGN // 2} (bf16) or {comm.ROW_ALIGN // 4} (f32), or "
+                "backend='xla'.")
         comm.module()  # raises comm.Missing when this build has no fused transport
         return "nvlink"
-    if backend == "auto" and comm.auto_selects_fused(platform):
+    if backend == "auto" and comm.auto_selects_fused(platform, row_bytes):
         return "nvlink"
     return "xla"
 

@@ -227,7 +227,9 @@ def _choose_path(backend, axis_name, ep_size, cap, operands):
     """
     if ep_size > 1:
         cfg = ep.Config(axis_name, ep_size, cap, (axis_name,))
-        return ep.ExchangePath(cfg, ep.transport_for(backend, _platform(operands)))
+        x = operands[0]
+        row_bytes = x.shape[1] * np.dtype(x.dtype).itemsize
+        return ep.ExchangePath(cfg, ep.transport_for(backend, _platform(), row_bytes))
     if axis_name is None and sharding.on_a_mesh(operands):
         sharding.check_layout(*operands)
         return sharding.PartitionedPath(cap, backend, sharding.ep_bound(operands))
@@ -237,10 +239,11 @@ def _choose_path(backend, axis_name, ep_size, cap, operands):
     return layer.LocalPath(cap)
 
 
-def _platform(operands) -> str:
-    """The platform the call will run on, as far as trace time can tell."""
+def _platform() -> str:
+    """The platform the call will run on, as far as trace time can tell: the
+    context mesh's devices' (shard_map's), else JAX's default backend."""
     mesh = jax.sharding.get_abstract_mesh()
-    platform = getattr(mesh, "_platform", None) or getattr(mesh, "platform", None)
+    platform = getattr(getattr(mesh, "abstract_device", None), "platform", None)
     if not mesh.empty and platform:
         return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
     return jax.default_backend()

@@ -278,13 +278,15 @@ def _lowering_mesh(ctx, axis_name):
     from jax._src import mesh as mesh_lib
 
     axis_context = ctx.module_context.axis_context
-    candidates = [getattr(axis_context, "mesh", None), mesh_lib.get_concrete_mesh()]
-    for mesh in candidates:
-        if (mesh is not None and getattr(mesh, "devices", None) is not None
-                and not mesh.empty and axis_name in mesh.axis_names):
-            return mesh
-    abstract = getattr(axis_context, "mesh", None) or getattr(axis_context, "abstract_mesh",
-                                                             None)
+    mesh = getattr(axis_context, "mesh", None)
+    if isinstance(mesh, jax.sharding.Mesh) and axis_name in mesh.axis_names:
+        return mesh  # shard_map's concrete mesh, or the partitioner's
+    abstract = mesh if mesh is not None else getattr(axis_context, "abstract_mesh", None)
+    concrete = mesh_lib.get_concrete_mesh()  # jax.set_mesh's
+    if (abstract is not None and not concrete.empty and axis_name in concrete.axis_names
+            and tuple(concrete.axis_names) == tuple(abstract.axis_names)
+            and tuple(concrete.axis_sizes) == tuple(abstract.axis_sizes)):
+        return concrete
     assignment = getattr(axis_context, "device_assignment", None)
     if abstract is not None and assignment is not None and axis_name in abstract.axis_names:
         devices = np.asarray(assignment, dtype=object).reshape(abstract.axis_sizes)
@@ -295,6 +297,9 @@ def _lowering_mesh(ctx, axis_name):
         "jax.sharding.Mesh (or under jax.set_mesh)")
 
 
+_sites = iter(range(1, 2**62))  # EP calls lowered in this process, in order
+
+
 def _fused_lowering(target, window_of, attrs_of):
     ffi_rule = jax.ffi.ffi_lowering(target)
 
@@ -302,8 +307,13 @@ def _fused_lowering(target, window_of, attrs_of):
         from mok_jax import comm
 
         mesh = _lowering_mesh(ctx, params["axis_name"])
-        handle = comm.handle_for(mesh, params["axis_name"], window_of(comm, ctx.avals_in))
-        return ffi_rule(ctx, *operands, handle=np.int64(handle), **attrs_of(params))
+        handle, fingerprint = comm.handle_for(mesh, params["axis_name"],
+                                              window_of(comm, ctx.avals_in))
+        # site: which EP call this is (every process lowers the same calls in the same
+        # order); the barriers compare it, so ranks never pair two different calls.
+        return ffi_rule(ctx, *operands, handle=np.int64(handle),
+                        fingerprint=np.int64(fingerprint), site=np.int64(next(_sites)),
+                        **attrs_of(params))
 
     return rule
 

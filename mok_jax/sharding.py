@@ -182,13 +182,15 @@ def on_a_mesh(operands) -> bool:
     return any(m is not None and not m.empty and _unmanaged_size(m) > 1 for m in meshes)
 
 
-def _transport(backend, cfg, mesh) -> str:
+def _transport(backend, cfg, mesh, x_shape) -> str:
     """The transport each device's EP layer uses (`ep.transport_for`'s rule, now that
     the partitioner has placed the experts)."""
     if cfg.axis_name is None or cfg.ep_size == 1:
         return "xla"  # no exchange
+    row_bytes = x_shape.shape[1] * np.dtype(x_shape.dtype).itemsize
     platform = np.asarray(mesh.devices).flat[0].platform
-    return ep.transport_for(backend, "gpu" if platform in ("cuda", "gpu") else platform)
+    return ep.transport_for(backend, "gpu" if platform in ("cuda", "gpu") else platform,
+                            row_bytes)
 
 
 # --- forward -------------------------------------------------------------------
@@ -210,7 +212,7 @@ def _forward_infer(cap, backend, mesh, arg_shapes, result_shape):
 def _forward_partition(cap, backend, mesh, arg_shapes, result_shape):
     del result_shape
     cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes)
-    path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh))
+    path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh, arg_shapes[0]))
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
         y, stats, _ = path.forward(
@@ -268,7 +270,7 @@ def _forward_saving_partition(cap, backend, bound, mesh, arg_shapes, result_shap
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
         T = x.shape[0]
-        path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh), rows=T * r)
+        path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh, arg_shapes[0]), rows=T * r)
         y, stats, res = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down,
                                      save=True)
         return (y, _pack_stats(stats), res.x_rows.reshape(T, r, -1),
@@ -308,7 +310,7 @@ def _backward_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up):
         T = x.shape[0]
-        path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh), rows=T * r)
+        path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh, arg_shapes[0]), rows=T * r)
         p, route = path.routing(expert_ids, w_gate_up.shape[0])  # the plan, again (cheap)
         res = ep.Residuals(p, route, x_rows.reshape(T * r, -1), gate_up.reshape(T * r, -1),
                            expert_weights, w_gate_up, w_down)

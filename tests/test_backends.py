@@ -75,3 +75,17 @@ def test_no_tokens(backend):
     (_, y), g = _loss(backend)(x, w, wgu, wd, ids)
     assert y.shape == (0, H) and g[0].shape == (0, H)
     assert not np.any(np.asarray(g[2])) and not np.any(np.asarray(g[3]))
+
+
+def test_fused_ep_refuses_rows_that_are_not_16_byte_vectors_and_auto_stays_on_xla():
+    """The NVLink transport moves rows as 16-byte vectors: backend="fused" says so for
+    H * itemsize % 16 != 0, and "auto" keeps XLA's exchange there (it never fails
+    where "xla" works)."""
+    from mok_jax import ep
+    with pytest.raises(ValueError, match="16-byte vectors; a row here is 20 bytes"):
+        ep.transport_for("fused", "gpu", 20)
+    assert ep.transport_for("auto", "gpu", 20) == "xla"
+    assert ep.transport_for("auto", "cpu", 64) == "xla"
+    assert ep.transport_for("xla", "gpu", 64) == "xla"
+    with pytest.raises(ValueError, match="cannot run on CPU; use backend='xla'"):
+        ep.transport_for("fused", "cpu", 64)

@@ -8,6 +8,7 @@ GEMMs run.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -127,13 +128,13 @@ def test_fused_ep_uneven_routing_is_bitwise_equal_to_one_gpu(ids_of, capacity_fa
 
 
 def test_fused_ep_1000_calls_hold_device_memory_steady():
-    """1000 forward+backward steps of the fused EP layer: no device memory growth
-    after the first (the communicators and windows are made once, at lowering)."""
+    """1000 forward+backward steps of the fused EP layer, alternating two problems
+    (different tokens, routing and weights): device memory does not grow after the
+    first calls (communicators and windows are made once, at lowering), and the
+    last step of each problem has the bits of its first step -- rows left in the
+    windows by the other problem's steps never leak into a result."""
     gpus = _gpus()
-    x, ids, w, wgu, wd = problem(jnp.bfloat16, seed=12, device=gpus[0], shape=SHAPE)
     mesh = jax.make_mesh((len(gpus),), ("ep",), devices=gpus)
-    shard_map_ep(mesh, P("ep"), x, ids, w, wgu, wd, None, backend="fused")  # compile, warm
-
     layer = jax.shard_map(
         lambda x, ids, w, wgu, wd: mok_jax.moe(x, ids, w, wgu, wd, axis_name="ep",
                                                backend="fused"),
@@ -144,15 +145,35 @@ def test_fused_ep_1000_calls_hold_device_memory_steady():
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, P("ep")))  # noqa: E731
-    args = [put(a) for a in (x, w, wgu, wd, ids)]
-    first = out = jax.block_until_ready(step(*args))
-    for _ in range(10):  # XLA settles its own lazily made buffers in the first calls
-        out = step(*args)
-    jax.block_until_ready(out)
+    problems = []
+    for seed in (12, 13):
+        x, ids, w, wgu, wd = problem(jnp.bfloat16, seed=seed, device=gpus[0], shape=SHAPE)
+        problems.append([put(a) for a in (x, w, wgu, wd, ids)])
+    firsts = [jax.block_until_ready(step(*args)) for args in problems]
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(*firsts))  # the two problems differ
+    outs = list(firsts)
+    for i in range(10):  # XLA settles its own lazily made buffers in the first calls
+        outs[i % 2] = step(*problems[i % 2])
+    jax.block_until_ready(outs)
     used = [d.memory_stats()["bytes_in_use"] for d in gpus]
-    for _ in range(1000):
-        out = step(*args)
-    jax.block_until_ready(out)
+    for i in range(1000):
+        outs[i % 2] = step(*problems[i % 2])
+    jax.block_until_ready(outs)
     assert [d.memory_stats()["bytes_in_use"] for d in gpus] == used
-    for a, b in zip(out, first):
-        assert_same_bits(a, b, "step 1011 against step 1")
+    for last, first in zip(outs, firsts):
+        for a, b in zip(last, first):
+            assert_same_bits(a, b, "step 1011 against step 1 of the same problem")
+
+
+def test_fused_ep_with_the_devices_in_reverse_order():
+    """A mesh whose EP ranks are not the CUDA ordinals (rank 0 on the last GPU): the
+    communicator's ranks follow the mesh, not the device numbering."""
+    gpus = _gpus()
+    x, ids, w, wgu, wd = problem(jnp.float32, seed=14, device=gpus[0], shape=SHAPE)
+    y1, _, g1 = single_device(x, ids, w, wgu, wd, 0.75)
+    mesh = jax.sharding.Mesh(np.array(gpus[::-1]), ("ep",))
+    assert mesh.devices.flat[0] == gpus[-1]
+    y, _, g = shard_map_ep(mesh, P("ep"), x, ids, w, wgu, wd, 0.75, backend="fused")
+    assert_same_bits(y, y1, "y")
+    _assert_grads(g, g1)

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "comm_check.h"
+#include "row_copy.cuh"
 
 namespace mok::comm {
 
@@ -45,9 +46,13 @@ constexpr int kBarrierThreads = 128;
 __global__ void __launch_bounds__(kBarrierThreads) barrier_kernel(const BarrierArgs a) {
   const uint32_t epoch = static_cast<uint32_t>(*a.epoch + 1);
   const uint64_t word = (static_cast<uint64_t>(epoch) << 32) | a.signature;
-  // Arrive: word [rank] of every window (mine included). System-scope release:
-  // everything this rank wrote before (earlier kernels on this stream, its
-  // pushes into peers' windows) is visible to a rank that acquires the word.
+  // Everything this rank wrote before -- earlier kernels on this stream (their
+  // stores into peers' windows included) and copies into its own window -- must
+  // be visible system-wide before any peer can see the arrival: a system-scope
+  // fence by every thread, then the release stores.
+  __threadfence_system();
+  __syncthreads();
+  // Arrive: word [rank] of every window (mine included).
   for (int p = threadIdx.x; p < a.nranks; p += blockDim.x) {
     auto* w = static_cast<uint64_t*>(peer_ptr(a.window, static_cast<size_t>(a.rank) * 8, p));
     cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*w).store(word,
@@ -81,12 +86,12 @@ __global__ void __launch_bounds__(kBarrierThreads) barrier_kernel(const BarrierA
       if (spins > 64) __nanosleep(64);
     }
   }
+  // Acquire for the whole CTA (and the kernels after this one on the stream).
+  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) *a.epoch = epoch;
 }
 
-// 16-byte vectors in flight per lane before their stores.
-constexpr int kUnroll = 4;
 constexpr int kCopyThreads = 512;
 
 __device__ __forceinline__ void copy_scalar(void* dst, const void* src, size_t bytes) {
@@ -97,12 +102,12 @@ __device__ __forceinline__ void copy_scalar(void* dst, const void* src, size_t b
   }
 }
 
+// One read of the source row, a store to each of its destination rows.
 __global__ void __launch_bounds__(kCopyThreads) pull_kernel(const PullArgs a) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const WarpSlot w = warp_slot();
+  const int lane = w.lane;
   const size_t nvec = a.row_bytes / 16;
-  for (int64_t u = warp; u < a.n_entries; u += n_warps) {
+  for (int64_t u = w.warp; u < a.n_entries; u += w.warps) {
     const int32_t entry = a.entries[u];
     if (entry < 0) continue;
     const int src = static_cast<int>(entry / a.tokens);
@@ -112,20 +117,20 @@ __global__ void __launch_bounds__(kCopyThreads) pull_kernel(const PullArgs a) {
     const int4* from = static_cast<const int4*>(
         peer_ptr(a.window, a.layout.tokens_offset + static_cast<size_t>(token) * a.row_bytes, src));
     size_t v = lane;
-    for (; v + 32 * (kUnroll - 1) < nvec; v += 32 * kUnroll) {
-      int4 t[kUnroll];
+    for (; v + 32 * (kRowUnroll - 1) < nvec; v += 32 * kRowUnroll) {
+      int4 t[kRowUnroll];
 #pragma unroll
-      for (int i = 0; i < kUnroll; ++i) t[i] = __ldcg(from + v + 32 * i);
+      for (int i = 0; i < kRowUnroll; ++i) t[i] = load_vec16<true>(from + v + 32 * i);
       for (int64_t k = 0; k < a.top_k; ++k) {
         const int32_t row = dest[k];
         if (row < 0 || row >= a.out_rows) continue;
         int4* to = reinterpret_cast<int4*>(static_cast<char*>(a.out) + row * a.row_bytes);
 #pragma unroll
-        for (int i = 0; i < kUnroll; ++i) to[v + 32 * i] = t[i];
+        for (int i = 0; i < kRowUnroll; ++i) to[v + 32 * i] = t[i];
       }
     }
     for (; v < nvec; v += 32) {
-      const int4 t = __ldcg(from + v);
+      const int4 t = load_vec16<true>(from + v);
       for (int64_t k = 0; k < a.top_k; ++k) {
         const int32_t row = dest[k];
         if (row < 0 || row >= a.out_rows) continue;
@@ -147,11 +152,9 @@ __global__ void __launch_bounds__(kCopyThreads) pull_kernel(const PullArgs a) {
 }
 
 __global__ void __launch_bounds__(kCopyThreads) push_kernel(const PushArgs a) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const WarpSlot w = warp_slot();
   const size_t nvec = a.row_bytes / 16;
-  for (int64_t j = warp; j < a.n_rows; j += n_warps) {
+  for (int64_t j = w.warp; j < a.n_rows; j += w.warps) {
     const int32_t d = a.dest[j];
     if (d < 0) continue;
     const int owner = static_cast<int>(d / a.pairs);
@@ -161,16 +164,8 @@ __global__ void __launch_bounds__(kCopyThreads) push_kernel(const PushArgs a) {
                                                      j * a.row_bytes);
     int4* to = static_cast<int4*>(
         peer_ptr(a.window, a.layout.slots_offset + static_cast<size_t>(pair) * a.row_bytes, owner));
-    size_t v = lane;
-    for (; v + 32 * (kUnroll - 1) < nvec; v += 32 * kUnroll) {
-      int4 t[kUnroll];
-#pragma unroll
-      for (int i = 0; i < kUnroll; ++i) t[i] = __ldg(from + v + 32 * i);
-#pragma unroll
-      for (int i = 0; i < kUnroll; ++i) to[v + 32 * i] = t[i];
-    }
-    for (; v < nvec; v += 32) to[v] = __ldg(from + v);
-    if (a.row_scalars != nullptr && lane == 0) {
+    copy_row<false>(from, to, nvec, w.lane);  // local XLA buffer -> the owner's window
+    if (a.row_scalars != nullptr && w.lane == 0) {
       void* s = peer_ptr(a.window,
                          a.layout.slot_scalars_offset + static_cast<size_t>(pair) * a.scalar_bytes,
                          owner);
@@ -229,7 +224,7 @@ std::string launch_barrier(const BarrierArgs& args, cudaStream_t stream) {
   return "";
 }
 
-std::string launch_pull(const PullArgs& a, int device, cudaStream_t stream) {
+std::string check_pull(const PullArgs& a) {
   if (a.n_entries == 0) return "";
   if (a.row_bytes == 0 || a.row_bytes % 16 != 0)
     return "pull: row bytes " + std::to_string(a.row_bytes) + " is not a positive multiple of 16";
@@ -237,12 +232,18 @@ std::string launch_pull(const PullArgs& a, int device, cudaStream_t stream) {
     return "pull: scalars must be 2 or 4 bytes";
   if (a.tokens < 1 || a.top_k < 1) return "pull: empty shapes";
   if (reinterpret_cast<uintptr_t>(a.out) % 16 != 0) return "pull: out is not 16-byte aligned";
+  return "";
+}
+
+std::string launch_pull(const PullArgs& a, int device, cudaStream_t stream) {
+  MOK_COMM_RETURN_IF_MESSAGE(check_pull(a));
+  if (a.n_entries == 0) return "";
   pull_kernel<<<copy_grid(device, a.n_entries), kCopyThreads, 0, stream>>>(a);
   MOK_COMM_CUDA_RETURN(cudaGetLastError());
   return "";
 }
 
-std::string launch_push(const PushArgs& a, int device, cudaStream_t stream) {
+std::string check_push(const PushArgs& a) {
   if (a.n_rows == 0) return "";
   if (a.row_bytes == 0 || a.row_bytes % 16 != 0)
     return "push: row bytes " + std::to_string(a.row_bytes) + " is not a positive multiple of 16";
@@ -250,6 +251,12 @@ std::string launch_push(const PushArgs& a, int device, cudaStream_t stream) {
     return "push: scalars must be 2 or 4 bytes";
   if (a.pairs < 1) return "push: no pairs";
   if (reinterpret_cast<uintptr_t>(a.rows) % 16 != 0) return "push: rows are not 16-byte aligned";
+  return "";
+}
+
+std::string launch_push(const PushArgs& a, int device, cudaStream_t stream) {
+  MOK_COMM_RETURN_IF_MESSAGE(check_push(a));
+  if (a.n_rows == 0) return "";
   push_kernel<<<copy_grid(device, a.n_rows), kCopyThreads, 0, stream>>>(a);
   MOK_COMM_CUDA_RETURN(cudaGetLastError());
   return "";

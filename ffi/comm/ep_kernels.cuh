@@ -97,6 +97,9 @@ struct PullArgs {
   void* out_scalars = nullptr;    // [out_rows] or null
   int64_t out_rows = 0;
 };
+// The argument checks of launch_pull, for a handler to run before its first
+// barrier (a rank that stops after it would leave its peers waiting).
+std::string check_pull(const PullArgs& args);
 std::string launch_pull(const PullArgs& args, int device, cudaStream_t stream);
 
 struct PushArgs {
@@ -111,6 +114,7 @@ struct PushArgs {
   const int32_t* dest = nullptr;  // [n_rows]: owner_rank * T*K + pair, < 0: none
   int64_t n_rows = 0;
 };
+std::string check_push(const PushArgs& args);
 std::string launch_push(const PushArgs& args, int device, cudaStream_t stream);
 
 // Loads the kernels on the current device (do it before the first launch: lazy

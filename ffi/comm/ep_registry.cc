@@ -32,9 +32,10 @@ struct CommSet {
   std::vector<LocalRank> ranks;
   size_t window_bytes = 0;
   uint64_t timeout_ns = 0;
+  uint64_t fingerprint = 0;
 };
 
-std::shared_mutex g_mutex;  // exclusive: create/rebuild/destroy; shared: handlers
+std::shared_mutex g_mutex;  // exclusive: insert/destroy; shared: handlers, watchdog
 std::map<int64_t, std::unique_ptr<CommSet>> g_sets;
 int64_t g_next_handle = 1;
 std::string g_last_error;   // guarded by g_report_mutex
@@ -150,13 +151,16 @@ std::string build(CommSet& set, const std::vector<GroupSpec>& groups, size_t win
 }  // namespace
 
 int64_t create_comm_set(const std::vector<GroupSpec>& groups, size_t window_bytes,
-                        double timeout_s, std::string* err) {
+                        double timeout_s, uint64_t fingerprint, std::string* err) {
   if (!(timeout_s > 0) || !std::isfinite(timeout_s)) {
     *err = "timeout must be a positive number of seconds";
     return 0;
   }
   auto set = std::make_unique<CommSet>();
   set->timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  set->fingerprint = fingerprint;
+  // Built without the registry lock: running steps (whose handlers take it
+  // shared) are never blocked by a bootstrap.
   std::string msg = build(*set, groups, window_bytes);
   if (!msg.empty()) {
     append_error(msg, teardown(*set, /*abort=*/true));
@@ -171,22 +175,6 @@ int64_t create_comm_set(const std::vector<GroupSpec>& groups, size_t window_byte
     g_watchdog = std::thread(watchdog_loop);
   }
   return handle;
-}
-
-std::string rebuild_comm_set(int64_t handle, const std::vector<GroupSpec>& groups,
-                             size_t window_bytes) {
-  std::unique_lock<std::shared_mutex> lock(g_mutex);
-  auto it = g_sets.find(handle);
-  if (it == g_sets.end()) return "no communicator set " + std::to_string(handle);
-  CommSet& set = *it->second;
-  std::string err = teardown(set, /*abort=*/false);
-  if (!err.empty()) return "tearing down for a rebuild: " + err;
-  err = build(set, groups, window_bytes);
-  if (!err.empty()) {
-    append_error(err, teardown(set, /*abort=*/true));
-    g_sets.erase(it);
-  }
-  return err;
 }
 
 std::string destroy_comm_set(int64_t handle, bool abort) {
@@ -222,7 +210,7 @@ std::string comm_last_error() {
   return g_last_error;
 }
 
-std::string RankLookup::find(int64_t handle, int device) {
+std::string RankLookup::find(int64_t handle, uint64_t fingerprint, int device) {
   lock_ = std::shared_lock<std::shared_mutex>(g_mutex);
   auto it = g_sets.find(handle);
   if (it == g_sets.end()) {
@@ -230,6 +218,12 @@ std::string RankLookup::find(int64_t handle, int device) {
            " (it was destroyed, or this executable was compiled in another process)";
   }
   const CommSet& set = *it->second;
+  if (set.fingerprint != fingerprint) {
+    return "communicator set " + std::to_string(handle) +
+           " belongs to other devices than this executable was compiled for (a "
+           "compilation-cache hit or an executable from another process?); recompile it "
+           "in this process";
+  }
   for (const LocalRank& r : set.ranks) {
     if (r.device != device) continue;
     const NvlinkComm& c = *set.comms[r.group];

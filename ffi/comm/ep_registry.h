@@ -43,14 +43,14 @@ struct RankView {
   uint64_t timeout_ns = 0;
 };
 
-// Creates a set; returns its handle (> 0) or 0 with *err set.
+// Creates a set; returns its handle (> 0) or 0 with *err set. `fingerprint`
+// identifies the set's groups (all their devices, in order): handlers check it
+// against their attribute, so an executable made for other devices (a
+// compilation cache hit, another process's handle numbering) fails instead of
+// moving rows between the wrong ranks. A set is never rebuilt in place: a
+// larger window is a new set, and executables compiled for the old one keep it.
 int64_t create_comm_set(const std::vector<GroupSpec>& groups, size_t window_bytes,
-                        double timeout_s, std::string* err);
-// Tears the set's communicators down and builds them again with `groups`
-// (fresh unique ids) and `window_bytes`, under the same handle. Collective like
-// creation; waits for the devices first.
-std::string rebuild_comm_set(int64_t handle, const std::vector<GroupSpec>& groups,
-                             size_t window_bytes);
+                        double timeout_s, uint64_t fingerprint, std::string* err);
 // abort: skip the collective finalize (exit, or a peer is gone).
 std::string destroy_comm_set(int64_t handle, bool abort);
 // Destroys every set (abort) and stops the watchdog: for interpreter exit.
@@ -71,7 +71,7 @@ std::string comm_last_error();
 class RankLookup {
  public:
   // Empty message on success; then view() is valid until this object dies.
-  std::string find(int64_t handle, int device);
+  std::string find(int64_t handle, uint64_t fingerprint, int device);
   const RankView& view() const { return view_; }
 
  private:

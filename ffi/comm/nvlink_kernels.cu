@@ -4,14 +4,11 @@
 #include <algorithm>
 
 #include "comm_check.h"
+#include "row_copy.cuh"
 
 namespace mok::comm {
 
 namespace {
-
-// 16-byte loads in flight per lane before their stores: a 14336-byte row is
-// 896 vectors, 28 per lane, so 7 rounds of 4.
-constexpr int kUnroll = 4;
 
 struct PullRowsKernelParams {
   ncclDevComm dev_comm;
@@ -21,11 +18,10 @@ struct PullRowsKernelParams {
 // One warp per row. Peer rows are read with ld.global.cg (cached in L2, not
 // in L1): the data changes between launches and is read once.
 __device__ __forceinline__ void copy_rows(const ncclDevComm& dc, const PullRowsArgs& a) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const WarpSlot w = warp_slot();
+  const int lane = w.lane;
   const size_t nvec = a.row_bytes / 16;
-  for (int64_t i = warp; i < a.n_rows; i += n_warps) {
+  for (int64_t i = w.warp; i < a.n_rows; i += w.warps) {
     const int rank = a.src_rank[i];
     const int64_t row = a.src_row[i];
     int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.out) + static_cast<size_t>(i) * a.row_bytes);
@@ -39,15 +35,7 @@ __device__ __forceinline__ void copy_rows(const ncclDevComm& dc, const PullRowsA
     }
     const int4* src = static_cast<const int4*>(
         ncclGetLsaPointer(a.window, a.window_offset + static_cast<size_t>(row) * a.row_bytes, lsa_peer));
-    size_t v = lane;
-    for (; v + 32 * (kUnroll - 1) < nvec; v += 32 * kUnroll) {
-      int4 t[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) t[u] = __ldcg(src + v + 32 * u);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) dst[v + 32 * u] = t[u];
-    }
-    for (; v < nvec; v += 32) dst[v] = __ldcg(src + v);
+    copy_row<true>(src, dst, nvec, lane);
   }
 }
 

@@ -61,6 +61,15 @@ ffi::Error barrier(const char* op, const comm::RankView& v, Phase phase, uint32_
   return ffi_checks::launcher_result(op, comm::launch_barrier(b, stream));
 }
 
+// A device-to-device copy on XLA's stream (between XLA buffers and the window).
+ffi::Error copy_async(const char* op, void* dst, const void* src, size_t bytes,
+                      cudaStream_t stream) {
+  if (bytes == 0) return ffi::Error::Success();
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi_checks::launcher_result(op, std::string("cudaMemcpyAsync: ") + cudaGetErrorString(e));
+}
+
 ffi::Error window_fits(const char* op, const comm::RankView& v, const comm::WindowLayout& l) {
   if (l.total <= v.window_bytes) return ffi::Error::Success();
   return invalid(op, "this call needs a " + std::to_string(l.total) +
@@ -72,8 +81,9 @@ ffi::Error window_fits(const char* op, const comm::RankView& v, const comm::Wind
 
 ffi::Error EpDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer values,
                       ffi::AnyBuffer pair_values, ffi::Buffer<ffi::S32> entries,
-                      ffi::Buffer<ffi::S32> dest, int64_t handle,
-                      ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> row_values) {
+                      ffi::Buffer<ffi::S32> dest, int64_t handle, int64_t fingerprint,
+                      int64_t site, ffi::Result<ffi::AnyBuffer> rows,
+                      ffi::Result<ffi::AnyBuffer> row_values) {
   constexpr const char* op = "mok_ep_dispatch (CUDA)";
   auto vd = values.dimensions();
   auto dd = dest.dimensions();
@@ -102,30 +112,18 @@ ffi::Error EpDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer values
   if (row_bytes % 16 != 0) return invalid(op, "a row must be a multiple of 16 bytes");
 
   comm::RankLookup lookup;
-  MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, lookup.find(handle, device)));
+  MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(
+      op, lookup.find(handle, static_cast<uint64_t>(fingerprint), device)));
   const comm::RankView& v = lookup.view();
   if (N != static_cast<int64_t>(v.nranks) * T)
     return invalid(op, std::to_string(N) + " pull entries for " + std::to_string(v.nranks) +
                            " ranks of " + std::to_string(T) + " tokens");
   const comm::WindowLayout layout = comm::window_layout(T, K, row_bytes, 4);
   MOK_RETURN_IF_ERROR(window_fits(op, v, layout));
-  const uint32_t sig = signature({1, T, K, H, int64_t(es), int64_t(sb), R});
+  // The call site (which EP call of the program, numbered at lowering) is part of
+  // the signature: ranks running different calls of equal shapes fail too.
+  const uint32_t sig = signature({1, site, T, K, H, int64_t(es), int64_t(sb), R});
 
-  char* own = static_cast<char*>(v.buffer);
-  std::string err;
-  if (cudaError_t e = cudaMemcpyAsync(own + layout.tokens_offset, values.untyped_data(),
-                                      static_cast<size_t>(T) * row_bytes,
-                                      cudaMemcpyDeviceToDevice, stream);
-      e != cudaSuccess)
-    return ffi_checks::launcher_result(op, std::string("cudaMemcpyAsync: ") + cudaGetErrorString(e));
-  if (with_scalars) {
-    if (cudaError_t e = cudaMemcpyAsync(own + layout.pair_scalars_offset,
-                                        pair_values.untyped_data(), static_cast<size_t>(T * K) * sb,
-                                        cudaMemcpyDeviceToDevice, stream);
-        e != cudaSuccess)
-      return ffi_checks::launcher_result(op, std::string("cudaMemcpyAsync: ") + cudaGetErrorString(e));
-  }
-  MOK_RETURN_IF_ERROR(barrier(op, v, Phase::kDispatchBegin, sig, stream));
   comm::PullArgs a;
   a.window = v.window;
   a.layout = layout;
@@ -140,6 +138,19 @@ ffi::Error EpDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer values
   a.out = rows->untyped_data();
   a.out_scalars = with_scalars ? row_values->untyped_data() : nullptr;
   a.out_rows = R;
+  // Every check before the first barrier: a rank that stopped after it would
+  // leave its peers waiting there until the timeout.
+  MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, comm::check_pull(a)));
+
+  char* own = static_cast<char*>(v.buffer);
+  MOK_RETURN_IF_ERROR(copy_async(op, own + layout.tokens_offset, values.untyped_data(),
+                                  static_cast<size_t>(T) * row_bytes, stream));
+  if (with_scalars) {
+    MOK_RETURN_IF_ERROR(copy_async(op, own + layout.pair_scalars_offset,
+                                    pair_values.untyped_data(), static_cast<size_t>(T * K) * sb,
+                                    stream));
+  }
+  MOK_RETURN_IF_ERROR(barrier(op, v, Phase::kDispatchBegin, sig, stream));
   MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, comm::launch_pull(a, device, stream)));
   return barrier(op, v, Phase::kDispatchEnd, sig, stream);
 }
@@ -147,7 +158,8 @@ ffi::Error EpDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer values
 ffi::Error EpCombine(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
                      ffi::AnyBuffer rows, ffi::AnyBuffer row_values, ffi::AnyBuffer weights,
                      ffi::Buffer<ffi::S32> kept, ffi::Buffer<ffi::S32> dest, int64_t handle,
-                     bool weighted, ffi::Result<ffi::AnyBuffer> out,
+                     int64_t fingerprint, int64_t site, bool weighted,
+                     ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::AnyBuffer> pair_values) {
   constexpr const char* op = "mok_ep_combine (CUDA)";
   auto rd = rows.dimensions();
@@ -182,11 +194,13 @@ ffi::Error EpCombine(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t
   if (T * K > INT32_MAX) return invalid(op, "T * K must be below 2^31");
 
   comm::RankLookup lookup;
-  MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, lookup.find(handle, device)));
+  MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(
+      op, lookup.find(handle, static_cast<uint64_t>(fingerprint), device)));
   const comm::RankView& v = lookup.view();
   const comm::WindowLayout layout = comm::window_layout(T, K, row_bytes, 4);
   MOK_RETURN_IF_ERROR(window_fits(op, v, layout));
-  const uint32_t sig = signature({2, T, K, H, int64_t(es), int64_t(sb), R, weighted ? 1 : 0});
+  const uint32_t sig =
+      signature({2, site, T, K, H, int64_t(es), int64_t(sb), R, weighted ? 1 : 0});
 
   const size_t ws_bytes = cuda::combine_workspace_bytes(T * K);
   void* ws = nullptr;
@@ -199,7 +213,6 @@ ffi::Error EpCombine(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t
     ws = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(*p) + 255) & ~uintptr_t(255));
   }
 
-  MOK_RETURN_IF_ERROR(barrier(op, v, Phase::kCombineBegin, sig, stream));
   comm::PushArgs a;
   a.window = v.window;
   a.layout = layout;
@@ -211,6 +224,8 @@ ffi::Error EpCombine(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t
   a.row_scalars = with_scalars ? row_values.untyped_data() : nullptr;
   a.dest = dest.typed_data();
   a.n_rows = R;
+  MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, comm::check_push(a)));
+  MOK_RETURN_IF_ERROR(barrier(op, v, Phase::kCombineBegin, sig, stream));
   MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, comm::launch_push(a, device, stream)));
   MOK_RETURN_IF_ERROR(barrier(op, v, Phase::kCombineEnd, sig, stream));
 
@@ -219,15 +234,9 @@ ffi::Error EpCombine(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t
       *x_dtype, *w_dtype, own + layout.slots_offset, weighted ? weights.untyped_data() : nullptr,
       kept.typed_data(), T, K, H, out->untyped_data(), ws, ws_bytes, stream);
   MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, err));
-  if (with_scalars) {
-    if (cudaError_t e = cudaMemcpyAsync(pair_values->untyped_data(),
-                                        own + layout.slot_scalars_offset,
-                                        static_cast<size_t>(T * K) * sb, cudaMemcpyDeviceToDevice,
-                                        stream);
-        e != cudaSuccess)
-      return ffi_checks::launcher_result(op, std::string("cudaMemcpyAsync: ") + cudaGetErrorString(e));
-  }
-  return ffi::Error::Success();
+  if (!with_scalars) return ffi::Error::Success();
+  return copy_async(op, pair_values->untyped_data(), own + layout.slot_scalars_offset,
+                    static_cast<size_t>(T * K) * sb, stream);
 }
 
 }  // namespace
@@ -242,6 +251,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MokEpDispatchCuda, mok::EpDispatch,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // entries [P*T]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dest [P*T, K]
                                   .Attr<int64_t>("handle")
+                                  .Attr<int64_t>("fingerprint")      // the set's devices
+                                  .Attr<int64_t>("site")             // which EP call
                                   .Ret<xla::ffi::AnyBuffer>()          // rows [R, H]
                                   .Ret<xla::ffi::AnyBuffer>());        // row_values [R] or [0]
 
@@ -256,6 +267,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MokEpCombineCuda, mok::EpCombine,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // kept [T, K]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dest [R]
                                   .Attr<int64_t>("handle")
+                                  .Attr<int64_t>("fingerprint")
+                                  .Attr<int64_t>("site")
                                   .Attr<bool>("weighted")
                                   .Ret<xla::ffi::AnyBuffer>()          // out [T, H]
                                   .Ret<xla::ffi::AnyBuffer>());        // pair_values [T*K] or [0]

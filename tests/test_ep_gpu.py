@@ -160,7 +160,10 @@ def test_fused_ep_1000_calls_hold_device_memory_steady():
     for i in range(1000):
         outs[i % 2] = step(*problems[i % 2])
     jax.block_until_ready(outs)
-    assert [d.memory_stats()["bytes_in_use"] for d in gpus] == used
+    # XLA's allocator moves a few KiB between steps (seen: -2.8 KiB and +2 KiB over
+    # 1000 steps); a leak of even 64 bytes a step would add 64 KB.
+    grown = [d.memory_stats()["bytes_in_use"] - u for d, u in zip(gpus, used)]
+    assert all(g < 64 * 1024 for g in grown), grown
     for last, first in zip(outs, firsts):
         for a, b in zip(last, first):
             assert_same_bits(a, b, "step 1011 against step 1 of the same problem")

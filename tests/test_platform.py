@@ -47,10 +47,17 @@ def test_gpu_without_cuda_handlers_says_how_to_rebuild():
             jax.block_until_ready(mok_jax.moe(*problem))
 
 
-def test_import_and_a_cpu_call_never_load_the_nccl_transport():
+def test_import_and_a_cpu_call_never_load_the_nccl_transport(tmp_path):
     """mok_jax._mok_comm links libnccl; only backend="fused" under EP imports it."""
+    import os
     import subprocess
     import sys
+    # The mok_jax this process imported (installed, or a dev build's source tree),
+    # from a folder where no source tree shadows it.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(p for p in (package_root,
+                                                     os.environ.get("PYTHONPATH")) if p)}
     code = ("import sys, jax.numpy as jnp, mok_jax\n"
             "x = jnp.ones((4, 8)); ids = jnp.zeros((4, 2), jnp.int32)\n"
             "mok_jax.moe(x, ids, jnp.ones((4, 2)), jnp.ones((2, 8, 6)), jnp.ones((2, 3, 8)),"
@@ -59,5 +66,5 @@ def test_import_and_a_cpu_call_never_load_the_nccl_transport():
             "assert not any('libnccl' in l for l in open('/proc/self/maps')), 'libnccl mapped'\n"
             "print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"}, check=False)
+                          env=env, cwd=tmp_path, check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -1,6 +1,5 @@
 """The CPU handlers split experts over threads; the bits must not depend on it."""
 
-import os
 
 import jax
 import jax.numpy as jnp

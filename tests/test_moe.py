@@ -471,7 +471,7 @@ def _one_expert_per_unit_output(E, H, F, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_combine_sums_k_in_ascending_order(dtype):
-    E, K, H, F = 3, 3, 4, 2
+    E, H, F = 3, 4, 2  # K = 3 picks per token (the ids below)
     wgu, wd = _one_expert_per_unit_output(E, H, F, dtype)
     x = jnp.asarray(np.eye(1, H).repeat(4, 0), dtype)
     big = 2.0**24

@@ -82,6 +82,9 @@ CASES = {
     "dp2_ep2": ({"data": 2, "ep": 2}, 8, 2, None, _with_invalid, 15),
     "dp2_ep2_capacity": ({"data": 2, "ep": 2}, 8, 3, 3, _random, 16),
     "dp2_ep2_rank1_to_itself": ({"data": 2, "ep": 2}, 8, 2, None, _rank1_keeps_to_itself, 17),
+    # EP the major axis: an exchange group's shards are D apart in the linear order.
+    "ep2_dp2_ep_major": ({"ep": 2, "data": 2}, 8, 2, None, _with_invalid, 18),
+    "ep2_dp2_ep_major_capacity": ({"ep": 2, "data": 2}, 8, 3, 3, _random, 19),
 }
 
 
@@ -143,14 +146,16 @@ def test_nvlink_route_moves_what_xla_moves(case):
     pv3 = pair_values.reshape(G, T, K)
     rows3 = rows_in.reshape(G, R, H)
 
-    for g0 in range(0, G, Pep):                   # one exchange group per data index
-        group = range(g0, g0 + Pep)               # its shards; member s is shard g0 + s
+    ep_major = list(axes)[0] == "ep"
+    for d0 in range(D):                           # one exchange group per data index
+        # Its shards in the mesh's linear (token) order; member s is group[s].
+        group = [s * D + d0 if ep_major else d0 * Pep + s for s in range(Pep)]
         slots = np.full((Pep, C, H), np.nan, np.float32)   # the owners' push windows
         writes = np.zeros((Pep, C), np.int64)
         for d in range(Pep):
-            g = g0 + d
-            mine = keep[g0:g0 + Pep] & (ids3[g0:g0 + Pep] // el == d)   # [P, T, K]
-            sizes = np.array([np.sum(mine & (ids3[g0:g0 + Pep] == d * el + l))
+            g = group[d]
+            mine = keep[group] & (ids3[group] // el == d)   # [P, T, K]
+            sizes = np.array([np.sum(mine & (ids3[group] == d * el + l))
                               for l in range(el)])
             np.testing.assert_array_equal(group_sizes[g], sizes, err_msg=f"sizes {g}")
             n = int(sizes.sum())
@@ -180,7 +185,7 @@ def test_nvlink_route_moves_what_xla_moves(case):
                     assert -1 <= j < R, (g, u, k, j)
                     assert (j >= 0) == bool(mine[s, t, k]), (g, s, t, k, j)
                     if j >= 0:
-                        got[j], got_pv[j] = x3[g0 + s, t], pv3[g0 + s, t, k]
+                        got[j], got_pv[j] = x3[group[s], t], pv3[group[s], t, k]
                         hits[j] += 1
             np.testing.assert_array_equal(hits, np.arange(R) < n, err_msg=f"pulls {g}")
             np.testing.assert_array_equal(got[:n], x_rows[g][:n], err_msg=f"rows {g}")
@@ -197,8 +202,7 @@ def test_nvlink_route_moves_what_xla_moves(case):
                 slots[owner, pair] = rows3[g, j]
                 writes[owner, pair] += 1
 
-        for o in group:
-            s = o - g0
+        for s, o in enumerate(group):
             kp = keep[o].reshape(-1)
             np.testing.assert_array_equal(writes[s], kp, err_msg=f"slots of {o}")
             np.testing.assert_array_equal(slots[s][kp], back[o][kp], err_msg=f"back {o}")

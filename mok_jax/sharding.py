@@ -231,15 +231,12 @@ _forward.def_partition(
 
 # --- forward saving residuals, backward using them ----------------------------
 
-def _rows_per_token(mesh, arg_shapes, bound):
-    """(A*K, the EP size P): A is the trace-time bound on P; P must not exceed it."""
-    _, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
-                         arg_shapes[3].shape[0])
-    ep_size = mesh.shape[ep_axis] if ep_axis else 1
-    if ep_size > bound:
-        raise ValueError(f"mok_jax.moe: the experts are split over {ep_size} devices but "
-                         f"the trace assumed at most {bound} (internal error)")
-    return bound * arg_shapes[1].shape[1], ep_size
+def _rows_per_token(cfg, bound, top_k):
+    """A*K: A is the trace-time bound on the EP size, which must not exceed it."""
+    if cfg.ep_size > bound:
+        raise ValueError(f"mok_jax.moe: the experts are split over {cfg.ep_size} devices "
+                         f"but the trace assumed at most {bound} (internal error)")
+    return bound * top_k
 
 
 @functools.partial(custom_partitioning, static_argnums=(5, 6, 7))
@@ -266,11 +263,12 @@ def _forward_saving_infer(cap, backend, bound, mesh, arg_shapes, result_shape):
 def _forward_saving_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
     del result_shape
     cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes)
-    r, _ = _rows_per_token(mesh, arg_shapes, bound)
+    r = _rows_per_token(cfg, bound, arg_shapes[1].shape[1])
+    transport = _transport(backend, cfg, mesh, arg_shapes[0])
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
         T = x.shape[0]
-        path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh, arg_shapes[0]), rows=T * r)
+        path = ep.ExchangePath(cfg, transport, rows=T * r)
         y, stats, res = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down,
                                      save=True)
         return (y, _pack_stats(stats), res.x_rows.reshape(T, r, -1),
@@ -306,11 +304,12 @@ def _backward_infer(cap, backend, bound, mesh, arg_shapes, result_shape):
 def _backward_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
     del result_shape
     cfg, tok, wts, _ = _placement(cap, mesh, arg_shapes)
-    r, _ = _rows_per_token(mesh, arg_shapes, bound)
+    r = _rows_per_token(cfg, bound, arg_shapes[1].shape[1])
+    transport = _transport(backend, cfg, mesh, arg_shapes[0])
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up):
         T = x.shape[0]
-        path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh, arg_shapes[0]), rows=T * r)
+        path = ep.ExchangePath(cfg, transport, rows=T * r)
         p, route = path.routing(expert_ids, w_gate_up.shape[0])  # the plan, again (cheap)
         res = ep.Residuals(p, route, x_rows.reshape(T * r, -1), gate_up.reshape(T * r, -1),
                            expert_weights, w_gate_up, w_down)

@@ -90,17 +90,6 @@ NB_MODULE(_mok_comm, m) {
       nb::arg("groups"), nb::arg("window_bytes"), nb::arg("timeout_s"), nb::arg("fingerprint"),
       "Communicators for this process's ranks of every group [(nranks, ranks, devices, "
       "unique_id)], each with a symmetric window of window_bytes; returns the handle.");
-  m.def(
-      "destroy",
-      [](int64_t handle, bool abort) {
-        std::string err;
-        {
-          nb::gil_scoped_release release;
-          err = mok::comm::destroy_comm_set(handle, abort);
-        }
-        raise_if(err);
-      },
-      nb::arg("handle"), nb::arg("abort") = false);
   m.def("shutdown",
         []() {
           nb::gil_scoped_release release;
@@ -113,7 +102,6 @@ NB_MODULE(_mok_comm, m) {
         return mok::comm::window_layout(tokens, top_k, size_t(hidden * itemsize), 4).total;
       },
       nb::arg("tokens"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("itemsize"));
-  m.def("set_window_bytes", &mok::comm::comm_set_window_bytes, nb::arg("handle"));
   m.def("last_error", &mok::comm::comm_last_error,
         "The first barrier failure the watchdog saw, or ''.");
   m.def("nccl_runtime_version", &nccl_runtime_version);
@@ -127,5 +115,4 @@ NB_MODULE(_mok_comm, m) {
       },
       nb::arg("device"), nb::arg("peer"), "cudaDeviceCanAccessPeer(device, peer).");
   m.attr("NCCL_HEADER_VERSION") = mok::comm::nccl_header_version();
-  m.attr("MAX_RANKS") = mok::comm::kMaxRanks;
 }

@@ -224,15 +224,24 @@ std::string launch_barrier(const BarrierArgs& args, cudaStream_t stream) {
   return "";
 }
 
+// What both copies need: rows of 16-byte vectors, 2- or 4-byte scalars (when
+// any), and the local row buffer 16-byte aligned.
+static std::string check_rows(const char* what, size_t row_bytes, bool scalars, size_t scalar_bytes,
+                              const void* local_rows) {
+  if (row_bytes == 0 || row_bytes % 16 != 0)
+    return std::string(what) + ": row bytes " + std::to_string(row_bytes) +
+           " is not a positive multiple of 16";
+  if (scalars && scalar_bytes != 2 && scalar_bytes != 4)
+    return std::string(what) + ": scalars must be 2 or 4 bytes";
+  if (reinterpret_cast<uintptr_t>(local_rows) % 16 != 0)
+    return std::string(what) + ": the local rows are not 16-byte aligned";
+  return "";
+}
+
 std::string check_pull(const PullArgs& a) {
   if (a.n_entries == 0) return "";
-  if (a.row_bytes == 0 || a.row_bytes % 16 != 0)
-    return "pull: row bytes " + std::to_string(a.row_bytes) + " is not a positive multiple of 16";
-  if (a.out_scalars != nullptr && a.scalar_bytes != 2 && a.scalar_bytes != 4)
-    return "pull: scalars must be 2 or 4 bytes";
   if (a.tokens < 1 || a.top_k < 1) return "pull: empty shapes";
-  if (reinterpret_cast<uintptr_t>(a.out) % 16 != 0) return "pull: out is not 16-byte aligned";
-  return "";
+  return check_rows("pull", a.row_bytes, a.out_scalars != nullptr, a.scalar_bytes, a.out);
 }
 
 std::string launch_pull(const PullArgs& a, int device, cudaStream_t stream) {
@@ -245,13 +254,8 @@ std::string launch_pull(const PullArgs& a, int device, cudaStream_t stream) {
 
 std::string check_push(const PushArgs& a) {
   if (a.n_rows == 0) return "";
-  if (a.row_bytes == 0 || a.row_bytes % 16 != 0)
-    return "push: row bytes " + std::to_string(a.row_bytes) + " is not a positive multiple of 16";
-  if (a.row_scalars != nullptr && a.scalar_bytes != 2 && a.scalar_bytes != 4)
-    return "push: scalars must be 2 or 4 bytes";
   if (a.pairs < 1) return "push: no pairs";
-  if (reinterpret_cast<uintptr_t>(a.rows) % 16 != 0) return "push: rows are not 16-byte aligned";
-  return "";
+  return check_rows("push", a.row_bytes, a.row_scalars != nullptr, a.scalar_bytes, a.rows);
 }
 
 std::string launch_push(const PushArgs& a, int device, cudaStream_t stream) {

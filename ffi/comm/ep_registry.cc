@@ -30,7 +30,6 @@ struct LocalRank {
 struct CommSet {
   std::vector<std::unique_ptr<NvlinkComm>> comms;
   std::vector<LocalRank> ranks;
-  size_t window_bytes = 0;
   uint64_t timeout_ns = 0;
   uint64_t fingerprint = 0;
 };
@@ -104,7 +103,6 @@ std::string teardown(CommSet& set, bool abort) {
 
 std::string build(CommSet& set, const std::vector<GroupSpec>& groups, size_t window_bytes) {
   if (window_bytes <= kBarrierBytes) return "window of " + std::to_string(window_bytes) + " bytes";
-  set.window_bytes = window_bytes;
   for (size_t g = 0; g < groups.size(); ++g) {
     const GroupSpec& spec = groups[g];
     if (spec.nranks > kMaxRanks) {
@@ -177,15 +175,6 @@ int64_t create_comm_set(const std::vector<GroupSpec>& groups, size_t window_byte
   return handle;
 }
 
-std::string destroy_comm_set(int64_t handle, bool abort) {
-  std::unique_lock<std::shared_mutex> lock(g_mutex);
-  auto it = g_sets.find(handle);
-  if (it == g_sets.end()) return "";
-  std::string err = teardown(*it->second, abort);
-  g_sets.erase(it);
-  return err;
-}
-
 std::string shutdown_comm_sets() {
   std::string all;
   g_stop = true;
@@ -194,12 +183,6 @@ std::string shutdown_comm_sets() {
   for (auto& [handle, set] : g_sets) append_error(all, teardown(*set, /*abort=*/true));
   g_sets.clear();
   return all;
-}
-
-size_t comm_set_window_bytes(int64_t handle) {
-  std::shared_lock<std::shared_mutex> lock(g_mutex);
-  auto it = g_sets.find(handle);
-  return it == g_sets.end() ? 0 : it->second->window_bytes;
 }
 
 int nccl_header_version() { return kNcclHeaderVersion; }

@@ -51,13 +51,8 @@ struct RankView {
 // larger window is a new set, and executables compiled for the old one keep it.
 int64_t create_comm_set(const std::vector<GroupSpec>& groups, size_t window_bytes,
                         double timeout_s, uint64_t fingerprint, std::string* err);
-// abort: skip the collective finalize (exit, or a peer is gone).
-std::string destroy_comm_set(int64_t handle, bool abort);
 // Destroys every set (abort) and stops the watchdog: for interpreter exit.
 std::string shutdown_comm_sets();
-
-// The window size of a set (0 if the handle is unknown).
-size_t comm_set_window_bytes(int64_t handle);
 
 // NCCL versions: the headers this was compiled with, and the loaded library's
 // (with an error message when they differ).

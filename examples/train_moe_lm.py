@@ -352,11 +352,13 @@ def abstract_model(cfg: Config, **moe_kwargs) -> MoELM:
     return nnx.eval_shape(lambda: MoELM(cfg, rngs=nnx.Rngs(cfg.seed), moe_kwargs=moe_kwargs))
 
 
-def init_state(cfg: Config, mesh: Mesh, tx) -> tuple[nnx.GraphDef, TrainState, Any]:
+def init_state(cfg: Config, mesh: Mesh, tx, *,
+               shard_optimizer: bool = False) -> tuple[nnx.GraphDef, TrainState, Any]:
     """Builds the model and optimizer state directly in their shardings.
 
     Returns ``(graphdef, state, state_shardings)``. Values do not depend on the
-    mesh (random bits are sharding-invariant)."""
+    mesh (random bits are sharding-invariant). ``shard_optimizer`` splits the
+    optimizer state over ``dp`` as well (`shard_over_data`)."""
 
     def init():
         model = MoELM(cfg, rngs=nnx.Rngs(cfg.seed))
@@ -364,7 +366,10 @@ def init_state(cfg: Config, mesh: Mesh, tx) -> tuple[nnx.GraphDef, TrainState, A
         return TrainState(jnp.zeros((), jnp.int32), params, bias, tx.init(params))
 
     graphdef = nnx.split(abstract_model(cfg), nnx.Param, mnn.BalanceBias)[0]
-    shardings = mnn.named_shardings(jax.eval_shape(init), mesh)
+    shapes = jax.eval_shape(init)
+    shardings = mnn.named_shardings(shapes, mesh)
+    if shard_optimizer:
+        shardings = shardings._replace(opt=shard_over_data(shardings.opt, shapes.opt, mesh))
     state = jax.jit(init, out_shardings=shardings)()
     return graphdef, state, shardings
 
@@ -387,8 +392,42 @@ def _global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)))
 
 
-def make_train_step(cfg: Config, graphdef, tx, schedule):
-    """``(state, batch [B, S+1] int32) -> (state, metrics)``, pure (jit it)."""
+def shard_over_data(shardings, shapes, mesh: Mesh, axis: str = "dp"):
+    """``shardings`` with every array also split over the data-parallel ``axis``.
+
+    Each array takes ``axis`` on its first dimension that is otherwise unsplit and
+    divides by the axis size; arrays with no such dimension (scalars, vectors of
+    odd length) keep their sharding. Used for the optimizer state and the
+    update (ZeRO stage 1): each data-parallel replica keeps and updates 1/dp of
+    the moments and parameters, the gradients are reduce-scattered and the new
+    parameters all-gathered, instead of every replica updating all of them."""
+    size = mesh.shape.get(axis, 1)
+
+    def one(sharding, shape):
+        if size == 1 or not isinstance(sharding, NamedSharding):
+            return sharding
+        spec = list(sharding.spec) + [None] * (len(shape.shape) - len(sharding.spec))
+        used = {a for entry in spec if entry is not None
+                for a in ((entry,) if isinstance(entry, str) else entry)}
+        if axis in used:
+            return sharding
+        for dim, (entry, n) in enumerate(zip(spec, shape.shape)):
+            if entry is None and n % size == 0:
+                spec[dim] = axis
+                return NamedSharding(mesh, P(*spec))
+        return sharding
+
+    return jax.tree.map(one, shardings, shapes)
+
+
+def make_train_step(cfg: Config, graphdef, tx, schedule, *, update_shardings=None,
+                    param_shardings=None):
+    """``(state, batch [B, S+1] int32) -> (state, metrics)``, pure (jit it).
+
+    ``update_shardings`` (a params-shaped tree of shardings, from
+    `shard_over_data`) shards the gradients and the optimizer update over the
+    data axis; ``param_shardings`` are then the parameters' own shardings, which
+    the updated parameters are gathered back to."""
     import optax
 
     aux_coef = cfg.aux_coef if cfg.balance == "aux" else 0.0
@@ -407,8 +446,15 @@ def make_train_step(cfg: Config, graphdef, tx, schedule):
         (loss, (ce, aux_loss, z_loss, tpe, dropped)), grads = jax.value_and_grad(
             loss_fn, has_aux=True)(state.params, state.bias, batch)
         with jax.named_scope("optimizer"):
-            updates, opt = tx.update(grads, state.opt, state.params)
-            params = optax.apply_updates(state.params, updates)
+            params = state.params
+            if update_shardings is not None:
+                constrain = jax.lax.with_sharding_constraint
+                grads, params = constrain(grads, update_shardings), constrain(
+                    params, update_shardings)
+            updates, opt = tx.update(grads, state.opt, params)
+            params = optax.apply_updates(params, updates)
+            if update_shardings is not None:
+                params = jax.lax.with_sharding_constraint(params, param_shardings)
         bias = state.bias
         if cfg.balance == "bias":
             model = nnx.merge(graphdef, params, state.bias)
@@ -555,6 +601,9 @@ def parse_args(argv=None):
                              "interrupted; the schedule still runs to --steps")
     parser.add_argument("--dp", type=int, help="data-parallel mesh axis (default: devices / ep)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel mesh axis")
+    parser.add_argument("--shard-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                        help="split the optimizer state and update over dp (ZeRO stage 1; "
+                        "default on, no effect when dp = 1)")
     parser.add_argument("--host-devices", type=int, metavar="N",
                         help="run on N CPU devices (sets jax_num_cpu_devices; CPU only)")
     parser.add_argument("--peak-tflops", type=float,
@@ -665,7 +714,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     platform = mesh.devices.flat[0].platform
     device_kind = mesh.devices.flat[0].device_kind
     tx, schedule = make_optimizer(cfg)
-    graphdef, state, shardings = init_state(cfg, mesh, tx)
+    graphdef, state, shardings = init_state(cfg, mesh, tx, shard_optimizer=args.shard_optimizer)
     # --no-checkpoint: no manager, so existing checkpoints are neither read nor removed.
     manager = None if args.no_checkpoint else checkpoint_manager(ckpt_dir)
     latest = None if manager is None else manager.latest_step()
@@ -706,7 +755,12 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
 
     tokens_sharding = batch_sharding(mesh)
     metric_sharding = NamedSharding(mesh, P())
-    train_step = jax.jit(make_train_step(cfg, graphdef, tx, schedule),
+    update_shardings = None
+    if args.shard_optimizer and dp > 1:
+        update_shardings = shard_over_data(shardings.params, state.params, mesh)
+    train_step = jax.jit(make_train_step(cfg, graphdef, tx, schedule,
+                                         update_shardings=update_shardings,
+                                         param_shardings=shardings.params),
                          in_shardings=(shardings, tokens_sharding),
                          out_shardings=(shardings, metric_sharding), donate_argnums=(0,))
     eval_step = jax.jit(make_eval_step(graphdef),

@@ -37,7 +37,12 @@ enum class Family {
   kWeightGrad,     // A [K, M] row-major as A^T, B [K, N] row-major    (wgrad)
 };
 
-template <Family kFamily, class ElementD>
+// Kernel schedules: kCooperative (two consumer warp groups share a 128x256 tile)
+// and kPingpong (each consumer warp group owns a 128x128 tile; one group's
+// epilogue overlaps the other's main loop: better for short K and f32 results).
+enum class Schedule { kCooperative, kPingpong };
+
+template <Family kFamily, class ElementD, Schedule kSchedule = Schedule::kCooperative>
 struct GroupedGemm {
   using ElementAB = cutlass::bfloat16_t;
   using LayoutA = std::conditional_t<kFamily == Family::kWeightGrad,
@@ -48,10 +53,16 @@ struct GroupedGemm {
   static constexpr int kAlignAB = 8;
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  static constexpr bool kPp = kSchedule == Schedule::kPingpong;
+  using TileShape = std::conditional_t<kPp, cute::Shape<cute::_128, cute::_128, cute::_64>,
+                                       cute::Shape<cute::_128, cute::_256, cute::_64>>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using KernelSchedule =
+      std::conditional_t<kPp, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule =
+      std::conditional_t<kPp, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -94,9 +105,10 @@ namespace mok::cuda::cutlass_grouped {
 constexpr size_t kAlignBytes = 256;
 inline size_t align_up(size_t v) { return (v + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
 
-template <Family kFamily, class ElementD>
-__global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD>> g, Operands op) {
-  using G = GroupedGemm<kFamily, ElementD>;
+template <Family kFamily, class ElementD, Schedule kSchedule>
+__global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD, kSchedule>> g,
+                             Operands op) {
+  using G = GroupedGemm<kFamily, ElementD, kSchedule>;
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= op.experts) return;
   const int64_t begin = op.expert_begin[e];
@@ -174,26 +186,26 @@ typename G::Device::Arguments make_arguments(const GroupArrays<G>& g, int64_t ex
   return args;
 }
 
-template <Family kFamily, class ElementD>
+template <Family kFamily, class ElementD, Schedule kSchedule>
 size_t workspace_bytes(int64_t experts, int device, int sm_count) {
-  using G = GroupedGemm<kFamily, ElementD>;
+  using G = GroupedGemm<kFamily, ElementD, kSchedule>;
   GroupArrays<G> g{};
   const size_t arrays = carve<G>(nullptr, experts, &g);
   auto args = make_arguments<G>(g, experts, device, sm_count);
   return arrays + align_up(G::Device::get_workspace_size(args));
 }
 
-template <Family kFamily, class ElementD>
+template <Family kFamily, class ElementD, Schedule kSchedule>
 std::string run(const Operands& op, int device, int sm_count, void* ws, size_t ws_bytes,
                 cudaStream_t stream) {
-  using G = GroupedGemm<kFamily, ElementD>;
+  using G = GroupedGemm<kFamily, ElementD, kSchedule>;
   GroupArrays<G> g{};
   const size_t arrays = carve<G>(ws, op.experts, &g);
   auto args = make_arguments<G>(g, op.experts, device, sm_count);
   const size_t need = arrays + align_up(G::Device::get_workspace_size(args));
   if (need > ws_bytes) return "grouped GEMM workspace too small";
   constexpr int kThreads = 128;
-  setup_groups<kFamily, ElementD><<<(op.experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+  setup_groups<kFamily, ElementD, kSchedule><<<(op.experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
       g, op);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return std::string("grouped GEMM setup launch: ") + cudaGetErrorString(err);
@@ -217,13 +229,15 @@ std::string run(const Operands& op, int device, int sm_count, void* ws, size_t w
 }  // namespace mok::cuda::cutlass_grouped
 
 // Defines one instance's entry points (declared in gemm_tc.h).
-#define MOK_GROUPED_GEMM_DEFINE(NAME, FAMILY, ELEMENT_D)                                     \
+#define MOK_GROUPED_GEMM_DEFINE_SCHEDULE(NAME, FAMILY, ELEMENT_D, SCHEDULE)                 \
   namespace mok::cuda::cutlass_grouped {                                                   \
   size_t NAME##_workspace_bytes(int64_t experts, int device, int sm_count) {                \
-    return workspace_bytes<FAMILY, ELEMENT_D>(experts, device, sm_count);                   \
+    return workspace_bytes<FAMILY, ELEMENT_D, SCHEDULE>(experts, device, sm_count);         \
   }                                                                                        \
   std::string NAME##_run(const Operands& op, int device, int sm_count, void* ws,            \
                          size_t ws_bytes, cudaStream_t stream) {                            \
-    return run<FAMILY, ELEMENT_D>(op, device, sm_count, ws, ws_bytes, stream);              \
+    return run<FAMILY, ELEMENT_D, SCHEDULE>(op, device, sm_count, ws, ws_bytes, stream);    \
   }                                                                                        \
   }
+#define MOK_GROUPED_GEMM_DEFINE(NAME, FAMILY, ELEMENT_D) \
+  MOK_GROUPED_GEMM_DEFINE_SCHEDULE(NAME, FAMILY, ELEMENT_D, Schedule::kCooperative)

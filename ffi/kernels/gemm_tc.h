@@ -31,6 +31,10 @@ MOK_GROUPED_GEMM_DECLARE(rows_f32)     // rows @ W_e            -> f32  (forward
                                        //                          reads the f32 accumulators)
 MOK_GROUPED_GEMM_DECLARE(rows_t_bf16)  // rows @ W_e^T          -> bf16 (dgrad of GEMM1)
 MOK_GROUPED_GEMM_DECLARE(rows_t_f32)   // rows @ W_e^T          -> f32  (dgrad of GEMM2)
+MOK_GROUPED_GEMM_DECLARE(rows_bf16_pp)    // the same four with the ping-pong schedule
+MOK_GROUPED_GEMM_DECLARE(rows_f32_pp)
+MOK_GROUPED_GEMM_DECLARE(rows_t_bf16_pp)
+MOK_GROUPED_GEMM_DECLARE(rows_t_f32_pp)
 MOK_GROUPED_GEMM_DECLARE(wgrad_bf16)   // A_e^T @ B_e, ragged K -> bf16 (weight gradients)
 
 #undef MOK_GROUPED_GEMM_DECLARE

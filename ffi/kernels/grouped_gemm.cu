@@ -2,6 +2,8 @@
 #include "grouped_gemm.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda_check.h"
 #include "gemm_simt.cuh"
@@ -42,6 +44,24 @@ bool tensor_core_device(int cc) {
 #endif
 }
 
+// Which row-GEMM instances use the ping-pong schedule: MOK_JAX_GEMM_PINGPONG, a
+// comma list of rows_f32, rows_bf16, rows_t_f32, rows_t_bf16 (or "all"); read once.
+// A tuning knob for benchmarks; the default is the cooperative schedule.
+bool pingpong(const char* instance) {
+  static const char* list = [] {
+    const char* v = std::getenv("MOK_JAX_GEMM_PINGPONG");
+    return v ? v : "";
+  }();
+  if (std::strcmp(list, "all") == 0) return true;
+  const size_t n = std::strlen(instance);
+  for (const char* p = list; (p = std::strstr(p, instance)) != nullptr; p += n) {
+    const bool starts = p == list || p[-1] == ',';
+    const bool ends = p[n] == '\0' || p[n] == ',';
+    if (starts && ends) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 bool rows_gemm_uses_tensor_cores(const RowsGemm& p, int cc) {
@@ -65,6 +85,10 @@ size_t grouped_gemm_workspace_bytes(int64_t experts) {
                    tc::rows_f32_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_bf16_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_f32_workspace_bytes(experts, info.device, info.sm_count),
+                   tc::rows_bf16_pp_workspace_bytes(experts, info.device, info.sm_count),
+                   tc::rows_f32_pp_workspace_bytes(experts, info.device, info.sm_count),
+                   tc::rows_t_bf16_pp_workspace_bytes(experts, info.device, info.sm_count),
+                   tc::rows_t_f32_pp_workspace_bytes(experts, info.device, info.sm_count),
                    tc::wgrad_bf16_workspace_bytes(experts, info.device, info.sm_count)});
 #else
   (void)experts;
@@ -81,16 +105,24 @@ std::string run_rows_gemm(const RowsGemm& p, const int64_t* simt_tile_begin, voi
   }
 #ifdef MOK_HAVE_SM90A
   const tc::Operands op{p.experts, p.expert_begin, p.n, p.k, p.a, p.b, p.d};
+  const int dev = info.device, sms = info.sm_count;
   if (!p.transpose_b && p.d_dtype == DType::kF32) {
-    return tc::rows_f32_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream);
+    return pingpong("rows_f32") ? tc::rows_f32_pp_run(op, dev, sms, workspace, workspace_bytes, stream)
+                                : tc::rows_f32_run(op, dev, sms, workspace, workspace_bytes, stream);
   }
   if (!p.transpose_b) {
-    return tc::rows_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream);
+    return pingpong("rows_bf16")
+               ? tc::rows_bf16_pp_run(op, dev, sms, workspace, workspace_bytes, stream)
+               : tc::rows_bf16_run(op, dev, sms, workspace, workspace_bytes, stream);
   }
   if (p.d_dtype == DType::kF32) {
-    return tc::rows_t_f32_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream);
+    return pingpong("rows_t_f32")
+               ? tc::rows_t_f32_pp_run(op, dev, sms, workspace, workspace_bytes, stream)
+               : tc::rows_t_f32_run(op, dev, sms, workspace, workspace_bytes, stream);
   }
-  return tc::rows_t_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream);
+  return pingpong("rows_t_bf16")
+             ? tc::rows_t_bf16_pp_run(op, dev, sms, workspace, workspace_bytes, stream)
+             : tc::rows_t_bf16_run(op, dev, sms, workspace, workspace_bytes, stream);
 #else
   return "unreachable: tensor-core path without sm_90a kernels";
 #endif

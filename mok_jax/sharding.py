@@ -17,6 +17,14 @@ gradients with ``psum``. Neither tokens nor weights are ever gathered; y, dx
 and d expert_weights are bitwise equal to the single-device result, and so
 are the weight gradients when no data-parallel axis exists.
 
+When the experts are not split (EP size 1, a data-parallel mesh) and no
+capacity drops pairs, each device runs the single-device layer (`moe_fwd_p`,
+`moe_bwd_p`: one FFI call per pass) on its tokens instead: the plan needs no
+other device's ids, so nothing is gathered, and the results are the same bits
+(each token's rows do not depend on the other tokens; the weight gradients are
+summed over the data axes as above). With a capacity the plan is global (the
+lowest token indices over all devices are kept first), so the EP layer runs.
+
 Under differentiation the forward also returns each device's expert-grouped
 inputs and saved projections (the EP layer's residuals), so the backward does
 not run the forward again; it recomputes only the routing plan (the ids'
@@ -193,6 +201,40 @@ def _transport(backend, cfg, mesh, x_shape) -> str:
                             row_bytes)
 
 
+def _runs_local(cfg, cap, backend) -> bool:
+    """Whether each device runs the single-device layer on its shard (see top)."""
+    return cfg.ep_size == 1 and cap == primitives.NO_CAPACITY and backend != "xla"
+
+
+def _local_forward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
+    """The single-device forward on this device's tokens; global statistics."""
+    y, gate_up, *stats = primitives.moe_fwd_p.bind(
+        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=save)
+    if cfg.token_axes:
+        stats = [jax.lax.psum(v, cfg.token_axes) for v in stats]
+    return y, tuple(stats), gate_up
+
+
+def _local_backward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy):
+    dx, d_weights, d_w_gate_up, d_w_down = primitives.moe_bwd_p.bind(
+        x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity=cap)
+    data_axes = tuple(a for a in cfg.token_axes if a != cfg.axis_name)
+    if data_axes:
+        d_w_gate_up = jax.lax.psum(d_w_gate_up, data_axes)
+        d_w_down = jax.lax.psum(d_w_down, data_axes)
+    return dx, d_weights, d_w_gate_up, d_w_down
+
+
+def _to_residual(rows, T, r):
+    """``[n, C]`` rows (n <= T * r) as a ``[T, r, C]`` residual; rows past n are
+    never read (uninitialised on GPUs: `jax.lax.empty`)."""
+    n, cols = rows.shape
+    if n < T * r:
+        rows = jax.lax.dynamic_update_slice(jax.lax.empty((T * r, cols), rows.dtype), rows,
+                                            (0, 0))
+    return rows.reshape(T, r, cols)
+
+
 # --- forward -------------------------------------------------------------------
 
 @functools.partial(custom_partitioning, static_argnums=(5, 6))
@@ -213,8 +255,13 @@ def _forward_partition(cap, backend, mesh, arg_shapes, result_shape):
     del result_shape
     cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes)
     path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh, arg_shapes[0]))
+    local = _runs_local(cfg, cap, backend)
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
+        if local:
+            y, stats, _ = _local_forward(cfg, cap, x, expert_ids, expert_weights, w_gate_up,
+                                         w_down, save=False)
+            return y, _pack_stats(stats)
         y, stats, _ = path.forward(
             x, expert_ids, expert_weights, w_gate_up, w_down, save=False)
         return y, _pack_stats(stats)
@@ -265,9 +312,15 @@ def _forward_saving_partition(cap, backend, bound, mesh, arg_shapes, result_shap
     cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes)
     r = _rows_per_token(cfg, bound, arg_shapes[1].shape[1])
     transport = _transport(backend, cfg, mesh, arg_shapes[0])
+    local = _runs_local(cfg, cap, backend)
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
         T = x.shape[0]
+        if local:  # the x_rows residual is not used: the backward gathers x itself
+            y, stats, gate_up = _local_forward(cfg, cap, x, expert_ids, expert_weights,
+                                               w_gate_up, w_down, save=True)
+            return (y, _pack_stats(stats), jax.lax.empty((T, r, x.shape[1]), x.dtype),
+                    _to_residual(gate_up, T, r))
         path = ep.ExchangePath(cfg, transport, rows=T * r)
         y, stats, res = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down,
                                      save=True)
@@ -306,9 +359,15 @@ def _backward_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
     cfg, tok, wts, _ = _placement(cap, mesh, arg_shapes)
     r = _rows_per_token(cfg, bound, arg_shapes[1].shape[1])
     transport = _transport(backend, cfg, mesh, arg_shapes[0])
+    local = _runs_local(cfg, cap, backend)
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up):
         T = x.shape[0]
+        if local:
+            K = expert_ids.shape[1]
+            rows = gate_up.reshape(T * r, -1)[:T * K]
+            return _local_backward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down,
+                                   rows, dy)
         path = ep.ExchangePath(cfg, transport, rows=T * r)
         p, route = path.routing(expert_ids, w_gate_up.shape[0])  # the plan, again (cheap)
         res = ep.Residuals(p, route, x_rows.reshape(T * r, -1), gate_up.reshape(T * r, -1),

@@ -181,6 +181,42 @@ def test_replicated_experts_are_pure_data_parallelism():
     assert set(gathered_types(hlo)) <= {"s32"}
 
 
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_data_parallel_mesh_runs_the_single_device_layer_per_device(axis_type):
+    """Experts not split and no capacity: each device runs the one-FFI-call layer on
+    its own tokens (no routing plan over the mesh: nothing is gathered, not even
+    ids), with the single device's bits for y, dx and d expert_weights, global
+    statistics, and weight gradients that are the sum of the two halves'."""
+    types = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
+    mesh = jax.make_mesh((2, 1), ("dp", "ep"), devices=CPUS[:2],
+                         axis_types=(types[axis_type],) * 2)
+    x, ids, w, wgu, wd = problem(jnp.float32, seed=8)
+    y1, s1, g1 = single_device(x, ids, w, wgu, wd, None)
+    with jax.set_mesh(mesh):
+        y, s, g, hlo = jit_on_mesh(mesh, P(("dp", "ep")), P("ep"), x, ids, w, wgu, wd, None,
+                                   backend="auto")
+    assert hlo.count('custom_call_target="mok_moe_fwd"') == 1
+    assert hlo.count('custom_call_target="mok_moe_bwd"') == 1
+    assert "mok_expert_ffn" not in hlo and "all-gather" not in hlo
+    assert_same_bits(y, y1, "y")
+    assert_same_bits(g[0], g1[0], "dx")
+    assert_same_bits(g[1], g1[1], "d_expert_weights")
+    np.testing.assert_array_equal(s.tokens_per_expert, s1.tokens_per_expert)
+    assert int(s.invalid) == int(s1.invalid) > 0 and int(s.dropped) == 0
+    half = T // 2
+    parts = [single_device(x[i * half:(i + 1) * half], ids[i * half:(i + 1) * half],
+                           w[i * half:(i + 1) * half], wgu, wd, None)[2] for i in range(2)]
+    assert_same_bits(g[2], parts[0][2] + parts[1][2], "d_w_gate_up")
+    assert_same_bits(g[3], parts[0][3] + parts[1][3], "d_w_down")
+    # With a capacity the plan is global (lowest token indices over both devices
+    # kept first): the EP layer runs, and the single device's pairs are dropped.
+    with jax.set_mesh(mesh):
+        _, s, _, hlo = jit_on_mesh(mesh, P(("dp", "ep")), P("ep"), x, ids, w, wgu, wd, 0.6,
+                                   backend="auto")
+    assert 'custom_call_target="mok_expert_ffn_fwd"' in hlo
+    assert int(s.dropped) == int(single_device(x, ids, w, wgu, wd, 0.6)[1].dropped) > 0
+
+
 def test_experts_not_divisible_by_the_ep_axis_is_an_error():
     x, ids, w, wgu, wd = problem(jnp.float32)
     mesh = jax.make_mesh((8,), ("ep",), devices=CPUS[:8])

@@ -70,6 +70,52 @@ def test_bf16_forward_and_grads_match_reference(shape, skew, capacity_factor):
         assert _rel(a, b) <= 2e-2, name
 
 
+# F a multiple of 128: GEMM1 runs with SwiGLU in its epilogue (first shape: 512 F,
+# several 256-column tiles; second: rows that leave most tiles partly empty).
+FUSED_SHAPES = [(384, 4, 8, 256, 512), (75, 3, 6, 64, 128)]
+
+
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
+@pytest.mark.parametrize("skew", [False, True])
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_swiglu_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew, capacity_factor):
+    """GEMM1 with SwiGLU in its epilogue (the default for bf16 with F % 128 == 0)
+    and GEMM1 to f32 followed by the SwiGLU kernel (MOK_JAX_SWIGLU_EPILOGUE=0, read
+    at every call) give the same bits: y, the saved gate/up residual, every
+    gradient, and the EP pieces' expert FFN."""
+    from mok_jax import primitives as prim
+    T, K, E, H, F = shape
+    x, ids, w, wgu, wd = _problem(T, K, E, H, F, jnp.bfloat16, seed=5, skew=skew)
+    ids = ids.at[::7, 0].set(E + 3)  # invalid ids too
+    cot = jnp.cos(jnp.arange(H, dtype=jnp.float32))
+    cap = mok_jax.capacity(capacity_factor, T, K, E)
+    cap = prim.NO_CAPACITY if cap is None else cap
+    fwd = jax.jit(lambda *a: prim.moe_fwd_p.bind(*a, capacity=cap, save_gate_up=True))
+    grad = jax.jit(jax.grad(_loss_fn(mok_jax.moe, ids, cot, capacity_factor=capacity_factor),
+                            argnums=(0, 1, 2, 3)))
+    sizes = jnp.array([T * K // E] * (E - 2) + [0, T * K - (E - 2) * (T * K // E)], jnp.int32)
+    x_rows = jnp.tile(x, (K, 1))
+    ffn = jax.jit(lambda *a: prim.expert_ffn_fwd_p.bind(*a, save_gate_up=True))
+
+    def run():
+        y, gate_up, _, dropped, invalid = fwd(x, ids, w, wgu, wd)
+        gate_up = gate_up[:T * K - int(dropped) - int(invalid)]  # rows past these: untouched
+        out_rows, ep_gate_up = ffn(x_rows, sizes, wgu, wd)
+        return [y, gate_up, out_rows, ep_gate_up, *grad(x, w, wgu, wd)]
+
+    fused = run()
+    monkeypatch.setenv("MOK_JAX_SWIGLU_EPILOGUE", "0")
+    unfused = run()
+    names = ("y", "gate_up", "ep out_rows", "ep gate_up", "dx", "dw", "dwgu", "dwd")
+    for name, a, b in zip(names, fused, unfused):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16 if a.dtype == jnp.bfloat16
+                                                         else np.uint32),
+                                      np.asarray(b).view(np.uint16 if b.dtype == jnp.bfloat16
+                                                         else np.uint32), err_msg=name)
+    y_ref = moe_reference(x, ids, w, wgu, wd, capacity_factor=capacity_factor)
+    assert _rel(fused[0], y_ref) <= 2e-2
+
+
 @pytest.mark.parametrize("shape", SHAPES[1:])
 def test_f32_matches_reference_tightly(shape):
     T, K, E, H, F = shape

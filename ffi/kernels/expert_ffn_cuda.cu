@@ -1,5 +1,7 @@
 #include "expert_ffn_cuda.h"
 
+#include <algorithm>
+
 #include "cuda_check.h"
 #include "workspace.h"
 #include "grouped_gemm.h"
@@ -70,7 +72,8 @@ size_t expert_ffn_forward_workspace_bytes(const ExpertFfnShape& s, DType dtype, 
   (void)save;  // the residual, when saved, is a result buffer, not workspace
   Carver c(nullptr);
   carve_groups(c, s.experts);
-  c.take(s.rows * 2 * s.ffn * sizeof(float));  // GEMM1's f32 accumulators
+  c.take(std::max(s.rows * 2 * s.ffn * sizeof(float),   // GEMM1's f32 accumulators or
+                  swiglu_interleave_bytes(s.experts, s.hidden, s.ffn, s.rows)));  // the fused GEMM's weight
   c.take(s.rows * s.ffn * elem_bytes(dtype));
   c.take(grouped_gemm_workspace_bytes(s.experts));
   return c.used();
@@ -85,18 +88,26 @@ std::string expert_ffn_forward(const ExpertFfnShape& s, DType dtype, const void*
   }
   Carver c(workspace);
   const Groups g = carve_groups(c, s.experts);
-  auto* gate_up_f32 = static_cast<float*>(c.take(s.rows * 2 * s.ffn * sizeof(float)));
+  auto* gate_up_f32 = static_cast<float*>(c.take(std::max(
+      s.rows * 2 * s.ffn * sizeof(float), swiglu_interleave_bytes(s.experts, s.hidden, s.ffn, s.rows))));
   void* h = c.take(s.rows * s.ffn * elem_bytes(dtype));
   const size_t gemm_bytes = grouped_gemm_workspace_bytes(s.experts);
   void* gemm_ws = c.take(gemm_bytes);
   const int64_t* num_rows = g.expert_begin + s.experts;
 
   MOK_RETURN_IF_MESSAGE(launch_groups(g, group_sizes, s, stream));
-  RowsGemm gemm1{s.experts, g.expert_begin, s.rows, 2 * s.ffn, s.hidden, false, dtype,
-                 DType::kF32, x_rows, w_gate_up, gate_up_f32};
-  MOK_RETURN_IF_MESSAGE(run_rows_gemm(gemm1, g.tile_begin, gemm_ws, gemm_bytes, stream));
-  MOK_RETURN_IF_MESSAGE(swiglu_forward(dtype, gate_up_f32, num_rows, s.rows, s.ffn, h,
-                                       gate_up_out, stream));
+  bool fused = false;  // SwiGLU in GEMM1's epilogue where it applies (same bits)
+  const SwigluGemm fused_gemm1{s.experts, g.expert_begin, s.rows, s.hidden, s.ffn, dtype,
+                               x_rows,    w_gate_up,      h,        gate_up_out};
+  MOK_RETURN_IF_MESSAGE(
+      run_swiglu_gemm(fused_gemm1, gate_up_f32, gemm_ws, gemm_bytes, stream, &fused));
+  if (!fused) {
+    RowsGemm gemm1{s.experts, g.expert_begin, s.rows, 2 * s.ffn, s.hidden, false, dtype,
+                   DType::kF32, x_rows, w_gate_up, gate_up_f32};
+    MOK_RETURN_IF_MESSAGE(run_rows_gemm(gemm1, g.tile_begin, gemm_ws, gemm_bytes, stream));
+    MOK_RETURN_IF_MESSAGE(swiglu_forward(dtype, gate_up_f32, num_rows, s.rows, s.ffn, h,
+                                         gate_up_out, stream));
+  }
   RowsGemm gemm2{s.experts, g.expert_begin, s.rows, s.hidden, s.ffn, false, dtype, dtype,
                  h, w_down, out_rows};
   return run_rows_gemm(gemm2, g.tile_begin, gemm_ws, gemm_bytes, stream);

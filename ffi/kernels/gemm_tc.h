@@ -39,4 +39,20 @@ MOK_GROUPED_GEMM_DECLARE(wgrad_bf16)   // A_e^T @ B_e, ragged K -> bf16 (weight 
 
 #undef MOK_GROUPED_GEMM_DECLARE
 
+// Forward GEMM1 with SwiGLU in the epilogue (swiglu_epilogue.cuh): rows [M, k] @
+// W'_e [k, 2F], W' the block-interleaved gate/up weight (interleave_gate_up).
+struct SwigluOperands {
+  int64_t experts;
+  const int64_t* expert_begin;  // device [E + 1]
+  int64_t k;                    // H
+  int64_t ffn;                  // F, a multiple of 128
+  const void* a;                // x rows [R, H] bf16
+  const void* b_interleaved;    // [E, H, 2F] bf16
+  void* h;                      // [R, F] bf16
+  void* gate_up;                // [R, 2F] bf16 or null
+};
+size_t rows_swiglu_workspace_bytes(int64_t experts, int device, int sm_count);
+std::string rows_swiglu_run(const SwigluOperands& op, int device, int sm_count, void* ws,
+                            size_t ws_bytes, cudaStream_t stream);
+
 }  // namespace mok::cuda::cutlass_grouped

@@ -89,6 +89,7 @@ size_t grouped_gemm_workspace_bytes(int64_t experts) {
                    tc::rows_f32_pp_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_bf16_pp_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_f32_pp_workspace_bytes(experts, info.device, info.sm_count),
+                   tc::rows_swiglu_workspace_bytes(experts, info.device, info.sm_count),
                    tc::wgrad_bf16_workspace_bytes(experts, info.device, info.sm_count)});
 #else
   (void)experts;
@@ -125,6 +126,44 @@ std::string run_rows_gemm(const RowsGemm& p, const int64_t* simt_tile_begin, voi
              : tc::rows_t_bf16_run(op, dev, sms, workspace, workspace_bytes, stream);
 #else
   return "unreachable: tensor-core path without sm_90a kernels";
+#endif
+}
+
+namespace {
+bool swiglu_gemm_pays(int64_t experts, int64_t hidden, int64_t ffn, int64_t rows) {
+  return ffn % 128 == 0 && experts * hidden <= 2 * rows;
+}
+}  // namespace
+
+size_t swiglu_interleave_bytes(int64_t experts, int64_t hidden, int64_t ffn, int64_t rows) {
+  if (!swiglu_gemm_pays(experts, hidden, ffn, rows)) return 0;
+  return static_cast<size_t>(experts * hidden * 2 * ffn) * 2;  // bf16
+}
+
+std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream, bool* ran) {
+  *ran = false;
+  const char* knob = std::getenv("MOK_JAX_SWIGLU_EPILOGUE");  // "0": the unfused path
+  if (knob != nullptr && std::strcmp(knob, "0") == 0) return {};
+  if (p.dtype != DType::kBF16 || !swiglu_gemm_pays(p.experts, p.hidden, p.ffn, p.max_rows) ||
+      p.hidden % 8 != 0 || p.hidden == 0 || p.experts == 0) {
+    return {};
+  }
+  DeviceInfo info;
+  MOK_RETURN_IF_MESSAGE(device_info(&info));
+  if (!tensor_core_device(info.cc)) return {};
+#ifdef MOK_HAVE_SM90A
+  MOK_RETURN_IF_MESSAGE(
+      interleave_gate_up(p.w_gate_up, p.experts, p.hidden, p.ffn, interleaved, stream));
+  const tc::SwigluOperands op{p.experts, p.expert_begin, p.hidden, p.ffn,
+                              p.x_rows,  interleaved,    p.h,      p.gate_up_out};
+  MOK_RETURN_IF_MESSAGE(
+      tc::rows_swiglu_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream));
+  *ran = true;
+  return {};
+#else
+  (void)interleaved, (void)workspace, (void)workspace_bytes, (void)stream;
+  return {};
 #endif
 }
 

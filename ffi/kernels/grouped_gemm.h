@@ -48,6 +48,30 @@ struct WeightGradGemm {
 
 // Workspace both launchers need for `experts` groups on the current device
 // (pointer arrays, problem shapes, the tensor-core kernel's own workspace).
+// Forward GEMM1 and SwiGLU in one kernel (bf16, tensor cores, F % 128 == 0):
+// h = round(silu(g) * u) and, when gate_up_out is set, the rounded gate/up
+// residual, from x_rows @ w_gate_up. `interleaved` is scratch for the
+// block-interleaved weight (swiglu_interleave_bytes). Used only when that copy
+// is no larger than the f32 [R, 2F] tensor it saves (E * H <= 2 R): few rows and
+// big experts (decoding) keep the two-pass path and its smaller workspace.
+struct SwigluGemm {
+  int64_t experts;
+  const int64_t* expert_begin;  // device [E + 1]
+  int64_t max_rows;             // R
+  int64_t hidden, ffn;
+  DType dtype;
+  const void* x_rows;           // [R, H]
+  const void* w_gate_up;        // [E, H, 2F]
+  void* h;                      // [R, F]
+  void* gate_up_out;            // [R, 2F] or null
+};
+// Bytes of the interleaved weight, 0 where the fused kernel is not used for that size.
+size_t swiglu_interleave_bytes(int64_t experts, int64_t hidden, int64_t ffn, int64_t rows);
+// Runs the fused kernel and sets *ran when it applies to `p` on this device (and
+// MOK_JAX_SWIGLU_EPILOGUE is not "0"); leaves *ran false, running nothing, otherwise.
+std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream, bool* ran);
+
 size_t grouped_gemm_workspace_bytes(int64_t experts);
 
 // True when the tensor-core (TMA + wgmma) path serves this problem on a device

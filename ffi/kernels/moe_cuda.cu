@@ -1,5 +1,7 @@
 #include "moe_cuda.h"
 
+#include <algorithm>
+
 #include "cuda_check.h"
 #include "workspace.h"
 #include "grouped_gemm.h"
@@ -31,7 +33,9 @@ ForwardBuffers carve_forward(void* ws, const MoeShape& s, DType dt, bool save_ga
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
   b.x_rows = c.take(pairs * s.hidden * eb);
-  b.gate_up_f32 = static_cast<float*>(c.take(pairs * 2 * s.ffn * sizeof(float)));
+  // GEMM1's f32 accumulators, or the interleaved weight of the fused SwiGLU GEMM.
+  b.gate_up_f32 = static_cast<float*>(c.take(std::max(
+      pairs * 2 * s.ffn * sizeof(float), swiglu_interleave_bytes(s.experts, s.hidden, s.ffn, pairs))));
   b.h = c.take(pairs * s.ffn * eb);
   b.out_rows = c.take(pairs * s.hidden * eb);
   b.gemm_ws_bytes = grouped_gemm_workspace_bytes(s.experts);
@@ -98,12 +102,21 @@ std::string moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspa
                                            a.tokens_per_expert, a.dropped, a.invalid, stream));
   MOK_RETURN_IF_MESSAGE(gather_token_rows(a.x_dtype, a.x, b.plan.row_pair, num_rows, pairs, K, H,
                                           b.x_rows, stream));
-  // GEMM1 keeps f32 so that SwiGLU sees the accumulators (the residual is rounded).
-  RowsGemm gemm1{E, b.plan.expert_begin, pairs, 2 * F, H, false, a.x_dtype, DType::kF32,
-                 b.x_rows, a.w_gate_up, b.gate_up_f32};
-  MOK_RETURN_IF_MESSAGE(run_rows_gemm(gemm1, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));
-  MOK_RETURN_IF_MESSAGE(swiglu_forward(a.x_dtype, b.gate_up_f32, num_rows, pairs, F, b.h,
-                                       a.gate_up_out, stream));
+  // SwiGLU in GEMM1's epilogue where it applies; else GEMM1 keeps f32 so that
+  // SwiGLU sees the accumulators (the residual is rounded). Same bits either way.
+  bool fused = false;
+  const SwigluGemm fused_gemm1{E, b.plan.expert_begin, pairs, H, F, a.x_dtype, b.x_rows, a.w_gate_up,
+                               b.h, a.gate_up_out};
+  MOK_RETURN_IF_MESSAGE(
+      run_swiglu_gemm(fused_gemm1, b.gate_up_f32, b.gemm_ws, b.gemm_ws_bytes, stream, &fused));
+  if (!fused) {
+    RowsGemm gemm1{E, b.plan.expert_begin, pairs, 2 * F, H, false, a.x_dtype, DType::kF32,
+                   b.x_rows, a.w_gate_up, b.gate_up_f32};
+    MOK_RETURN_IF_MESSAGE(
+        run_rows_gemm(gemm1, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));
+    MOK_RETURN_IF_MESSAGE(swiglu_forward(a.x_dtype, b.gate_up_f32, num_rows, pairs, F, b.h,
+                                         a.gate_up_out, stream));
+  }
   RowsGemm gemm2{E, b.plan.expert_begin, pairs, H, F, false, a.x_dtype, a.x_dtype,
                  b.h, a.w_down, b.out_rows};
   MOK_RETURN_IF_MESSAGE(run_rows_gemm(gemm2, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));

@@ -276,6 +276,19 @@ __global__ void zero_empty_kernel(const int64_t* __restrict__ expert_begin, int6
   }
 }
 
+// One thread per 16-byte vector (8 bf16) of the output.
+__global__ void interleave_gate_up_kernel(const uint4* __restrict__ w, int64_t vectors,
+                                          int64_t ffn_vecs, uint4* __restrict__ out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= vectors) return;
+  constexpr int64_t kBlock = 128 / 8;               // vectors per 128 columns
+  const int64_t row = i / (2 * ffn_vecs);           // (e, k)
+  const int64_t c = i % (2 * ffn_vecs);             // output vector column
+  const int64_t b = c / (2 * kBlock), t = c % (2 * kBlock);
+  const int64_t src = t < kBlock ? b * kBlock + t : ffn_vecs + b * kBlock + (t - kBlock);
+  out[i] = w[row * 2 * ffn_vecs + src];
+}
+
 // Calls fn.template operator()<X>() for the element type.
 template <typename Fn>
 std::string with_dtype(DType dtype, Fn&& fn) {
@@ -420,6 +433,18 @@ std::string combine_rows(DType dtype, DType weight_dtype, const void* rows,
     MOK_CUDA_RETURN_IF_LAUNCH_FAILED("combine_kernel");
     return {};
   });
+}
+
+std::string interleave_gate_up(const void* w_gate_up, int64_t experts, int64_t hidden,
+                               int64_t ffn, void* out, cudaStream_t stream) {
+  if (ffn % 128 != 0) return "interleave_gate_up: F must be a multiple of 128";
+  const int64_t vectors = experts * hidden * 2 * ffn / 8;
+  if (vectors == 0) return {};
+  interleave_gate_up_kernel<<<static_cast<unsigned>((vectors + kThreads - 1) / kThreads), kThreads,
+                              0, stream>>>(static_cast<const uint4*>(w_gate_up), vectors, ffn / 8,
+                                           static_cast<uint4*>(out));
+  MOK_CUDA_RETURN_IF_LAUNCH_FAILED("interleave_gate_up_kernel");
+  return {};
 }
 
 std::string zero_empty_experts(DType dtype, const int64_t* expert_begin, int64_t experts,

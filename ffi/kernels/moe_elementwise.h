@@ -51,4 +51,10 @@ std::string combine_rows(DType dtype, DType weight_dtype, const void* rows,
 std::string zero_empty_experts(DType dtype, const int64_t* expert_begin, int64_t experts,
                                int64_t per_expert, void* d, cudaStream_t stream);
 
+// out = w_gate_up [E, H, 2F] bf16 with its columns block-interleaved for the
+// fused SwiGLU GEMM: out[e, k, 256b + t] = gate column 128b + t and
+// out[e, k, 256b + 128 + t] = up column 128b + t, t < 128 (F % 128 == 0).
+std::string interleave_gate_up(const void* w_gate_up, int64_t experts, int64_t hidden,
+                               int64_t ffn, void* out, cudaStream_t stream);
+
 }  // namespace mok::cuda

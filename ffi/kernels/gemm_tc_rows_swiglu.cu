@@ -1,0 +1,109 @@
+// Forward GEMM1 with SwiGLU in the epilogue (swiglu_epilogue.cuh): host entry points.
+#include "swiglu_epilogue.cuh"
+
+namespace mok::cuda::cutlass_grouped {
+namespace {
+
+using G = SwigluGemm;
+
+struct SwigluArrays {
+  ShapeMNK* shapes;
+  const G::ElementAB** ptr_a;
+  const G::ElementAB** ptr_b;
+  G::StrideA* stride_a;
+  G::StrideB* stride_b;
+};
+
+size_t carve_swiglu(void* ws, int64_t experts, SwigluArrays* out) {
+  char* p = static_cast<char*>(ws);
+  size_t used = 0;
+  auto take = [&](size_t bytes) {
+    char* at = p ? p + used : nullptr;
+    used += align_up(bytes);
+    return at;
+  };
+  const size_t e = static_cast<size_t>(experts);
+  out->shapes = reinterpret_cast<ShapeMNK*>(take(e * sizeof(ShapeMNK)));
+  out->ptr_a = reinterpret_cast<const G::ElementAB**>(take(e * sizeof(void*)));
+  out->ptr_b = reinterpret_cast<const G::ElementAB**>(take(e * sizeof(void*)));
+  out->stride_a = reinterpret_cast<G::StrideA*>(take(e * sizeof(G::StrideA)));
+  out->stride_b = reinterpret_cast<G::StrideB*>(take(e * sizeof(G::StrideB)));
+  return used;
+}
+
+__global__ void setup_swiglu_groups(SwigluArrays g, SwigluOperands op) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= op.experts) return;
+  const int64_t begin = op.expert_begin[e];
+  const int rows = static_cast<int>(op.expert_begin[e + 1] - begin);
+  const int k = static_cast<int>(op.k);
+  const int n = static_cast<int>(2 * op.ffn);
+  g.shapes[e] = ShapeMNK{rows, n, k};
+  g.ptr_a[e] = static_cast<const G::ElementAB*>(op.a) + begin * k;
+  g.ptr_b[e] = static_cast<const G::ElementAB*>(op.b_interleaved) + e * int64_t(k) * n;
+  g.stride_a[e] = cutlass::make_cute_packed_stride(G::StrideA{}, {rows, k, 1});
+  g.stride_b[e] = cutlass::make_cute_packed_stride(G::StrideB{}, {n, k, 1});
+}
+
+G::Device::Arguments make_swiglu_arguments(const SwigluArrays& g, const SwigluOperands& op,
+                                           int device, int sm_count) {
+  G::Device::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(op.experts), g.shapes, nullptr};
+  args.mainloop.ptr_A = g.ptr_a;
+  args.mainloop.dA = g.stride_a;
+  args.mainloop.ptr_B = g.ptr_b;
+  args.mainloop.dB = g.stride_b;
+  args.epilogue.expert_begin = op.expert_begin;
+  args.epilogue.h = static_cast<bf16*>(op.h);
+  args.epilogue.gate_up = static_cast<bf16*>(op.gate_up);
+  args.epilogue.ffn = op.ffn;
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
+  return args;
+}
+
+}  // namespace
+
+size_t rows_swiglu_workspace_bytes(int64_t experts, int device, int sm_count) {
+  SwigluArrays g{};
+  const size_t arrays = carve_swiglu(nullptr, experts, &g);
+  SwigluOperands op{};
+  op.experts = experts;
+  op.ffn = 128;
+  auto args = make_swiglu_arguments(g, op, device, sm_count);
+  return arrays + align_up(G::Device::get_workspace_size(args));
+}
+
+std::string rows_swiglu_run(const SwigluOperands& op, int device, int sm_count, void* ws,
+                            size_t ws_bytes, cudaStream_t stream) {
+  SwigluArrays g{};
+  const size_t arrays = carve_swiglu(ws, op.experts, &g);
+  auto args = make_swiglu_arguments(g, op, device, sm_count);
+  const size_t need = arrays + align_up(G::Device::get_workspace_size(args));
+  if (need > ws_bytes) return "SwiGLU grouped GEMM workspace too small";
+  constexpr int kThreads = 128;
+  setup_swiglu_groups<<<(op.experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(g, op);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return std::string("SwiGLU grouped GEMM setup launch: ") + cudaGetErrorString(err);
+  }
+  G::Device gemm;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string("SwiGLU grouped GEMM: cannot implement: ") + cutlassGetStatusString(status);
+  }
+  status = gemm.initialize(args, static_cast<char*>(ws) + arrays, stream);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string("SwiGLU grouped GEMM initialize: ") + cutlassGetStatusString(status);
+  }
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string("SwiGLU grouped GEMM run: ") + cutlassGetStatusString(status);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return std::string("SwiGLU grouped GEMM launch: ") + cudaGetErrorString(err);
+  }
+  return {};
+}
+
+}  // namespace mok::cuda::cutlass_grouped

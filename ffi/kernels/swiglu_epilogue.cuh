@@ -1,0 +1,157 @@
+// Forward GEMM1 with SwiGLU in its epilogue: rows [M, H] @ W_e [H, 2F] gives the
+// gate and up projections in f32 accumulators, and the epilogue writes
+//   h[r, f]        = round(silu(g) * u)        (f32 arithmetic, as the contract says)
+//   gate_up[r, f]  = round(g),  gate_up[r, F + f] = round(u)   (the saved residual)
+// straight from the registers: the [R, 2F] f32 tensor that a separate SwiGLU
+// pass would write and read back never exists.
+//
+// Pairing: the weight is first copied to a block-interleaved layout (columns
+// [256b, 256b+128) are gate columns [128b, 128b+128) and [256b+128, 256b+256)
+// the matching up columns), so one 128x256 output tile holds both halves of 128
+// outputs. In the cooperative kernel's accumulator fragment (per thread: two
+// adjacent columns x two rows x N/8 column groups, the group index outermost),
+// the up value of fragment element i is element i + size/2, same row, column
+// + 128; the test suite checks the result bit for bit against the unfused path.
+//
+// The arithmetic per element is the SwiGLU forward kernel's (moe_elementwise.cu),
+// so both paths give the same bits.
+#pragma once
+
+#include "cutlass_grouped.cuh"
+#include "mok/bf16.h"
+
+namespace mok::cuda::cutlass_grouped {
+
+// The epilogue proper, in CUTLASS's "no shared memory" epilogue interface (see
+// cutlass/epilogue/collective/default_epilogue_array.hpp), wrapped below in
+// Sm90TmaWarpSpecializedAdapter for the warp-specialized kernels.
+class SwigluEpilogue {
+ public:
+  using DispatchPolicy = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+  using EpilogueSchedule = DispatchPolicy;
+  // Types the kernel and the device adapter name; only the strides' ranks matter.
+  using ThreadEpilogueOp =
+      cutlass::epilogue::thread::LinearCombination<cutlass::bfloat16_t, 1, float, float>;
+  using ElementC = cutlass::bfloat16_t;
+  using ElementD = cutlass::bfloat16_t;
+  using StrideC = cute::Stride<int64_t, cute::_1, cute::_0>*;
+  using StrideD = StrideC;
+  using InternalStrideC = cute::remove_pointer_t<StrideC>;
+  using InternalStrideD = InternalStrideC;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+
+  struct SharedStorage {};
+  using TensorMapStorage = SharedStorage;
+
+  struct Arguments {
+    const int64_t* expert_begin = nullptr;  // [E + 1]: group l's rows start here
+    bf16* h = nullptr;                      // [R, F]
+    bf16* gate_up = nullptr;                // [R, 2F] or null (no residual)
+    int64_t ffn = 0;                        // F
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
+                                                  void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
+                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.h != nullptr && args.ffn % 128 == 0;
+  }
+
+  CUTLASS_HOST_DEVICE explicit SwigluEpilogue(Params const& params) : params_(params) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+            class FrgLayout, class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
+                                 BlockCoordMNKL blk_coord_mnkl,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    static_assert(is_static<FrgLayout>::value, "accumulator layout must be static");
+    constexpr int kBlkM = size<0>(BlockShapeMNK{});
+    constexpr int kBlkN = size<1>(BlockShapeMNK{});
+    static_assert(kBlkN == 256, "one tile = 128 gate + 128 up columns");
+    constexpr int kHalf = kBlkN / 2;
+    constexpr int kValues = decltype(size(accumulators))::value;
+    static_assert(kValues % 4 == 0, "pairs of columns, gate and up halves");
+
+    const int rows = get<0>(problem_shape_mnkl);
+    const int m_coord = get<0>(blk_coord_mnkl);
+    const int n_coord = get<1>(blk_coord_mnkl);
+    const int l_coord = get<3>(blk_coord_mnkl);
+    const int64_t row0 = params_.expert_begin[l_coord];
+    const int64_t ffn = params_.ffn;
+
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor coords = thr_mma.partition_C(
+        make_identity_tensor(make_shape(Int<kBlkM>{}, Int<kBlkN>{})));  // tile-local (m, n)
+    static_assert(decltype(size(coords))::value == kValues, "one coordinate per accumulator");
+
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kValues / 2; i += 2) {
+      const int m = m_coord * kBlkM + get<0>(coords(i));
+      if (m >= rows) continue;
+      const int n = get<1>(coords(i));  // in [0, 128): element i + kValues/2 is column n + 128
+      const float g0 = accumulators(i), g1 = accumulators(i + 1);
+      const float u0 = accumulators(i + kValues / 2), u1 = accumulators(i + kValues / 2 + 1);
+      const int64_t row = row0 + m;
+      const int64_t f = int64_t(n_coord) * kHalf + n;
+      store_pair(params_.h + row * ffn + f, g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
+      if (params_.gate_up != nullptr) {
+        bf16* gu = params_.gate_up + row * 2 * ffn;
+        store_pair(gu + f, g0, g1);
+        store_pair(gu + ffn + f, u0, u1);
+      }
+    }
+  }
+
+ private:
+  CUTLASS_DEVICE static float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+  CUTLASS_DEVICE static void store_pair(bf16* p, float a, float b) {
+    const uint32_t bits = uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
+    *reinterpret_cast<uint32_t*>(p) = bits;
+  }
+
+  Params params_;
+};
+
+struct SwigluGemm {
+  using ElementAB = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 8;
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+
+  using CollectiveEpilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwigluEpilogue>;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA*, kAlignAB,
+      ElementAB, LayoutB*, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+};
+
+}  // namespace mok::cuda::cutlass_grouped

@@ -8,6 +8,7 @@
 #ifdef MOK_WITH_CUDA
 #include "handlers/moe_cuda.h"
 #endif
+#include "mok/swiglu_rule.h"
 #include "mok/types.h"
 
 namespace nb = nanobind;
@@ -50,6 +51,10 @@ NB_MODULE(_mok, m) {
   m.def("registrations", &registrations,
         "Handler capsules by platform: {'cpu': {name: capsule}, 'CUDA': {...}}.");
   m.attr("NO_CAPACITY") = mok::kNoCapacity;
+  m.def("swiglu_epilogue_shape", &mok::swiglu_epilogue_shape, nb::arg("experts"),
+        nb::arg("hidden"), nb::arg("ffn"), nb::arg("rows"),
+        "Whether a bf16 forward on sm_90a of these sizes (rows = T*K) runs GEMM1 with "
+        "SwiGLU in its epilogue (MOK_JAX_SWIGLU_EPILOGUE=0 turns it off).");
   nb::enum_<mok::DType>(m, "DType", "Element types the kernels accept.", nb::is_arithmetic())
       .value("F32", mok::DType::kF32)
       .value("BF16", mok::DType::kBF16);

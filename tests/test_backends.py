@@ -89,3 +89,14 @@ def test_fused_ep_refuses_rows_that_are_not_16_byte_vectors_and_auto_stays_on_xl
     assert ep.transport_for("xla", "gpu", 64) == "xla"
     with pytest.raises(ValueError, match="cannot run on CPU; use backend='xla'"):
         ep.transport_for("fused", "cpu", 64)
+
+
+def test_swiglu_epilogue_shape_rule():
+    """The documented rule for GEMM1 with SwiGLU in its epilogue (bf16, sm_90a)."""
+    from mok_jax import _mok
+    rule = _mok.swiglu_epilogue_shape
+    assert rule(experts=32, hidden=1024, ffn=1024, rows=32768 * 4)       # the h200 preset
+    assert not rule(experts=32, hidden=1024, ffn=1000, rows=32768 * 4)   # F % 128 != 0
+    assert not rule(experts=32, hidden=1020, ffn=1024, rows=32768 * 4)   # rows not 16 bytes
+    assert not rule(experts=8, hidden=4096, ffn=14336, rows=8 * 2)       # decoding: few rows
+    assert not rule(experts=0, hidden=1024, ffn=1024, rows=1 << 20)

@@ -70,9 +70,10 @@ def test_bf16_forward_and_grads_match_reference(shape, skew, capacity_factor):
         assert _rel(a, b) <= 2e-2, name
 
 
-# F a multiple of 128: GEMM1 runs with SwiGLU in its epilogue (first shape: 512 F,
-# several 256-column tiles; second: rows that leave most tiles partly empty).
-FUSED_SHAPES = [(384, 4, 8, 256, 512), (75, 3, 6, 64, 128)]
+# Shapes where GEMM1 runs with SwiGLU in its epilogue (asserted below): F a multiple
+# of 128 (first: two 256-column tiles; second: ragged rows that leave tiles partly
+# empty) and many rows per weight byte.
+FUSED_SHAPES = [(512, 4, 4, 64, 256), (300, 2, 4, 16, 128)]
 
 
 @pytest.mark.parametrize("shape", FUSED_SHAPES)
@@ -83,8 +84,9 @@ def test_swiglu_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew, capaci
     and GEMM1 to f32 followed by the SwiGLU kernel (MOK_JAX_SWIGLU_EPILOGUE=0, read
     at every call) give the same bits: y, the saved gate/up residual, every
     gradient, and the EP pieces' expert FFN."""
-    from mok_jax import primitives as prim
+    from mok_jax import _mok, primitives as prim
     T, K, E, H, F = shape
+    assert _mok.swiglu_epilogue_shape(E, H, F, T * K)  # else both runs would be unfused
     x, ids, w, wgu, wd = _problem(T, K, E, H, F, jnp.bfloat16, seed=5, skew=skew)
     ids = ids.at[::7, 0].set(E + 3)  # invalid ids too
     cot = jnp.cos(jnp.arange(H, dtype=jnp.float32))

@@ -9,6 +9,7 @@
 #include "gemm_simt.cuh"
 #include "gemm_tc.h"
 #include "moe_elementwise.h"
+#include "mok/swiglu_rule.h"
 
 namespace mok::cuda {
 namespace {
@@ -129,14 +130,8 @@ std::string run_rows_gemm(const RowsGemm& p, const int64_t* simt_tile_begin, voi
 #endif
 }
 
-namespace {
-bool swiglu_gemm_pays(int64_t experts, int64_t hidden, int64_t ffn, int64_t rows) {
-  return ffn % 128 == 0 && experts * hidden <= 2 * rows;
-}
-}  // namespace
-
 size_t swiglu_interleave_bytes(int64_t experts, int64_t hidden, int64_t ffn, int64_t rows) {
-  if (!swiglu_gemm_pays(experts, hidden, ffn, rows)) return 0;
+  if (!swiglu_epilogue_shape(experts, hidden, ffn, rows)) return 0;
   return static_cast<size_t>(experts * hidden * 2 * ffn) * 2;  // bf16
 }
 
@@ -145,8 +140,7 @@ std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* worksp
   *ran = false;
   const char* knob = std::getenv("MOK_JAX_SWIGLU_EPILOGUE");  // "0": the unfused path
   if (knob != nullptr && std::strcmp(knob, "0") == 0) return {};
-  if (p.dtype != DType::kBF16 || !swiglu_gemm_pays(p.experts, p.hidden, p.ffn, p.max_rows) ||
-      p.hidden % 8 != 0 || p.hidden == 0 || p.experts == 0) {
+  if (p.dtype != DType::kBF16 || !swiglu_epilogue_shape(p.experts, p.hidden, p.ffn, p.max_rows)) {
     return {};
   }
   DeviceInfo info;

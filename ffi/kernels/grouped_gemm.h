@@ -51,9 +51,8 @@ struct WeightGradGemm {
 // Forward GEMM1 and SwiGLU in one kernel (bf16, tensor cores, F % 128 == 0):
 // h = round(silu(g) * u) and, when gate_up_out is set, the rounded gate/up
 // residual, from x_rows @ w_gate_up. `interleaved` is scratch for the
-// block-interleaved weight (swiglu_interleave_bytes). Used only when that copy
-// is no larger than the f32 [R, 2F] tensor it saves (E * H <= 2 R): few rows and
-// big experts (decoding) keep the two-pass path and its smaller workspace.
+// block-interleaved weight (swiglu_interleave_bytes). Used on the shapes of
+// mok::swiglu_epilogue_shape (mok/swiglu_rule.h): many rows per weight byte.
 struct SwigluGemm {
   int64_t experts;
   const int64_t* expert_begin;  // device [E + 1]

@@ -51,6 +51,11 @@ NB_MODULE(_mok, m) {
   m.def("registrations", &registrations,
         "Handler capsules by platform: {'cpu': {name: capsule}, 'CUDA': {...}}.");
   m.attr("NO_CAPACITY") = mok::kNoCapacity;
+#ifdef MOK_HAVE_SM90A
+  m.attr("HAS_SM90A_KERNELS") = true;
+#else
+  m.attr("HAS_SM90A_KERNELS") = false;
+#endif
   m.def("swiglu_epilogue_shape", &mok::swiglu_epilogue_shape, nb::arg("experts"),
         nb::arg("hidden"), nb::arg("ffn"), nb::arg("rows"),
         "Whether a bf16 forward on sm_90a of these sizes (rows = T*K) runs GEMM1 with "

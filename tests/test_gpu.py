@@ -80,13 +80,15 @@ FUSED_SHAPES = [(512, 4, 4, 64, 256), (300, 2, 4, 16, 128)]
 @pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
 def test_swiglu_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew, capacity_factor):
-    """GEMM1 with SwiGLU in its epilogue (the default for bf16 with F % 128 == 0)
-    and GEMM1 to f32 followed by the SwiGLU kernel (MOK_JAX_SWIGLU_EPILOGUE=0, read
+    """GEMM1 with SwiGLU in its epilogue (the default for bf16 on sm_90a where
+    mok/swiglu_rule.h allows it: F % 128 == 0, 4*E*H <= T*K) and GEMM1 to f32 followed by the SwiGLU kernel (MOK_JAX_SWIGLU_EPILOGUE=0, read
     at every call) give the same bits: y, the saved gate/up residual, every
     gradient, and the EP pieces' expert FFN."""
     from mok_jax import _mok, primitives as prim
     T, K, E, H, F = shape
-    assert _mok.swiglu_epilogue_shape(E, H, F, T * K)  # else both runs would be unfused
+    # Else both runs would be unfused and equal whatever the epilogue does.
+    assert _mok.swiglu_epilogue_shape(E, H, F, T * K)
+    assert _mok.HAS_SM90A_KERNELS and jax.devices()[0].compute_capability == "9.0"
     x, ids, w, wgu, wd = _problem(T, K, E, H, F, jnp.bfloat16, seed=5, skew=skew)
     ids = ids.at[::7, 0].set(E + 3)  # invalid ids too
     cot = jnp.cos(jnp.arange(H, dtype=jnp.float32))

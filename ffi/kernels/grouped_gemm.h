@@ -46,8 +46,6 @@ struct WeightGradGemm {
   void* d;                      // [E, m, n]
 };
 
-// Workspace both launchers need for `experts` groups on the current device
-// (pointer arrays, problem shapes, the tensor-core kernel's own workspace).
 // Forward GEMM1 and SwiGLU in one kernel (bf16, tensor cores, F % 128 == 0):
 // h = round(silu(g) * u) and, when gate_up_out is set, the rounded gate/up
 // residual, from x_rows @ w_gate_up. `interleaved` is scratch for the
@@ -71,6 +69,8 @@ size_t swiglu_interleave_bytes(int64_t experts, int64_t hidden, int64_t ffn, int
 std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream, bool* ran);
 
+// Workspace every launcher here needs for `experts` groups on the current device
+// (pointer arrays, problem shapes, the tensor-core kernels' own workspace).
 size_t grouped_gemm_workspace_bytes(int64_t experts);
 
 // True when the tensor-core (TMA + wgmma) path serves this problem on a device

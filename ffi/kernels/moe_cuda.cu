@@ -16,7 +16,8 @@ size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 struct ForwardBuffers {
   RoutingPlanDevice plan;
   void* x_rows;     // [R, H]
-  float* gate_up_f32;  // [R, 2F] GEMM1's f32 accumulators
+  float* gate_up_f32;  // [R, 2F] GEMM1's f32 accumulators, or the interleaved
+                       // weight of the fused SwiGLU GEMM (which is smaller)
   void* h;          // [R, F]
   void* out_rows;   // [R, H]
   void* gemm_ws;

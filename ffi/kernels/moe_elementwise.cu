@@ -248,9 +248,11 @@ combine_kernel(const X* __restrict__ rows, const W* __restrict__ weights,
           if (c < hidden) v[u] = load_vec<X, V>(row + c);
         }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + u * 32 * V >= hidden) continue;  // v[u] was not loaded
 #pragma unroll
           for (int i = 0; i < V; ++i) acc[u][i] += w * to_float(v[u].v[i]);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {

@@ -1,7 +1,8 @@
 // Memory-bound steps of the MoE layer around the grouped GEMMs: gathering rows
 // into plan order, SwiGLU forward/backward, and the ordered combines.
 // Rows past the plan's kept count (expert_begin[E], read on the device) are
-// skipped, so grids are sized for the worst case T * K without a host sync.
+// skipped, so nothing waits for the host: one warp per row, the rows strided
+// over a grid of at most 4096 blocks.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,7 +33,7 @@ std::string swiglu_forward(DType dtype, const float* gate_up_f32, const int64_t*
                            cudaStream_t stream);
 
 // Per kept row r (pair p): h = round_x(silu(g) u); d_expert_weights[p] = <dh_raw, h>
-// (fixed-order block reduction); dh = w dh_raw; d_gate_up = round_x([dh u silu'(g),
+// (each lane's elements in order, then a fixed xor tree over the warp); dh = w dh_raw; d_gate_up = round_x([dh u silu'(g),
 // dh silu(g)]); h_rows = h. Pairs without a row get d_expert_weights = 0.
 std::string swiglu_backward(DType dtype, DType weight_dtype, const void* gate_up,
                             const float* dh_raw, const void* expert_weights,

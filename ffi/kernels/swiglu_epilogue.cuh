@@ -101,6 +101,23 @@ class SwigluEpilogue {
     Tensor coords = thr_mma.partition_C(
         make_identity_tensor(make_shape(Int<kBlkM>{}, Int<kBlkN>{})));  // tile-local (m, n)
     static_assert(decltype(size(coords))::value == kValues, "one coordinate per accumulator");
+    // The pairing the loop below relies on, checked at compile time on the (static)
+    // layout of the fragment's coordinates: for every even i < kValues/2, element
+    // i + 1 is the next column of the same row and element i + kValues/2 is the up
+    // column (n + 128) of the same row.
+    using CoordLayout = decltype(coords.layout());
+    static_assert(is_static<CoordLayout>::value, "static fragment layout");
+    for_each(make_int_sequence<kValues / 2>{}, [](auto i) {
+      constexpr auto a = CoordLayout{}(i);
+      constexpr auto up = CoordLayout{}(i + Int<kValues / 2>{});
+      static_assert(get<0>(up) == get<0>(a) && get<1>(up) == get<1>(a) + kHalf,
+                    "element i + size/2 must be column n + 128 of the same row");
+      if constexpr (decltype(i)::value % 2 == 0) {
+        constexpr auto next = CoordLayout{}(i + Int<1>{});
+        static_assert(get<0>(next) == get<0>(a) && get<1>(next) == get<1>(a) + 1,
+                      "element i + 1 must be the next column of the same row");
+      }
+    });
 
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kValues / 2; i += 2) {

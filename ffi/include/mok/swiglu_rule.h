@@ -7,8 +7,8 @@
 namespace mok {
 
 // F a multiple of 128 (a 256-column tile pairs 128 gate with 128 up columns), 16-byte
-// rows, and a block-interleaved weight copy (4*E*H*F bytes of traffic) at most a
-// sixteenth of the f32 [R, 2F] round trip it saves (16*R*F bytes): E*H*4 <= R. The
+// rows, and a block-interleaved weight copy (read and written: 8*E*H*F bytes) at
+// most an eighth of the f32 [R, 2F] round trip it saves (16*R*F bytes): E*H*4 <= R. The
 // epilogue stores from registers, not overlapped with the main loop, which costs
 // back most of what a larger copy would leave (docs/perf.md, session 5).
 inline bool swiglu_epilogue_shape(int64_t experts, int64_t hidden, int64_t ffn, int64_t rows) {

@@ -42,6 +42,19 @@ enum class Family {
 // epilogue overlaps the other's main loop: better for short K and f32 results).
 enum class Schedule { kCooperative, kPingpong };
 
+// The TMA + wgmma main loop of every grouped GEMM here: bf16 operands, f32
+// accumulators, as many stages as shared memory holds beside the epilogue's.
+// A and B rows are 16-byte aligned (8 bf16) for TMA.
+constexpr int kAlignAB = 8;
+
+template <class LayoutA, class LayoutB, class TileShape, class ClusterShape,
+          class KernelSchedule, int kEpilogueSmemBytes>
+using Sm90Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t, LayoutA*,
+    kAlignAB, cutlass::bfloat16_t, LayoutB*, kAlignAB, float, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmemBytes>,
+    KernelSchedule>::CollectiveOp;
+
 template <Family kFamily, class ElementD, Schedule kSchedule = Schedule::kCooperative>
 struct GroupedGemm {
   using ElementAB = cutlass::bfloat16_t;
@@ -50,7 +63,6 @@ struct GroupedGemm {
   using LayoutB = std::conditional_t<kFamily == Family::kRowsByWeightT,
                                      cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutD = cutlass::layout::RowMajor;
-  static constexpr int kAlignAB = 8;
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
   static constexpr bool kPp = kSchedule == Schedule::kPingpong;
@@ -71,12 +83,9 @@ struct GroupedGemm {
       ElementD, LayoutD*, kAlignD, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA*, kAlignAB,
-      ElementAB, LayoutB*, kAlignAB, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
+  using CollectiveMainloop =
+      Sm90Mainloop<LayoutA, LayoutB, TileShape, ClusterShape, KernelSchedule,
+                   static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
@@ -186,6 +195,26 @@ typename G::Device::Arguments make_arguments(const GroupArrays<G>& g, int64_t ex
   return args;
 }
 
+// Initialises a CUTLASS device GEMM with `args` and its workspace `ws` and runs it
+// on `stream`; errors name the step, after `what`.
+template <class Device>
+std::string initialize_and_run(typename Device::Arguments const& args, void* ws,
+                               cudaStream_t stream, const char* what) {
+  Device gemm;
+  cutlass::Status status = gemm.initialize(args, ws, stream);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string(what) + " initialize: " + cutlassGetStatusString(status);
+  }
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string(what) + " run: " + cutlassGetStatusString(status);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return std::string(what) + " launch: " + cudaGetErrorString(err);
+  }
+  return {};
+}
+
 template <Family kFamily, class ElementD, Schedule kSchedule>
 size_t workspace_bytes(int64_t experts, int device, int sm_count) {
   using G = GroupedGemm<kFamily, ElementD, kSchedule>;
@@ -210,20 +239,8 @@ std::string run(const Operands& op, int device, int sm_count, void* ws, size_t w
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return std::string("grouped GEMM setup launch: ") + cudaGetErrorString(err);
   }
-  typename G::Device gemm;
-  cutlass::Status status =
-      gemm.initialize(args, static_cast<char*>(ws) + arrays, stream);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string("grouped GEMM initialize: ") + cutlassGetStatusString(status);
-  }
-  status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string("grouped GEMM run: ") + cutlassGetStatusString(status);
-  }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return std::string("grouped GEMM launch: ") + cudaGetErrorString(err);
-  }
-  return {};
+  return initialize_and_run<typename G::Device>(args, static_cast<char*>(ws) + arrays, stream,
+                                                "grouped GEMM");
 }
 
 }  // namespace mok::cuda::cutlass_grouped

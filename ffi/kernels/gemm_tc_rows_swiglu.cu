@@ -87,23 +87,12 @@ std::string rows_swiglu_run(const SwigluOperands& op, int device, int sm_count, 
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return std::string("SwiGLU grouped GEMM setup launch: ") + cudaGetErrorString(err);
   }
-  G::Device gemm;
-  cutlass::Status status = gemm.can_implement(args);
-  if (status != cutlass::Status::kSuccess) {
+  if (cutlass::Status status = G::Device::can_implement(args);
+      status != cutlass::Status::kSuccess) {
     return std::string("SwiGLU grouped GEMM: cannot implement: ") + cutlassGetStatusString(status);
   }
-  status = gemm.initialize(args, static_cast<char*>(ws) + arrays, stream);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string("SwiGLU grouped GEMM initialize: ") + cutlassGetStatusString(status);
-  }
-  status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string("SwiGLU grouped GEMM run: ") + cutlassGetStatusString(status);
-  }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return std::string("SwiGLU grouped GEMM launch: ") + cudaGetErrorString(err);
-  }
-  return {};
+  return initialize_and_run<G::Device>(args, static_cast<char*>(ws) + arrays, stream,
+                                       "SwiGLU grouped GEMM");
 }
 
 }  // namespace mok::cuda::cutlass_grouped

@@ -50,6 +50,18 @@ __device__ __forceinline__ int64_t warp_stride() {
   return (int64_t(gridDim.x) * blockDim.x) >> 5;
 }
 
+// Loads the kUnroll vectors of `row` that this lane owns from column c0 on (those
+// before `cols`; the others are left unset: callers guard their uses the same way).
+template <typename X, int V>
+__device__ __forceinline__ void load_lane_vectors(const X* row, int64_t c0, int64_t cols,
+                                                  Vec<X, V> (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t c = c0 + u * 32 * V;
+    if (c < cols) v[u] = load_vec<X, V>(row + c);
+  }
+}
+
 template <typename X, int V>
 __global__ void __launch_bounds__(kThreads)
 gather_rows_kernel(const X* __restrict__ src, const int32_t* __restrict__ row_pair,
@@ -62,11 +74,7 @@ gather_rows_kernel(const X* __restrict__ src, const int32_t* __restrict__ row_pa
     X* d = dst + r * cols;
     for (int64_t c0 = int64_t(lane) * V; c0 < cols; c0 += 32 * V * kUnroll) {
       Vec<X, V> v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t c = c0 + u * 32 * V;
-        if (c < cols) v[u] = load_vec<X, V>(s + c);
-      }
+      load_lane_vectors<X, V>(s, c0, cols, v);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t c = c0 + u * 32 * V;
@@ -90,11 +98,7 @@ gather_dy_kernel(const X* __restrict__ dy, const W* __restrict__ weights,
     const float w = to_float(weights[p]);
     for (int64_t c0 = int64_t(lane) * V; c0 < hidden; c0 += 32 * V * kUnroll) {
       Vec<X, V> v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t c = c0 + u * 32 * V;
-        if (c < hidden) v[u] = load_vec<X, V>(s + c);
-      }
+      load_lane_vectors<X, V>(s, c0, hidden, v);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t c = c0 + u * 32 * V;
@@ -240,13 +244,8 @@ combine_kernel(const X* __restrict__ rows, const W* __restrict__ weights,
         const int32_t r = pair_row[p];
         if (r < 0) continue;
         const float w = kWeighted ? to_float(weights[p]) : 1.0f;
-        const X* row = rows + int64_t(r) * hidden;
         Vec<X, V> v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t c = c0 + u * 32 * V;
-          if (c < hidden) v[u] = load_vec<X, V>(row + c);
-        }
+        load_lane_vectors<X, V>(rows + int64_t(r) * hidden, c0, hidden, v);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           if (c0 + u * 32 * V >= hidden) continue;  // v[u] was not loaded

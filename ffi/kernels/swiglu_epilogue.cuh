@@ -119,29 +119,93 @@ class SwigluEpilogue {
       }
     });
 
+    // The stores: each thread holds, for one row, two adjacent columns of every
+    // 8-column group; the four lanes of a quad hold the same row (lane % 4 picks
+    // the column pair: the wgmma accumulator layout, which the bitwise test checks).
+    // A 4x4 transpose of 32-bit words inside the quad gives each lane 8 adjacent
+    // columns of one group, stored as one 16-byte vector: a warp writes 8 rows x 64
+    // contiguous bytes per store instead of 8 rows x 16 bytes.
+    static_assert(kValues % 32 == 0, "four column groups of both row halves per step");
+    for_each(make_int_sequence<kValues / 2>{}, [](auto i) {
+      if constexpr (decltype(i)::value % 4 == 0) {
+        constexpr auto a = CoordLayout{}(i);
+        constexpr auto lower = CoordLayout{}(i + Int<2>{});
+        static_assert(get<0>(lower) == get<0>(a) + 8 && get<1>(lower) == get<1>(a),
+                      "element i + 2 must be the same column 8 rows down");
+        if constexpr (decltype(i)::value + 4 < kValues / 2) {
+          constexpr auto next = CoordLayout{}(i + Int<4>{});
+          static_assert(get<0>(next) == get<0>(a) && get<1>(next) == get<1>(a) + 8,
+                        "element i + 4 must be the next 8-column group of the same row");
+        }
+      }
+    });
+    const int quad_lane = thread_idx % 4;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kValues / 2; i += 2) {
-      const int m = m_coord * kBlkM + get<0>(coords(i));
-      if (m >= rows) continue;
-      const int n = get<1>(coords(i));  // in [0, 128): element i + kValues/2 is column n + 128
-      const float g0 = accumulators(i), g1 = accumulators(i + 1);
-      const float u0 = accumulators(i + kValues / 2), u1 = accumulators(i + kValues / 2 + 1);
+    for (int half = 0; half < 2; ++half) {  // rows r and r + 8
+      const int m = m_coord * kBlkM + get<0>(coords(2 * half));
+      const bool row_ok = m < rows;
       const int64_t row = row0 + m;
-      const int64_t f = int64_t(n_coord) * kHalf + n;
-      store_pair(params_.h + row * ffn + f, g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
-      if (params_.gate_up != nullptr) {
-        bf16* gu = params_.gate_up + row * 2 * ffn;
-        store_pair(gu + f, g0, g1);
-        store_pair(gu + ffn + f, u0, u1);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j0 = 0; j0 < kValues / 8; j0 += 4) {  // four 8-column groups: 32 columns
+        uint32_t h[4], g[4], u[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < 4; ++k) {
+          const int i = 4 * (j0 + k) + 2 * half;
+          const float g0 = accumulators(i), g1 = accumulators(i + 1);
+          const float u0 = accumulators(i + kValues / 2), u1 = accumulators(i + kValues / 2 + 1);
+          h[k] = pack(g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
+          g[k] = pack(g0, g1);
+          u[k] = pack(u0, u1);
+        }
+        // Every lane shuffles (full warp), whether or not its row is stored.
+        quad_transpose(h, quad_lane);
+        const int64_t f = int64_t(n_coord) * kHalf + (get<1>(coords(4 * j0)) & ~7) +
+                          8 * quad_lane;  // column 0 of group j0 + quad_lane
+        if (row_ok) store16(params_.h + row * ffn + f, h);
+        if (params_.gate_up != nullptr) {
+          quad_transpose(g, quad_lane);
+          quad_transpose(u, quad_lane);
+          if (row_ok) {
+            bf16* gu = params_.gate_up + row * 2 * ffn;
+            store16(gu + f, g);
+            store16(gu + ffn + f, u);
+          }
+        }
       }
     }
   }
 
  private:
   CUTLASS_DEVICE static float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
-  CUTLASS_DEVICE static void store_pair(bf16* p, float a, float b) {
-    const uint32_t bits = uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
-    *reinterpret_cast<uint32_t*>(p) = bits;
+  CUTLASS_DEVICE static uint32_t pack(float a, float b) {
+    return uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
+  }
+  CUTLASS_DEVICE static void store16(bf16* p, const uint32_t (&w)[4]) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  // On entry lane q of each quad holds row q of a 4x4 matrix of words, M[q][0..3];
+  // on exit it holds column q: w[s] = M[s][q]. Two butterfly stages (lane ^ 2, then
+  // lane ^ 1), two shuffles each.
+  CUTLASS_DEVICE static void quad_transpose(uint32_t (&w)[4], int q) {
+    const bool b1 = q & 2, b0 = q & 1;
+    // Stage 1: keep the columns whose bit 1 is q's, send the other two to lane q ^ 2.
+    const uint32_t keep0 = b1 ? w[2] : w[0], keep1 = b1 ? w[3] : w[1];
+    const uint32_t send0 = b1 ? w[0] : w[2], send1 = b1 ? w[1] : w[3];
+    const uint32_t recv0 = __shfl_xor_sync(0xffffffffu, send0, 2);
+    const uint32_t recv1 = __shfl_xor_sync(0xffffffffu, send1, 2);
+    // t[x][c]: row (q with bit 1 = x), column (2 * bit1(q) + c).
+    uint32_t t00 = b1 ? recv0 : keep0, t01 = b1 ? recv1 : keep1;
+    uint32_t t10 = b1 ? keep0 : recv0, t11 = b1 ? keep1 : recv1;
+    // Stage 2: keep column bit 0 == bit0(q), send the other to lane q ^ 1.
+    const uint32_t s0 = b0 ? t00 : t01, s1 = b0 ? t10 : t11;
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+    const uint32_t k0 = b0 ? t01 : t00, k1 = b0 ? t11 : t10;
+    // Row s = 2 * x + y of the result: y == bit0(q) kept, the other received.
+    w[0] = b0 ? r0 : k0;
+    w[1] = b0 ? k0 : r0;
+    w[2] = b0 ? r1 : k1;
+    w[3] = b0 ? k1 : r1;
   }
 
   Params params_;

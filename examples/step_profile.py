@@ -65,9 +65,11 @@ def _stat(event, *names):
 
 
 def device_ops(trace_dir: str, module: str = "train_step"):
-    """(start_ns, end_ns, event name, hlo_op) of every operation of the HLO module
-    whose name contains `module`, in the newest trace under `trace_dir`: GPU kernels
-    on the GPU planes' stream lines, or, without a GPU, the CPU runtime's thunks."""
+    """(start_ns, end_ns, event name, hlo_op, device) of every operation of the HLO
+    module whose name contains `module`, in the newest trace under `trace_dir`: GPU
+    kernels on the GPU planes' stream lines (device: the plane, one per GPU), or,
+    without a GPU, the CPU runtime's thunks (device: the host plane; CPU devices
+    share it, so a multi-device CPU trace counts as one device)."""
     from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
 
     paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
@@ -87,7 +89,7 @@ def device_ops(trace_dir: str, module: str = "train_step"):
                     continue
                 start = float(ev.start_ns)
                 (gpu if on_gpu else cpu).append(
-                    (start, start + float(ev.duration_ns), ev.name, hlo_op))
+                    (start, start + float(ev.duration_ns), ev.name, hlo_op, plane.name))
     return gpu or cpu
 
 
@@ -105,19 +107,28 @@ def busy_ns(intervals) -> float:
 def breakdown(trace_dir: str, hlo_text: str, *, steps: int, wall_s: float,
               n_layers: int) -> dict:
     """Per-step milliseconds by part (kernel time), the host gap, and per layer."""
-    names = op_names(hlo_text)
-    kernels = device_ops(trace_dir)
+    return aggregate(device_ops(trace_dir), op_names(hlo_text), steps=steps, wall_s=wall_s,
+                     n_layers=n_layers)
+
+
+def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
+              n_layers: int) -> dict:
+    """`breakdown` of `device_ops`-style tuples: times are per step and per device
+    (a data-parallel step's parts are each GPU's, not the sum over GPUs), the busy
+    time is the mean over devices of the union of each device's kernels."""
+    devices = sorted({k[4] for k in kernels}) or [""]
     per_part: dict[str, float] = {}
     unmatched, sample = 0, {}
-    for start, end, kernel, hlo_op in kernels:
+    for start, end, kernel, hlo_op, _ in kernels:
         op = hlo_op.split(":")[0].strip().lstrip("%")
         if op not in names:
             unmatched += 1
             if len(sample) < 12:
                 sample.setdefault(op, kernel[:120])
         label = part_of(op, names.get(op, ""), kernel)
-        per_part[label] = per_part.get(label, 0.0) + (end - start)
-    busy = busy_ns([(s, e) for s, e, _, _ in kernels])
+        per_part[label] = per_part.get(label, 0.0) + (end - start) / len(devices)
+    busy = sum(busy_ns([(s, e) for s, e, _, _, d in kernels if d == dev])
+               for dev in devices) / len(devices)
     step_ms = 1e3 * wall_s / steps
     rows = []
     for label, ns in sorted(per_part.items(), key=lambda kv: -kv[1]):
@@ -128,7 +139,7 @@ def breakdown(trace_dir: str, hlo_text: str, *, steps: int, wall_s: float,
     rows.append({"part": "host gap (no kernel running)", "ms_per_step": gap_ms,
                  "share": gap_ms / step_ms, "ms_per_layer": None})
     return {"steps": steps, "step_ms": step_ms, "busy_ms_per_step": busy / 1e6 / steps,
-            "kernels": len(kernels), "kernels_without_op_name": unmatched,
+            "devices": len(devices), "kernels": len(kernels), "kernels_without_op_name": unmatched,
             "unmatched_hlo_ops": sample, "rows": rows,
             "note": "kernel times of overlapping streams add up, so parts can sum past the "
                     "busy time"}
@@ -136,7 +147,8 @@ def breakdown(trace_dir: str, hlo_text: str, *, steps: int, wall_s: float,
 
 def table(result: dict) -> str:
     lines = [f"step {result['step_ms']:.1f} ms (device busy {result['busy_ms_per_step']:.1f} ms), "
-             f"{result['kernels']} device ops over {result['steps']} steps",
+             f"{result['kernels']} device ops over {result['steps']} steps and "
+             f"{result['devices']} device(s); ms per device",
              "| part | ms / step | share of step | ms / layer |", "| --- | --- | --- | --- |"]
     for r in result["rows"]:
         layer = "" if r["ms_per_layer"] is None else f"{r['ms_per_layer']:.2f}"

@@ -305,6 +305,29 @@ def test_profile_attributes_the_step_to_the_parts_of_the_model(tmp_path, monkeyp
     assert rows["host gap (no kernel running)"]["share"] == pytest.approx(1 - busy_share, abs=1e-6)
 
 
+def test_profile_times_are_per_device():
+    """A data-parallel trace holds every GPU's kernels: the parts are each device's
+    milliseconds (here two devices ran the same kernels, shifted in time, so the
+    parts equal one device's), and the busy time is per device, not the union over
+    both GPUs' timelines."""
+    import step_profile
+
+    names = {"fusion.1": "jit(train_step)/attention/dot", "cc.2": "jit(train_step)/mok_jax/moe"}
+    one = [(0.0, 3e6, "k1", "fusion.1"), (3e6, 8e6, "k2", "cc.2")]  # 3 ms, 5 ms
+    kernels = [(s, e, k, op, "/device:GPU:0") for s, e, k, op in one]
+    kernels += [(s + 1e6, e + 1e6, k, op, "/device:GPU:1") for s, e, k, op in one]
+    result = step_profile.aggregate(kernels, names, steps=1, wall_s=0.010, n_layers=1)
+    rows = {r["part"]: r for r in result["rows"]}
+    assert result["devices"] == 2
+    assert rows["attention"]["ms_per_step"] == pytest.approx(3.0)
+    assert rows["MoE layer (mok_jax)"]["ms_per_step"] == pytest.approx(5.0)
+    assert result["busy_ms_per_step"] == pytest.approx(8.0)  # not 9 (the union)
+    assert rows["host gap (no kernel running)"]["ms_per_step"] == pytest.approx(2.0)
+    alone = step_profile.aggregate(kernels[:2], names, steps=1, wall_s=0.010, n_layers=1)
+    assert {r["part"]: r["ms_per_step"] for r in alone["rows"]} == pytest.approx(
+        {r["part"]: r["ms_per_step"] for r in result["rows"]})
+
+
 def test_attention_auto_is_cudnn_only_on_a_gpu_in_16_bits():
     on_gpu = jax.default_backend() == "gpu"
     assert lm.attention_implementation("auto", jnp.bfloat16) == ("cudnn" if on_gpu else "xla")

@@ -79,11 +79,15 @@ FUSED_SHAPES = [(512, 4, 4, 64, 256), (300, 2, 4, 16, 128)]
 @pytest.mark.parametrize("shape", FUSED_SHAPES)
 @pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
-def test_swiglu_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew, capacity_factor):
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_swiglu_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew, capacity_factor,
+                                                schedule):
     """GEMM1 with SwiGLU in its epilogue (the default for bf16 on sm_90a where
-    mok/swiglu_rule.h allows it: F % 128 == 0, 4*E*H <= T*K) and GEMM1 to f32 followed by the SwiGLU kernel (MOK_JAX_SWIGLU_EPILOGUE=0, read
-    at every call) give the same bits: y, the saved gate/up residual, every
-    gradient, and the EP pieces' expert FFN."""
+    mok/swiglu_rule.h allows it: F % 128 == 0, 4*E*H <= T*K), in its cooperative
+    128x256 instance or its 64x256 ping-pong one (MOK_JAX_GEMM_PINGPONG=rows_swiglu),
+    and GEMM1 to f32 followed by the SwiGLU kernel (MOK_JAX_SWIGLU_EPILOGUE=0; both
+    knobs are read at every call) give the same bits: y, the saved gate/up residual,
+    every gradient, and the EP pieces' expert FFN."""
     from mok_jax import _mok, primitives as prim
     T, K, E, H, F = shape
     # Else both runs would be unfused and equal whatever the epilogue does.
@@ -107,8 +111,11 @@ def test_swiglu_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew, capaci
         out_rows, ep_gate_up = ffn(x_rows, sizes, wgu, wd)
         return [y, gate_up, out_rows, ep_gate_up, *grad(x, w, wgu, wd)]
 
+    if schedule == "pingpong":
+        monkeypatch.setenv("MOK_JAX_GEMM_PINGPONG", "rows_swiglu")
     fused = run()
     monkeypatch.setenv("MOK_JAX_SWIGLU_EPILOGUE", "0")
+    monkeypatch.delenv("MOK_JAX_GEMM_PINGPONG", raising=False)
     unfused = run()
     names = ("y", "gate_up", "ep out_rows", "ep gate_up", "dx", "dw", "dwgu", "dwd")
     for name, a, b in zip(names, fused, unfused):

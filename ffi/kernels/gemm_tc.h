@@ -52,7 +52,8 @@ struct SwigluOperands {
   void* gate_up;                // [R, 2F] bf16 or null
 };
 size_t rows_swiglu_workspace_bytes(int64_t experts, int device, int sm_count);
-std::string rows_swiglu_run(const SwigluOperands& op, int device, int sm_count, void* ws,
-                            size_t ws_bytes, cudaStream_t stream);
+// pingpong: the 64x256 ping-pong instance instead of the 128x256 cooperative one.
+std::string rows_swiglu_run(const SwigluOperands& op, bool pingpong, int device, int sm_count,
+                            void* ws, size_t ws_bytes, cudaStream_t stream);
 
 }  // namespace mok::cuda::cutlass_grouped

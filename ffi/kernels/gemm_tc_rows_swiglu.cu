@@ -1,20 +1,23 @@
-// Forward GEMM1 with SwiGLU in the epilogue (swiglu_epilogue.cuh): host entry points.
+// Forward GEMM1 with SwiGLU in the epilogue (swiglu_epilogue.cuh): host entry points,
+// cooperative and ping-pong instances.
+#include <algorithm>
+
 #include "swiglu_epilogue.cuh"
 
 namespace mok::cuda::cutlass_grouped {
 namespace {
 
-using G = SwigluGemm;
-
+template <class G>
 struct SwigluArrays {
   ShapeMNK* shapes;
-  const G::ElementAB** ptr_a;
-  const G::ElementAB** ptr_b;
-  G::StrideA* stride_a;
-  G::StrideB* stride_b;
+  const typename G::ElementAB** ptr_a;
+  const typename G::ElementAB** ptr_b;
+  typename G::StrideA* stride_a;
+  typename G::StrideB* stride_b;
 };
 
-size_t carve_swiglu(void* ws, int64_t experts, SwigluArrays* out) {
+template <class G>
+size_t carve_swiglu(void* ws, int64_t experts, SwigluArrays<G>* out) {
   char* p = static_cast<char*>(ws);
   size_t used = 0;
   auto take = [&](size_t bytes) {
@@ -24,14 +27,15 @@ size_t carve_swiglu(void* ws, int64_t experts, SwigluArrays* out) {
   };
   const size_t e = static_cast<size_t>(experts);
   out->shapes = reinterpret_cast<ShapeMNK*>(take(e * sizeof(ShapeMNK)));
-  out->ptr_a = reinterpret_cast<const G::ElementAB**>(take(e * sizeof(void*)));
-  out->ptr_b = reinterpret_cast<const G::ElementAB**>(take(e * sizeof(void*)));
-  out->stride_a = reinterpret_cast<G::StrideA*>(take(e * sizeof(G::StrideA)));
-  out->stride_b = reinterpret_cast<G::StrideB*>(take(e * sizeof(G::StrideB)));
+  out->ptr_a = reinterpret_cast<const typename G::ElementAB**>(take(e * sizeof(void*)));
+  out->ptr_b = reinterpret_cast<const typename G::ElementAB**>(take(e * sizeof(void*)));
+  out->stride_a = reinterpret_cast<typename G::StrideA*>(take(e * sizeof(typename G::StrideA)));
+  out->stride_b = reinterpret_cast<typename G::StrideB*>(take(e * sizeof(typename G::StrideB)));
   return used;
 }
 
-__global__ void setup_swiglu_groups(SwigluArrays g, SwigluOperands op) {
+template <class G>
+__global__ void setup_swiglu_groups(SwigluArrays<G> g, SwigluOperands op) {
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= op.experts) return;
   const int64_t begin = op.expert_begin[e];
@@ -39,15 +43,17 @@ __global__ void setup_swiglu_groups(SwigluArrays g, SwigluOperands op) {
   const int k = static_cast<int>(op.k);
   const int n = static_cast<int>(2 * op.ffn);
   g.shapes[e] = ShapeMNK{rows, n, k};
-  g.ptr_a[e] = static_cast<const G::ElementAB*>(op.a) + begin * k;
-  g.ptr_b[e] = static_cast<const G::ElementAB*>(op.b_interleaved) + e * int64_t(k) * n;
-  g.stride_a[e] = cutlass::make_cute_packed_stride(G::StrideA{}, {rows, k, 1});
-  g.stride_b[e] = cutlass::make_cute_packed_stride(G::StrideB{}, {n, k, 1});
+  g.ptr_a[e] = static_cast<const typename G::ElementAB*>(op.a) + begin * k;
+  g.ptr_b[e] = static_cast<const typename G::ElementAB*>(op.b_interleaved) + e * int64_t(k) * n;
+  g.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {rows, k, 1});
+  g.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k, 1});
 }
 
-G::Device::Arguments make_swiglu_arguments(const SwigluArrays& g, const SwigluOperands& op,
-                                           int device, int sm_count) {
-  G::Device::Arguments args{};
+template <class G>
+typename G::Device::Arguments make_swiglu_arguments(const SwigluArrays<G>& g,
+                                                    const SwigluOperands& op, int device,
+                                                    int sm_count) {
+  typename G::Device::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(op.experts), g.shapes, nullptr};
   args.mainloop.ptr_A = g.ptr_a;
@@ -63,10 +69,9 @@ G::Device::Arguments make_swiglu_arguments(const SwigluArrays& g, const SwigluOp
   return args;
 }
 
-}  // namespace
-
-size_t rows_swiglu_workspace_bytes(int64_t experts, int device, int sm_count) {
-  SwigluArrays g{};
+template <class G>
+size_t workspace_bytes(int64_t experts, int device, int sm_count) {
+  SwigluArrays<G> g{};
   const size_t arrays = carve_swiglu(nullptr, experts, &g);
   SwigluOperands op{};
   op.experts = experts;
@@ -75,15 +80,16 @@ size_t rows_swiglu_workspace_bytes(int64_t experts, int device, int sm_count) {
   return arrays + align_up(G::Device::get_workspace_size(args));
 }
 
-std::string rows_swiglu_run(const SwigluOperands& op, int device, int sm_count, void* ws,
-                            size_t ws_bytes, cudaStream_t stream) {
-  SwigluArrays g{};
+template <class G>
+std::string run(const SwigluOperands& op, int device, int sm_count, void* ws, size_t ws_bytes,
+                cudaStream_t stream) {
+  SwigluArrays<G> g{};
   const size_t arrays = carve_swiglu(ws, op.experts, &g);
   auto args = make_swiglu_arguments(g, op, device, sm_count);
   const size_t need = arrays + align_up(G::Device::get_workspace_size(args));
   if (need > ws_bytes) return "SwiGLU grouped GEMM workspace too small";
   constexpr int kThreads = 128;
-  setup_swiglu_groups<<<(op.experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(g, op);
+  setup_swiglu_groups<G><<<(op.experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(g, op);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return std::string("SwiGLU grouped GEMM setup launch: ") + cudaGetErrorString(err);
   }
@@ -91,8 +97,24 @@ std::string rows_swiglu_run(const SwigluOperands& op, int device, int sm_count, 
       status != cutlass::Status::kSuccess) {
     return std::string("SwiGLU grouped GEMM: cannot implement: ") + cutlassGetStatusString(status);
   }
-  return initialize_and_run<G::Device>(args, static_cast<char*>(ws) + arrays, stream,
-                                       "SwiGLU grouped GEMM");
+  return initialize_and_run<typename G::Device>(args, static_cast<char*>(ws) + arrays, stream,
+                                                "SwiGLU grouped GEMM");
+}
+
+using Cooperative = SwigluGemm<Schedule::kCooperative>;
+using Pingpong = SwigluGemm<Schedule::kPingpong>;
+
+}  // namespace
+
+size_t rows_swiglu_workspace_bytes(int64_t experts, int device, int sm_count) {
+  return std::max(workspace_bytes<Cooperative>(experts, device, sm_count),
+                  workspace_bytes<Pingpong>(experts, device, sm_count));
+}
+
+std::string rows_swiglu_run(const SwigluOperands& op, bool pingpong, int device, int sm_count,
+                            void* ws, size_t ws_bytes, cudaStream_t stream) {
+  return pingpong ? run<Pingpong>(op, device, sm_count, ws, ws_bytes, stream)
+                  : run<Cooperative>(op, device, sm_count, ws, ws_bytes, stream);
 }
 
 }  // namespace mok::cuda::cutlass_grouped

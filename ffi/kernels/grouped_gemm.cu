@@ -46,13 +46,12 @@ bool tensor_core_device(int cc) {
 }
 
 // Which row-GEMM instances use the ping-pong schedule: MOK_JAX_GEMM_PINGPONG, a
-// comma list of rows_f32, rows_bf16, rows_t_f32, rows_t_bf16 (or "all"); read once.
+// comma list of rows_f32, rows_bf16, rows_t_f32, rows_t_bf16, rows_swiglu (or "all"),
+// read at every call (so that a test can compare both schedules in one process).
 // A tuning knob for benchmarks; the default is the cooperative schedule.
 bool pingpong(const char* instance) {
-  static const char* list = [] {
-    const char* v = std::getenv("MOK_JAX_GEMM_PINGPONG");
-    return v ? v : "";
-  }();
+  const char* list = std::getenv("MOK_JAX_GEMM_PINGPONG");
+  if (list == nullptr) return false;
   if (std::strcmp(list, "all") == 0) return true;
   const size_t n = std::strlen(instance);
   for (const char* p = list; (p = std::strstr(p, instance)) != nullptr; p += n) {
@@ -152,7 +151,8 @@ std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* worksp
   const tc::SwigluOperands op{p.experts, p.expert_begin, p.hidden, p.ffn,
                               p.x_rows,  interleaved,    p.h,      p.gate_up_out};
   MOK_RETURN_IF_MESSAGE(
-      tc::rows_swiglu_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream));
+      tc::rows_swiglu_run(op, pingpong("rows_swiglu"), info.device, info.sm_count, workspace,
+                          workspace_bytes, stream));
   *ran = true;
   return {};
 #else

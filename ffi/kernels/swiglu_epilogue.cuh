@@ -211,13 +211,21 @@ class SwigluEpilogue {
   Params params_;
 };
 
+// kCooperative: the two consumer warp groups share a 128x256 tile; kPingpong: each
+// owns a 64x256 tile and one group's epilogue (SwiGLU and the stores) runs while
+// the other's main loop keeps the tensor cores busy.
+template <Schedule kSchedule>
 struct SwigluGemm {
   using ElementAB = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::RowMajor;
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  static constexpr bool kPp = kSchedule == Schedule::kPingpong;
+  using TileShape = std::conditional_t<kPp, cute::Shape<cute::_64, cute::_256, cute::_64>,
+                                       cute::Shape<cute::_128, cute::_256, cute::_64>>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using KernelSchedule =
+      std::conditional_t<kPp, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
 
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwigluEpilogue>;

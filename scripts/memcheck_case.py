@@ -1,6 +1,8 @@
 """A small forward + backward of mok_jax.moe for compute-sanitizer (scripts/gpu_ci.sh).
 
-Covers both GEMM paths (tensor-core sizes and odd sizes), capacity drops,
+Covers both GEMM paths (tensor-core sizes and odd sizes), GEMM1 with SwiGLU in its
+epilogue (the last two shapes, on sm_90a; run again with
+MOK_JAX_GEMM_PINGPONG=rows_swiglu for its ping-pong instance), capacity drops,
 invalid ids and an empty expert, so memcheck sees every kernel.
 """
 
@@ -33,3 +35,9 @@ if __name__ == "__main__":
     run(200, 2, 6, 128, 64, jnp.bfloat16, 0.5)
     run(37, 3, 5, 24, 5, jnp.bfloat16, None)
     run(37, 3, 5, 24, 5, jnp.float32, 0.8)
+    # F % 128 == 0 and 4*E*H <= T*K: the SwiGLU-epilogue GEMM (ragged tiles in the second).
+    from mok_jax import _mok
+    assert _mok.swiglu_epilogue_shape(4, 64, 256, 512 * 4)
+    assert _mok.swiglu_epilogue_shape(4, 16, 128, 300 * 2)
+    run(512, 4, 4, 64, 256, jnp.bfloat16, None)
+    run(300, 2, 4, 16, 128, jnp.bfloat16, 0.75)

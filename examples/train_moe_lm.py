@@ -809,6 +809,9 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
                          f"{stop - start}")
     for step in range(start, stop):
         batch = jax.device_put(batch_at(corpus.train, step, cfg), tokens_sharding)
+        # Traced steps are not training throughput (no CUDA graphs, the tracer's
+        # cost): they are not counted, and the interval they fall in restarts after.
+        profiling = profile_from is not None and profile_from <= step < profile_to
         if step == profile_from:
             jax.block_until_ready(state)
             jax.profiler.start_trace(args.profile)
@@ -826,14 +829,16 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             jax.block_until_ready(metrics)
             compile_s = time.perf_counter() - t_run
             t_mark, steps_since_mark = time.perf_counter(), 0
-        else:
+        elif not profiling:
             steps_since_mark += 1
         if done % cfg.log_every == 0 or done == stop:
             flush()
             now = time.perf_counter()
-            if steps_since_mark:
+            timed = steps_since_mark > 0 and not profiling
+            if timed:
                 dt = (now - t_mark) / steps_since_mark
-                row = {"step": done, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+                row = {"step": done, "steps": steps_since_mark, "step_time_s": dt,
+                       "tokens_per_s": tokens_per_step / dt}
                 if peak:
                     row["mfu"] = row["tokens_per_s"] * flops_per_token(cfg) / (
                         peak * 1e12 * dp * ep)
@@ -843,9 +848,9 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             if progress is not None:
                 progress.set_postfix(loss=f"{last['ce']:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
             else:  # no bar: one line per log interval
-                timed = steps_since_mark > 0 and "mfu" in log["throughput"][-1]
-                rate = f", {tps:,.0f} tokens/s" if steps_since_mark else ""
-                mfu = f", MFU {100 * log['throughput'][-1]['mfu']:.1f}%" if timed else ""
+                rate = f", {tps:,.0f} tokens/s" if timed else ""
+                mfu = (f", MFU {100 * log['throughput'][-1]['mfu']:.1f}%"
+                       if timed and "mfu" in log["throughput"][-1] else "")
                 print(f"step {done}: train loss {last['ce']:.4f}{rate}{mfu}", flush=True)
             if args.no_checkpoint:  # no checkpoint saves to carry the log: write it now
                 write_json(log_path, log)

@@ -303,9 +303,9 @@ def test_profile_attributes_the_step_to_the_parts_of_the_model(tmp_path, monkeyp
         assert result["kernels_without_op_name"] < 0.1 * result["kernels"]
     busy_share = result["busy_ms_per_step"] / result["step_ms"]
     assert rows["host gap (no kernel running)"]["share"] == pytest.approx(1 - busy_share, abs=1e-6)
-    # Throughput leaves the traced steps out (steps 4-7 here: three warm steps after
-    # the compiling one, then four traced): no rate for the interval ending inside
-    # them, and the next interval times only the steps after them (8, 9, 10).
+    # Throughput leaves the traced steps out (steps 4-7 here: step 1 compiles, 2 and 3
+    # warm up, then four are traced): no rate for the interval ending inside them,
+    # and the next interval times only the steps after them (8, 9, 10).
     timed = {r["step"]: r["steps"] for r in log["throughput"]}
     assert 5 not in timed and timed[10] == 3, timed
 

@@ -113,7 +113,8 @@ def test_swiglu_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew, capaci
 
     if schedule == "pingpong":
         monkeypatch.setenv("MOK_JAX_GEMM_PINGPONG", "rows_swiglu")
-    fused = run()
+    # Finished before the knobs change (the handlers read them when they run).
+    fused = jax.block_until_ready(run())
     monkeypatch.setenv("MOK_JAX_SWIGLU_EPILOGUE", "0")
     monkeypatch.delenv("MOK_JAX_GEMM_PINGPONG", raising=False)
     unfused = run()

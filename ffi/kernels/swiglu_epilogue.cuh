@@ -7,8 +7,9 @@
 //
 // Pairing: the weight is first copied to a block-interleaved layout (columns
 // [256b, 256b+128) are gate columns [128b, 128b+128) and [256b+128, 256b+256)
-// the matching up columns), so one 128x256 output tile holds both halves of 128
-// outputs. In the cooperative kernel's accumulator fragment (per thread: two
+// the matching up columns), so one output tile 256 columns wide (128x256 in the
+// cooperative instance, 64x256 per warp group in the ping-pong one) holds both
+// halves of 128 outputs. In the warp group's accumulator fragment (per thread: two
 // adjacent columns x two rows x N/8 column groups, the group index outermost),
 // the up value of fragment element i is element i + size/2, same row, column
 // + 128; the test suite checks the result bit for bit against the unfused path.
@@ -139,7 +140,7 @@ class SwigluEpilogue {
         }
       }
     });
-    const int quad_lane = thread_idx % 4;
+    const int quad_lane = thread_idx % 4;  // = lane % 4: thread_idx counts from a warp group's start
     CUTLASS_PRAGMA_UNROLL
     for (int half = 0; half < 2; ++half) {  // rows r and r + 8
       const int m = m_coord * kBlkM + get<0>(coords(2 * half));

@@ -24,6 +24,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 #include "gemm_tc.h"
+#include "workspace.h"
 
 namespace mok::cuda::cutlass_grouped {
 
@@ -55,6 +56,15 @@ using Sm90Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmemBytes>,
     KernelSchedule>::CollectiveOp;
 
+// The CUTLASS kernel schedule of each Schedule, and the cluster every instance
+// uses (two CTAs along M share the B tiles through TMA multicast).
+template <Schedule kSchedule>
+using Sm90KernelSchedule =
+    std::conditional_t<kSchedule == Schedule::kPingpong,
+                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+using Sm90ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+
 template <Family kFamily, class ElementD, Schedule kSchedule = Schedule::kCooperative>
 struct GroupedGemm {
   using ElementAB = cutlass::bfloat16_t;
@@ -68,10 +78,8 @@ struct GroupedGemm {
   static constexpr bool kPp = kSchedule == Schedule::kPingpong;
   using TileShape = std::conditional_t<kPp, cute::Shape<cute::_128, cute::_128, cute::_64>,
                                        cute::Shape<cute::_128, cute::_256, cute::_64>>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using KernelSchedule =
-      std::conditional_t<kPp, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using ClusterShape = Sm90ClusterShape;
+  using KernelSchedule = Sm90KernelSchedule<kSchedule>;
   using EpilogueSchedule =
       std::conditional_t<kPp, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
@@ -111,8 +119,6 @@ struct GroupArrays {
 
 namespace mok::cuda::cutlass_grouped {
 
-constexpr size_t kAlignBytes = 256;
-inline size_t align_up(size_t v) { return (v + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
 
 template <Family kFamily, class ElementD, Schedule kSchedule>
 __global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD, kSchedule>> g,
@@ -151,22 +157,16 @@ __global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD, kSchedul
 // Carves the group arrays from `ws`; returns the bytes they take.
 template <class G>
 size_t carve(void* ws, int64_t experts, GroupArrays<G>* out) {
-  char* p = static_cast<char*>(ws);
-  size_t used = 0;
-  auto take = [&](size_t bytes) {
-    char* at = p ? p + used : nullptr;
-    used += align_up(bytes);
-    return at;
-  };
+  Carver c(ws);
   const size_t e = static_cast<size_t>(experts);
-  out->shapes = reinterpret_cast<ShapeMNK*>(take(e * sizeof(ShapeMNK)));
-  out->ptr_a = reinterpret_cast<decltype(out->ptr_a)>(take(e * sizeof(void*)));
-  out->ptr_b = reinterpret_cast<decltype(out->ptr_b)>(take(e * sizeof(void*)));
-  out->ptr_d = reinterpret_cast<decltype(out->ptr_d)>(take(e * sizeof(void*)));
-  out->stride_a = reinterpret_cast<typename G::StrideA*>(take(e * sizeof(typename G::StrideA)));
-  out->stride_b = reinterpret_cast<typename G::StrideB*>(take(e * sizeof(typename G::StrideB)));
-  out->stride_d = reinterpret_cast<typename G::StrideD*>(take(e * sizeof(typename G::StrideD)));
-  return used;
+  out->shapes = static_cast<ShapeMNK*>(c.take(e * sizeof(ShapeMNK)));
+  out->ptr_a = static_cast<decltype(out->ptr_a)>(c.take(e * sizeof(void*)));
+  out->ptr_b = static_cast<decltype(out->ptr_b)>(c.take(e * sizeof(void*)));
+  out->ptr_d = static_cast<decltype(out->ptr_d)>(c.take(e * sizeof(void*)));
+  out->stride_a = static_cast<typename G::StrideA*>(c.take(e * sizeof(typename G::StrideA)));
+  out->stride_b = static_cast<typename G::StrideB*>(c.take(e * sizeof(typename G::StrideB)));
+  out->stride_d = static_cast<typename G::StrideD*>(c.take(e * sizeof(typename G::StrideD)));
+  return c.used();
 }
 
 template <class G>
@@ -221,7 +221,7 @@ size_t workspace_bytes(int64_t experts, int device, int sm_count) {
   GroupArrays<G> g{};
   const size_t arrays = carve<G>(nullptr, experts, &g);
   auto args = make_arguments<G>(g, experts, device, sm_count);
-  return arrays + align_up(G::Device::get_workspace_size(args));
+  return arrays + workspace_aligned(G::Device::get_workspace_size(args));
 }
 
 template <Family kFamily, class ElementD, Schedule kSchedule>
@@ -231,7 +231,7 @@ std::string run(const Operands& op, int device, int sm_count, void* ws, size_t w
   GroupArrays<G> g{};
   const size_t arrays = carve<G>(ws, op.experts, &g);
   auto args = make_arguments<G>(g, op.experts, device, sm_count);
-  const size_t need = arrays + align_up(G::Device::get_workspace_size(args));
+  const size_t need = arrays + workspace_aligned(G::Device::get_workspace_size(args));
   if (need > ws_bytes) return "grouped GEMM workspace too small";
   constexpr int kThreads = 128;
   setup_groups<kFamily, ElementD, kSchedule><<<(op.experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(

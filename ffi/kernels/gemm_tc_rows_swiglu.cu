@@ -18,20 +18,14 @@ struct SwigluArrays {
 
 template <class G>
 size_t carve_swiglu(void* ws, int64_t experts, SwigluArrays<G>* out) {
-  char* p = static_cast<char*>(ws);
-  size_t used = 0;
-  auto take = [&](size_t bytes) {
-    char* at = p ? p + used : nullptr;
-    used += align_up(bytes);
-    return at;
-  };
+  Carver c(ws);
   const size_t e = static_cast<size_t>(experts);
-  out->shapes = reinterpret_cast<ShapeMNK*>(take(e * sizeof(ShapeMNK)));
-  out->ptr_a = reinterpret_cast<const typename G::ElementAB**>(take(e * sizeof(void*)));
-  out->ptr_b = reinterpret_cast<const typename G::ElementAB**>(take(e * sizeof(void*)));
-  out->stride_a = reinterpret_cast<typename G::StrideA*>(take(e * sizeof(typename G::StrideA)));
-  out->stride_b = reinterpret_cast<typename G::StrideB*>(take(e * sizeof(typename G::StrideB)));
-  return used;
+  out->shapes = static_cast<ShapeMNK*>(c.take(e * sizeof(ShapeMNK)));
+  out->ptr_a = static_cast<const typename G::ElementAB**>(c.take(e * sizeof(void*)));
+  out->ptr_b = static_cast<const typename G::ElementAB**>(c.take(e * sizeof(void*)));
+  out->stride_a = static_cast<typename G::StrideA*>(c.take(e * sizeof(typename G::StrideA)));
+  out->stride_b = static_cast<typename G::StrideB*>(c.take(e * sizeof(typename G::StrideB)));
+  return c.used();
 }
 
 template <class G>
@@ -77,7 +71,7 @@ size_t workspace_bytes(int64_t experts, int device, int sm_count) {
   op.experts = experts;
   op.ffn = 128;
   auto args = make_swiglu_arguments(g, op, device, sm_count);
-  return arrays + align_up(G::Device::get_workspace_size(args));
+  return arrays + workspace_aligned(G::Device::get_workspace_size(args));
 }
 
 template <class G>
@@ -86,7 +80,7 @@ std::string run(const SwigluOperands& op, int device, int sm_count, void* ws, si
   SwigluArrays<G> g{};
   const size_t arrays = carve_swiglu(ws, op.experts, &g);
   auto args = make_swiglu_arguments(g, op, device, sm_count);
-  const size_t need = arrays + align_up(G::Device::get_workspace_size(args));
+  const size_t need = arrays + workspace_aligned(G::Device::get_workspace_size(args));
   if (need > ws_bytes) return "SwiGLU grouped GEMM workspace too small";
   constexpr int kThreads = 128;
   setup_swiglu_groups<G><<<(op.experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(g, op);

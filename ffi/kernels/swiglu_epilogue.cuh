@@ -223,10 +223,8 @@ struct SwigluGemm {
   static constexpr bool kPp = kSchedule == Schedule::kPingpong;
   using TileShape = std::conditional_t<kPp, cute::Shape<cute::_64, cute::_256, cute::_64>,
                                        cute::Shape<cute::_128, cute::_256, cute::_64>>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using KernelSchedule =
-      std::conditional_t<kPp, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using ClusterShape = Sm90ClusterShape;
+  using KernelSchedule = Sm90KernelSchedule<kSchedule>;
 
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwigluEpilogue>;

@@ -67,6 +67,7 @@ class Config:
     dtype: str = "float32"           # computation dtype; parameters are float32
     attention: str = "auto"          # "auto": cuDNN flash attention on GPU (bf16), else XLA
     moe_backend: str = "auto"        # mok_jax.moe's backend ("fused": NVLink transport under EP)
+    grad_reduce_lag: int = -1        # >= 0: see reduce_barrier (data-parallel overlap); -1 off
     seq: int = 128
     batch: int = 16
     steps: int = 400
@@ -272,6 +273,31 @@ class Block(nnx.Module):
         return x + h, aux
 
 
+@jax.custom_vjp
+def reduce_barrier(x: jax.Array, tree):
+    """The identity on ``(x, tree)``; in the backward pass an optimization barrier
+    over the two cotangents, so that the gradient of ``tree`` (reduced over the
+    data-parallel axis) is complete before the cotangent of ``x`` flows on.
+
+    XLA schedules the all-reduces of data-parallel gradients by its own cost
+    model, which puts them after the whole backward pass when the expert GEMMs
+    (FFI calls it cannot cost) make up most of it. Tying layer i's expert weights
+    to the input of layer i - lag pins each all-reduce to the backward of the
+    layers in between: the same values and gradients, bit for bit."""
+    return x, tree
+
+
+def _reduce_barrier_fwd(x, tree):
+    return (x, tree), None
+
+
+def _reduce_barrier_bwd(_, cotangents):
+    return jax.lax.optimization_barrier(cotangents)
+
+
+reduce_barrier.defvjp(_reduce_barrier_fwd, _reduce_barrier_bwd)
+
+
 class MoELM(nnx.Module):
     """Byte-level decoder: ``tokens [B, S] int32 -> (logits [B, S, 256] f32,
     [MoEAux] * n_layers)``.
@@ -289,6 +315,7 @@ class MoELM(nnx.Module):
         self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.unembed = nnx.Linear(cfg.d_model, VOCAB, use_bias=False, dtype=dtype,
                                   kernel_init=_dense_init(("embed", "vocab")), rngs=rngs)
+        self.grad_reduce_lag = cfg.grad_reduce_lag
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, list[mnn.MoEAux]]:
         with jax.named_scope("embed_and_loss"):
@@ -300,7 +327,16 @@ class MoELM(nnx.Module):
             x = jnp.matmul(jax.nn.one_hot(tokens, VOCAB, dtype=table.dtype), table,
                            precision=jax.lax.Precision.HIGHEST)  # f32 rows stay exact
         auxes = []
-        for block in self.blocks:
+        for j, block in enumerate(self.blocks):
+            i = j + self.grad_reduce_lag
+            if self.grad_reduce_lag >= 0 and i < len(self.blocks):
+                # The weights in the layer's compute dtype: the barrier then holds the
+                # gradients as the layer's backward produced and reduced them.
+                moe = self.blocks[i].moe
+                dtype = moe.dtype or x.dtype
+                x, (w_gate_up, w_down) = reduce_barrier(
+                    x, (moe.w_gate_up[...].astype(dtype), moe.w_down[...].astype(dtype)))
+                moe.w_gate_up.value, moe.w_down.value = w_gate_up, w_down
             x, aux = block(x)
             auxes.append(aux)
         with jax.named_scope("norm"):
@@ -562,7 +598,8 @@ def config_from_args(args) -> Config:
     cfg = PRESETS[args.preset]
     overrides = {name: getattr(args, name) for name in
                  ("steps", "batch", "seq", "lr", "seed", "balance", "eval_every", "ckpt_every",
-                  "log_every", "eval_batches", "attention", "dtype", "moe_backend")
+                  "log_every", "eval_batches", "attention", "dtype", "moe_backend",
+                  "grad_reduce_lag")
                  if getattr(args, name, None) is not None}
     if overrides.get("steps") is not None:
         overrides.setdefault("warmup", min(cfg.warmup, max(1, overrides["steps"] // 10)))
@@ -589,6 +626,14 @@ def parse_args(argv=None):
     parser.add_argument("--moe-backend", choices=["auto", "fused", "xla"],
                         help="mok_jax.moe's backend (default auto: under --ep on GPUs of one "
                              "process, the fused NVLink transport; xla: XLA's all_to_all)")
+    parser.add_argument("--grad-reduce-lag", type=int, metavar="N",
+                        help="data parallelism: finish layer i's expert-gradient all-reduce "
+                             "before the backward of layer i-N-1 starts (an optimization "
+                             "barrier; -1: off, XLA places it)")
+    parser.add_argument("--pgle", action="store_true",
+                        help="profile-guided latency estimation: JAX profiles the first steps "
+                             "and XLA recompiles the step with the measured costs (with "
+                             "--grad-reduce-lag, how dp overlaps its gradient all-reduces)")
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--eval-batches", type=int)
     parser.add_argument("--log-every", type=int)
@@ -665,6 +710,8 @@ def train(args) -> dict:
     """Runs training as configured by ``args`` (from `parse_args`); returns the log."""
     if args.host_devices:
         use_host_devices(args.host_devices)
+    if args.pgle:
+        jax.config.update("jax_enable_pgle", True)
     if args.profile and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
         # Kernels replayed from a CUDA graph carry the graph's HLO op, not their own:
         # the profiled run launches them one by one so that each is attributed (the
@@ -802,7 +849,10 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             log["train"].append({"step": step_done, **{k: float(v) for k, v in metrics.items()}})
         pending.clear()
 
-    profile_from = start + 3 if args.profile else None
+    # Steps not timed: the first (it compiles) and, with --pgle, the profiled runs
+    # and the step that recompiles with their measurements.
+    untimed = 1 + (jax.config.jax_pgle_profiling_runs + 1 if args.pgle else 0)
+    profile_from = start + untimed + 2 if args.profile else None
     profile_to = None if profile_from is None else profile_from + args.profile_steps
     if profile_to is not None and profile_to > stop:
         raise SystemExit(f"--profile needs {profile_to - start} steps to run, this run has "
@@ -825,9 +875,10 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             t_mark, steps_since_mark = time.perf_counter(), 0  # profiling is not training
         pending.append((step + 1, metrics))
         done = step + 1
-        if t_mark is None:  # the first step compiles: time it apart
+        if done - start <= untimed:  # compiling steps: time them apart
             jax.block_until_ready(metrics)
-            compile_s = time.perf_counter() - t_run
+            if compile_s is None:
+                compile_s = time.perf_counter() - t_run
             t_mark, steps_since_mark = time.perf_counter(), 0
         elif not profiling:
             steps_since_mark += 1

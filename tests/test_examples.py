@@ -175,6 +175,48 @@ def test_sharded_optimizer_state_and_step(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_reduce_barrier_orders_the_backward_and_changes_no_bit():
+    """--grad-reduce-lag ties layer i's expert weights to layer i-lag's input: the
+    backward gains one optimization barrier per tied layer (which is what pins each
+    data-parallel all-reduce inside the backward), and the step's loss, gradient
+    norm and new parameters are the same bits as without it."""
+    mesh = lm.make_mesh(2, 1, jax.devices()[:2])
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 33)), jnp.int32)
+    results = {}
+    for lag in (-1, 0, 1):
+        cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=3, grad_reduce_lag=lag)
+        tx, schedule = lm.make_optimizer(cfg)
+        rules = lm.mnn.logical_axis_rules(mesh.axis_names)
+        with jax.set_mesh(mesh), lm.nnx.logical_axis_rules(rules):  # as the example runs
+            graphdef, state, shardings = lm.init_state(cfg, mesh, tx)
+            step = jax.jit(lm.make_train_step(cfg, graphdef, tx, schedule),
+                           in_shardings=(shardings, lm.batch_sharding(mesh)),
+                           out_shardings=(shardings, None))
+            text = str(jax.make_jaxpr(step)(state, batch))
+            results[lag] = step(state, jax.device_put(batch, lm.batch_sharding(mesh)))
+        barriers = text.count("optimization_barrier")
+        assert barriers == (0 if lag < 0 else cfg.n_layers - lag), (lag, barriers)
+    for lag in (0, 1):
+        for name in ("loss", "grad_norm"):
+            assert_bitwise(results[lag][1][name], results[-1][1][name], f"lag {lag} {name}")
+        for a, b in zip(jax.tree.leaves(results[lag][0].params),
+                        jax.tree.leaves(results[-1][0].params)):
+            assert_bitwise(a, b, f"lag {lag} parameters")
+
+
+def test_pgle_steps_are_not_timed(tmp_path):
+    """--pgle: the profiled runs and the recompiling step are left out of the
+    throughput like the first, compiling step."""
+    runs = jax.config.jax_pgle_profiling_runs
+    try:
+        log = lm.main(["--steps", "10", "--log-every", "5", "--eval-every", "10", "--pgle",
+                       "--out", str(tmp_path / "run"), "--no-checkpoint", *SMALL])
+    finally:
+        jax.config.update("jax_enable_pgle", False)
+    timed = {r["step"]: r["steps"] for r in log["throughput"]}
+    assert timed == {10: 10 - (2 + runs)}, timed
+
+
 def test_refuses_to_overwrite_checkpoints_without_flag(straight_run):
     out, _ = straight_run
     with pytest.raises(SystemExit, match="--resume"):

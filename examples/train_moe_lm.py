@@ -629,7 +629,8 @@ def parse_args(argv=None):
     parser.add_argument("--grad-reduce-lag", type=int, metavar="N",
                         help="data parallelism: finish layer i's expert-gradient all-reduce "
                              "before the backward of layer i-N-1 starts (an optimization "
-                             "barrier; -1: off, XLA places it)")
+                             "barrier, the same bits; default 1 when dp > 1, -1: off, XLA "
+                             "places the all-reduces)")
     parser.add_argument("--pgle", action="store_true",
                         help="profile-guided latency estimation: JAX profiles the first steps "
                              "and XLA recompiles the step with the measured costs (with "
@@ -735,6 +736,8 @@ def train(args) -> dict:
     mesh = make_mesh(dp, ep, devices)
     if cfg.batch % (dp * ep):
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of dp*ep = {dp * ep}")
+    if args.grad_reduce_lag is None and dp > 1:
+        cfg = dataclasses.replace(cfg, grad_reduce_lag=1)  # the same bits, see reduce_barrier
     platform = devices[0].platform
     peak = args.peak_tflops or (989.0 if platform == "gpu" else None)
 

@@ -204,17 +204,19 @@ def test_reduce_barrier_orders_the_backward_and_changes_no_bit():
             assert_bitwise(a, b, f"lag {lag} parameters")
 
 
-def test_pgle_steps_are_not_timed(tmp_path):
+def test_pgle_steps_are_not_timed_and_dp_ties_gradients(tmp_path):
     """--pgle: the profiled runs and the recompiling step are left out of the
-    throughput like the first, compiling step."""
+    throughput like the first, compiling step. With dp > 1 and no
+    --grad-reduce-lag, the lag is 1."""
     runs = jax.config.jax_pgle_profiling_runs
     try:
-        log = lm.main(["--steps", "10", "--log-every", "5", "--eval-every", "10", "--pgle",
-                       "--out", str(tmp_path / "run"), "--no-checkpoint", *SMALL])
+        log = lm.main(["--steps", "10", "--eval-every", "10", "--pgle", "--out",
+                       str(tmp_path / "run"), "--no-checkpoint", *SMALL, "--dp", "2"])
     finally:
         jax.config.update("jax_enable_pgle", False)
     timed = {r["step"]: r["steps"] for r in log["throughput"]}
     assert timed == {10: 10 - (2 + runs)}, timed
+    assert log["config"]["grad_reduce_lag"] == 1 and log["mesh"]["dp"] == 2
 
 
 def test_refuses_to_overwrite_checkpoints_without_flag(straight_run):

@@ -279,11 +279,14 @@ def reduce_barrier(x: jax.Array, tree):
     over the two cotangents, so that the gradient of ``tree`` (reduced over the
     data-parallel axis) is complete before the cotangent of ``x`` flows on.
 
-    XLA schedules the all-reduces of data-parallel gradients by its own cost
-    model, which puts them after the whole backward pass when the expert GEMMs
-    (FFI calls it cannot cost) make up most of it. Tying layer i's expert weights
-    to the input of layer i - lag pins each all-reduce to the backward of the
-    layers in between: the same values and gradients, bit for bit."""
+    Left to itself, XLA's scheduler starts each all-reduce of data-parallel
+    gradients only as early as covers its estimated latency, and the end of the
+    step (norm reductions, the other collectives) offers that much work: all of
+    them ran after the backward pass, synchronously, even with PGLE's measured
+    costs (docs/perf.md, session 7). Tying layer i's expert weights to the input
+    of layer i - lag makes each all-reduce finish within the backward of the
+    layers in between, where XLA overlaps it (with --pgle) with their kernels:
+    the same values and gradients, bit for bit."""
     return x, tree
 
 

@@ -180,10 +180,10 @@ def test_reduce_barrier_orders_the_backward_and_changes_no_bit():
     backward gains one optimization barrier per tied layer (which is what pins each
     data-parallel all-reduce inside the backward), and the step's loss, gradient
     norm and new parameters are the same bits as without it."""
-    mesh = lm.make_mesh(2, 1, jax.devices()[:2])
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 33)), jnp.int32)
     results = {}
-    for lag in (-1, 0, 1):
+    for (dp, ep), lag in [((2, 1), -1), ((2, 1), 0), ((2, 1), 1), ((2, 2), -1), ((2, 2), 1)]:
+        mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
         cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=3, grad_reduce_lag=lag)
         tx, schedule = lm.make_optimizer(cfg)
         rules = lm.mnn.logical_axis_rules(mesh.axis_names)
@@ -193,15 +193,16 @@ def test_reduce_barrier_orders_the_backward_and_changes_no_bit():
                            in_shardings=(shardings, lm.batch_sharding(mesh)),
                            out_shardings=(shardings, None))
             text = str(jax.make_jaxpr(step)(state, batch))
-            results[lag] = step(state, jax.device_put(batch, lm.batch_sharding(mesh)))
+            results[dp, ep, lag] = step(state, jax.device_put(batch, lm.batch_sharding(mesh)))
         barriers = text.count("optimization_barrier")
         assert barriers == (0 if lag < 0 else cfg.n_layers - lag), (lag, barriers)
-    for lag in (0, 1):
+    for dp, ep, lag in [(2, 1, 0), (2, 1, 1), (2, 2, 1)]:
+        (state, metrics), (ref_state, ref) = results[dp, ep, lag], results[dp, ep, -1]
+        where = f"mesh ({dp}, {ep}), lag {lag}"
         for name in ("loss", "grad_norm"):
-            assert_bitwise(results[lag][1][name], results[-1][1][name], f"lag {lag} {name}")
-        for a, b in zip(jax.tree.leaves(results[lag][0].params),
-                        jax.tree.leaves(results[-1][0].params)):
-            assert_bitwise(a, b, f"lag {lag} parameters")
+            assert_bitwise(metrics[name], ref[name], f"{where}: {name}")
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+            assert_bitwise(a, b, f"{where}: parameters")
 
 
 def test_pgle_steps_are_not_timed_and_dp_ties_gradients(tmp_path):

@@ -205,6 +205,21 @@ def test_reduce_barrier_orders_the_backward_and_changes_no_bit():
             assert_bitwise(a, b, f"{where}: parameters")
 
 
+def test_bench_model_parts_candidates_compute_the_same_function():
+    """examples/bench_model_parts.py: every candidate form of the router logits and
+    of the attention block gives the example's outputs and gradients (to f32
+    rounding), and each is timed against the example's own form."""
+    import bench_model_parts
+
+    rows = bench_model_parts.run(small=True, warmup=0, repeats=1)
+    names = {(r["part"], r["candidate"]) for r in rows}
+    assert names == {("router", n) for n in bench_model_parts.ROUTER} | {
+        ("attention", n) for n in ("current", "sliced_weights", "rotate_half")}
+    for r in rows:
+        assert r["max_rel_diff"] < 1e-5, r
+        assert r["median_ms"] > 0 and (r["candidate"] != "current" or r["vs_current"] == 1.0)
+
+
 def test_pgle_steps_are_not_timed_and_dp_ties_gradients(tmp_path):
     """--pgle: the profiled runs and the recompiling step are left out of the
     throughput like the first, compiling step. With dp > 1 and no

@@ -1,0 +1,145 @@
+"""Times the training example's non-MoE parts, forward+backward, in candidate forms.
+
+    python examples/bench_model_parts.py                 # the h200 preset's shapes, one layer
+    python examples/bench_model_parts.py --small         # tiny shapes (a CPU check)
+
+The h200 preset's profile (docs/perf.md, session 7) puts 3.5 ms a step in the
+router's three f32 dots and 4.3 ms in the glue around cuDNN attention (the q/k/v
+split, RoPE, their transposes). Each candidate here computes the same function
+as the example's code; the script prints one layer's forward+backward median
+time per candidate next to the example's form (`current`), measured in the same
+process, and the largest difference of its outputs and gradients from it.
+
+Router candidates: `jax.lax.DotAlgorithmPreset` algorithms for the f32 logits
+(BF16_BF16_F32_X6 keeps f32 accuracy in six bf16 passes; X3 is close to it).
+Attention candidates: q, k, v from slices of the weight instead of slices of
+the projection (`sliced_weights`), RoPE written as x * cos + rotate_half(x) *
+sin with the sign folded into sin (`rotate_half`: the same products and sums,
+though the compiler may contract them into different fused multiply-adds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_moe_lm as lm  # noqa: E402
+
+from mok_jax.bench import time_step  # noqa: E402
+
+ROUTER = {
+    "current": jax.lax.Precision.HIGHEST,
+    "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
+    "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+}
+
+
+def router_logits(name: str):
+    def f(tokens, kernel):  # tokens [T, H] compute dtype, kernel [H, E] f32
+        return jnp.dot(tokens.astype(jnp.float32), kernel, precision=ROUTER[name])
+    return f
+
+
+def rope_rotate_half(x: jax.Array, base: float = 10000.0) -> jax.Array:
+    """`lm.rope` as x * cos + rotate_half(x) * sin, sin's sign folded in: per
+    element the same products and sum as `lm.rope` (the bits can differ where the
+    compiler contracts a product and the sum into a fused multiply-add)."""
+    _, seq, _, dim = x.shape
+    inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos2 = jnp.concatenate([cos, cos], axis=-1)[None, :, None, :]
+    sin2 = jnp.concatenate([-sin, sin], axis=-1)[None, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return (xf * cos2 + jnp.concatenate([x2, x1], axis=-1) * sin2).astype(x.dtype)
+
+
+def attention(name: str, heads: int, implementation: str, dtype):
+    def f(x, w_qkv, w_out):  # x [B, S, d]; f32 parameters, cast like nnx.Linear
+        batch, seq, d = x.shape
+        w_qkv, w_out = w_qkv.astype(dtype), w_out.astype(dtype)
+        if name == "sliced_weights":
+            q, k, v = (x @ w_qkv[:, i * d:(i + 1) * d] for i in range(3))
+        else:
+            q, k, v = jnp.split(x @ w_qkv, 3, axis=-1)
+        q, k, v = (a.reshape(batch, seq, heads, d // heads) for a in (q, k, v))
+        rope = rope_rotate_half if name == "rotate_half" else lm.rope
+        o = jax.nn.dot_product_attention(rope(q), rope(k), v, is_causal=True,
+                                         implementation=implementation)
+        return o.reshape(batch, seq, d) @ w_out
+    return f
+
+
+def fwd_bwd(f):
+    def step(*args):
+        y, pullback = jax.vjp(f, *args)
+        return y, pullback(jnp.ones_like(y))
+    return jax.jit(step)
+
+
+def max_rel_diff(a, b) -> float:
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        worst = max(worst, float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)))
+    return worst
+
+
+def run(small: bool = False, warmup: int = 3, repeats: int = 20) -> list[dict]:
+    cfg = lm.PRESETS["tiny" if small else "h200"]
+    dtype = jnp.dtype(cfg.dtype)
+    batch, seq, d, experts = cfg.batch, cfg.seq, cfg.d_model, cfg.n_experts
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (batch, seq, d), jnp.float32).astype(dtype)
+    router_kernel = jax.random.normal(keys[1], (d, experts), jnp.float32) / np.sqrt(d)
+    w_qkv = jax.random.normal(keys[2], (d, 3 * d), jnp.float32) / np.sqrt(d)
+    w_out = jax.random.normal(keys[3], (d, d), jnp.float32) / np.sqrt(d)
+    implementation = lm.attention_implementation("auto", dtype, d // cfg.n_heads)
+    groups = {
+        "router": ({name: router_logits(name) for name in ROUTER},
+                   (x.reshape(-1, d), router_kernel)),
+        "attention": ({name: attention(name, cfg.n_heads, implementation, dtype)
+                       for name in ("current", "sliced_weights", "rotate_half")},
+                      (x, w_qkv, w_out)),
+    }
+    rows = []
+    for part, (candidates, args) in groups.items():
+        reference = None
+        for name, f in candidates.items():
+            _, times, compiled = time_step(fwd_bwd(f), args, warmup=warmup, repeats=repeats)
+            out = compiled(*args)
+            reference = out if reference is None else reference
+            rows.append({"part": part, "candidate": name, "median_ms": statistics.median(times),
+                         "max_rel_diff": max_rel_diff(out, reference)})
+    for part in groups:
+        base = next(r for r in rows if r["part"] == part and r["candidate"] == "current")
+        for r in rows:
+            if r["part"] == part:
+                r["vs_current"] = r["median_ms"] / base["median_ms"]
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="the tiny preset's shapes")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    rows = run(small=args.small, repeats=args.repeats)
+    print(f"{'part':<10} {'candidate':<15} {'ms (fwd+bwd)':>12} {'vs current':>10} "
+          f"{'max rel diff':>12}")
+    for r in rows:
+        print(f"{r['part']:<10} {r['candidate']:<15} {r['median_ms']:>12.3f} "
+              f"{r['vs_current']:>10.3f} {r['max_rel_diff']:>12.2e}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -115,30 +115,40 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
               n_layers: int) -> dict:
     """`breakdown` of `device_ops`-style tuples: times are per step and per device
     (a data-parallel step's parts are each GPU's, not the sum over GPUs), the busy
-    time is the mean over devices of the union of each device's kernels."""
+    time is the mean over devices of the union of each device's kernels. Each row
+    also lists its milliseconds on every device (`ms_per_step_by_device`, in the
+    order of `device_names`): the mean hides an imbalance between devices, such as
+    an expert-parallel step whose GPUs got different loads."""
     devices = sorted({k[4] for k in kernels}) or [""]
-    per_part: dict[str, float] = {}
+    index = {dev: i for i, dev in enumerate(devices)}
+    per_part: dict[str, list[float]] = {}
     unmatched, sample = 0, {}
-    for start, end, kernel, hlo_op, _ in kernels:
+    for start, end, kernel, hlo_op, dev in kernels:
         op = hlo_op.split(":")[0].strip().lstrip("%")
         if op not in names:
             unmatched += 1
             if len(sample) < 12:
                 sample.setdefault(op, kernel[:120])
         label = part_of(op, names.get(op, ""), kernel)
-        per_part[label] = per_part.get(label, 0.0) + (end - start) / len(devices)
-    busy = sum(busy_ns([(s, e) for s, e, _, _, d in kernels if d == dev])
-               for dev in devices) / len(devices)
+        per_part.setdefault(label, [0.0] * len(devices))[index[dev]] += end - start
+    busy_by_device = [busy_ns([(s, e) for s, e, _, _, d in kernels if d == dev]) / 1e6 / steps
+                      for dev in devices]
+    busy = sum(busy_by_device) / len(devices)
     step_ms = 1e3 * wall_s / steps
     rows = []
-    for label, ns in sorted(per_part.items(), key=lambda kv: -kv[1]):
-        ms = ns / 1e6 / steps
+    for label, by_device in sorted(per_part.items(), key=lambda kv: -sum(kv[1])):
+        by_device = [ns / 1e6 / steps for ns in by_device]
+        ms = sum(by_device) / len(devices)
         rows.append({"part": label, "ms_per_step": ms, "share": ms / step_ms,
-                     "ms_per_layer": ms / n_layers if label in PER_LAYER else None})
-    gap_ms = max(step_ms - busy / 1e6 / steps, 0.0)
+                     "ms_per_layer": ms / n_layers if label in PER_LAYER else None,
+                     "ms_per_step_by_device": by_device})
+    gap_by_device = [max(step_ms - b, 0.0) for b in busy_by_device]
+    gap_ms = sum(gap_by_device) / len(devices)
     rows.append({"part": "host gap (no kernel running)", "ms_per_step": gap_ms,
-                 "share": gap_ms / step_ms, "ms_per_layer": None})
-    return {"steps": steps, "step_ms": step_ms, "busy_ms_per_step": busy / 1e6 / steps,
+                 "share": gap_ms / step_ms, "ms_per_layer": None,
+                 "ms_per_step_by_device": gap_by_device})
+    return {"steps": steps, "step_ms": step_ms, "busy_ms_per_step": busy,
+            "busy_ms_per_step_by_device": busy_by_device, "device_names": devices,
             "devices": len(devices), "kernels": len(kernels), "kernels_without_op_name": unmatched,
             "unmatched_hlo_ops": sample, "rows": rows,
             "note": "kernel times of overlapping streams add up, so parts can sum past the "
@@ -146,12 +156,20 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
 
 
 def table(result: dict) -> str:
+    """Markdown: one row per part; with several devices, a last column gives the
+    fewest and most milliseconds any one device spent in the part."""
+    several = result["devices"] > 1
     lines = [f"step {result['step_ms']:.1f} ms (device busy {result['busy_ms_per_step']:.1f} ms), "
              f"{result['kernels']} device ops over {result['steps']} steps and "
-             f"{result['devices']} device(s); ms per device",
-             "| part | ms / step | share of step | ms / layer |", "| --- | --- | --- | --- |"]
+             f"{result['devices']} device(s); ms per device"
+             + (" (the mean; the last column: min-max over devices)" if several else ""),
+             "| part | ms / step | share of step | ms / layer |" + (" min-max |" if several else ""),
+             "| --- | --- | --- | --- |" + (" --- |" if several else "")]
     for r in result["rows"]:
         layer = "" if r["ms_per_layer"] is None else f"{r['ms_per_layer']:.2f}"
-        lines.append(f"| {r['part']} | {r['ms_per_step']:.2f} | {100 * r['share']:.1f}% | "
-                     f"{layer} |")
+        line = f"| {r['part']} | {r['ms_per_step']:.2f} | {100 * r['share']:.1f}% | {layer} |"
+        if several:
+            by_device = r["ms_per_step_by_device"]
+            line += f" {min(by_device):.2f}-{max(by_device):.2f} |"
+        lines.append(line)
     return "\n".join(lines)

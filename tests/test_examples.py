@@ -393,6 +393,32 @@ def test_profile_times_are_per_device():
         {r["part"]: r["ms_per_step"] for r in result["rows"]})
 
 
+def test_profile_shows_an_imbalance_between_devices():
+    """Two devices with different MoE loads (an expert-parallel step): each part's
+    row keeps every device's milliseconds, the mean is their mean, and the table
+    prints the range."""
+    import step_profile
+
+    names = {"fusion.1": "jit(train_step)/attention/dot", "cc.2": "jit(train_step)/mok_jax/moe"}
+    kernels = [(0.0, 3e6, "k1", "fusion.1", "/device:GPU:0"),
+               (3e6, 5e6, "k2", "cc.2", "/device:GPU:0"),       # MoE 2 ms on GPU 0
+               (0.0, 3e6, "k1", "fusion.1", "/device:GPU:1"),
+               (3e6, 9e6, "k2", "cc.2", "/device:GPU:1")]       # MoE 6 ms on GPU 1
+    result = step_profile.aggregate(kernels, names, steps=1, wall_s=0.010, n_layers=1)
+    rows = {r["part"]: r for r in result["rows"]}
+    assert result["device_names"] == ["/device:GPU:0", "/device:GPU:1"]
+    assert rows["MoE layer (mok_jax)"]["ms_per_step_by_device"] == pytest.approx([2.0, 6.0])
+    assert rows["MoE layer (mok_jax)"]["ms_per_step"] == pytest.approx(4.0)
+    assert rows["attention"]["ms_per_step_by_device"] == pytest.approx([3.0, 3.0])
+    assert result["busy_ms_per_step_by_device"] == pytest.approx([5.0, 9.0])
+    gap = rows["host gap (no kernel running)"]
+    assert gap["ms_per_step_by_device"] == pytest.approx([5.0, 1.0])
+    assert gap["ms_per_step"] == pytest.approx(3.0)
+    assert "| MoE layer (mok_jax) | 4.00 | 40.0% | 4.00 | 2.00-6.00 |" in step_profile.table(result)
+    single = step_profile.aggregate(kernels[:2], names, steps=1, wall_s=0.010, n_layers=1)
+    assert "min-max" not in step_profile.table(single)
+
+
 def test_attention_auto_is_cudnn_only_on_a_gpu_in_16_bits():
     on_gpu = jax.default_backend() == "gpu"
     assert lm.attention_implementation("auto", jnp.bfloat16) == ("cudnn" if on_gpu else "xla")

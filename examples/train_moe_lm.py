@@ -281,12 +281,18 @@ def reduce_barrier(x: jax.Array, tree):
 
     Left to itself, XLA's scheduler starts each all-reduce of data-parallel
     gradients only as early as covers its estimated latency, and the end of the
-    step (norm reductions, the other collectives) offers that much work: all of
-    them ran after the backward pass, synchronously, even with PGLE's measured
-    costs (docs/perf.md, session 7). Tying layer i's expert weights to the input
-    of layer i - lag makes each all-reduce finish within the backward of the
-    layers in between, where XLA overlaps it (with --pgle) with their kernels:
-    the same values and gradients, bit for bit."""
+    step (norm reductions, the other collectives) offers that much work: on two
+    H200s all 24 expert all-reduces ran after the backward pass, all but one
+    synchronously, and with PGLE's measured costs all but one still did
+    (docs/perf.md, session 7). Tying layer i's expert weights to the input of
+    layer i - lag makes each all-reduce finish within the backward of the layers
+    in between, where XLA overlaps it (with --pgle) with their kernels.
+
+    It computes the same function: an identity forward, and a barrier (an
+    identity too) on the backward's values. On a CPU, where XLA removes
+    barriers before fusing, the step is bitwise the same; on a GPU XLA may fuse
+    the ops around it differently, so the last bits of a step can differ (as
+    they do between runs, through cuDNN's attention backward)."""
     return x, tree
 
 
@@ -330,16 +336,20 @@ class MoELM(nnx.Module):
             x = jnp.matmul(jax.nn.one_hot(tokens, VOCAB, dtype=table.dtype), table,
                            precision=jax.lax.Precision.HIGHEST)  # f32 rows stay exact
         auxes = []
+        tied = {}  # block index -> its expert weights, passed through reduce_barrier
         for j, block in enumerate(self.blocks):
             i = j + self.grad_reduce_lag
             if self.grad_reduce_lag >= 0 and i < len(self.blocks):
-                # The weights in the layer's compute dtype: the barrier then holds the
-                # gradients as the layer's backward produced and reduced them.
+                # The weights in the layer's compute dtype, as the layer would cast
+                # them: the barrier then holds the gradients as the layer's backward
+                # produced and reduced them.
                 moe = self.blocks[i].moe
-                dtype = moe.dtype or x.dtype
-                x, (w_gate_up, w_down) = reduce_barrier(
-                    x, (moe.w_gate_up[...].astype(dtype), moe.w_down[...].astype(dtype)))
-                moe.w_gate_up.value, moe.w_down.value = w_gate_up, w_down
+                cast = (lambda w: w) if moe.dtype is None else (lambda w: w.astype(moe.dtype))
+                x, tied[i] = reduce_barrier(x, (cast(moe.w_gate_up[...]), cast(moe.w_down[...])))
+            if j in tied:  # a copy of the block runs them: the model itself is not changed
+                block = nnx.clone(block)
+                block.moe.w_gate_up.set_value(tied[j][0])
+                block.moe.w_down.set_value(tied[j][1])
             x, aux = block(x)
             auxes.append(aux)
         with jax.named_scope("norm"):
@@ -632,8 +642,8 @@ def parse_args(argv=None):
     parser.add_argument("--grad-reduce-lag", type=int, metavar="N",
                         help="data parallelism: finish layer i's expert-gradient all-reduce "
                              "before the backward of layer i-N-1 starts (an optimization "
-                             "barrier, the same bits; default 1 when dp > 1, -1: off, XLA "
-                             "places the all-reduces)")
+                             "barrier; default 1 when dp > 1 and ep = 1 without "
+                             "--shard-optimizer, else -1: off, XLA places the all-reduces)")
     parser.add_argument("--pgle", action="store_true",
                         help="profile-guided latency estimation: JAX profiles the first steps "
                              "and XLA recompiles the step with the measured costs (with "
@@ -678,6 +688,11 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.no_checkpoint and (args.resume or args.stop_after):
         parser.error("--no-checkpoint cannot be combined with --resume or --stop-after")
+    if args.profile and (args.pgle or os.environ.get("JAX_ENABLE_PGLE", "").lower() in
+                         ("1", "true", "yes", "on")):
+        parser.error("--profile cannot be combined with PGLE (--pgle, JAX_ENABLE_PGLE): the "
+                     "breakdown names kernels through a compile of the step without PGLE's "
+                     "profile, which is not the program that ran")
     return args
 
 
@@ -739,8 +754,8 @@ def train(args) -> dict:
     mesh = make_mesh(dp, ep, devices)
     if cfg.batch % (dp * ep):
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of dp*ep = {dp * ep}")
-    if args.grad_reduce_lag is None and dp > 1:
-        cfg = dataclasses.replace(cfg, grad_reduce_lag=1)  # the same bits, see reduce_barrier
+    if args.grad_reduce_lag is None and dp > 1 and ep == 1 and not args.shard_optimizer:
+        cfg = dataclasses.replace(cfg, grad_reduce_lag=1)  # measured there (docs/perf.md)
     platform = devices[0].platform
     peak = args.peak_tflops or (989.0 if platform == "gpu" else None)
 
@@ -764,6 +779,15 @@ def profile_step(args, cfg: Config, train_step, state, batch, wall_s: float) -> 
     write_json(os.path.join(args.profile, "breakdown.json"), result)
     print(step_profile.table(result), flush=True)
     return result
+
+
+def untimed_steps() -> int:
+    """Steps at the start of a run that throughput leaves out: the first (it
+    compiles) and, with PGLE on (`--pgle` or JAX_ENABLE_PGLE), the rest of JAX's
+    profiled runs (the first is the compiling step) and the step that recompiles
+    with their measurements."""
+    runs = jax.config.jax_pgle_profiling_runs
+    return 1 + (runs if jax.config.jax_enable_pgle and runs > 0 else 0)
 
 
 def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak) -> dict:
@@ -855,9 +879,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             log["train"].append({"step": step_done, **{k: float(v) for k, v in metrics.items()}})
         pending.clear()
 
-    # Steps not timed: the first (it compiles) and, with --pgle, the profiled runs
-    # and the step that recompiles with their measurements.
-    untimed = 1 + (jax.config.jax_pgle_profiling_runs + 1 if args.pgle else 0)
+    untimed = untimed_steps()
     profile_from = start + untimed + 2 if args.profile else None
     profile_to = None if profile_from is None else profile_from + args.profile_steps
     if profile_to is not None and profile_to > stop:

@@ -248,7 +248,7 @@ def test_bench_model_parts_candidates_compute_the_same_function():
     assert names == {("router", n) for n in bench_model_parts.ROUTER} | {
         ("attention", n) for n in ("current", "sliced_weights", "rotate_half")}
     for r in rows:
-        assert r["max_rel_diff"] < 1e-5, r
+        assert "error" not in r and r["max_rel_diff"] < 1e-5, r
         assert r["median_ms"] > 0
 
 

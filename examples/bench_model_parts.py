@@ -16,6 +16,11 @@ Attention candidates: q, k, v from slices of the weight instead of slices of
 the projection (`sliced_weights`), RoPE written as x * cos + rotate_half(x) *
 sin with the sign folded into sin (`rotate_half`: the same products and sums,
 though the compiler may contract them into different fused multiply-adds).
+
+Times are the wall time of one jitted call each (dispatch included): a router
+layer's forward+backward is ~0.3 ms on an H200, so read its differences against
+that. On a CPU, XLA ignores the dot algorithms (every router candidate is f32);
+there the check covers the attention candidates only.
 """
 
 from __future__ import annotations

@@ -119,7 +119,9 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
     also lists its milliseconds on every device (`ms_per_step_by_device`, in the
     order of `device_names`): the mean hides an imbalance between devices, such as
     an expert-parallel step whose GPUs got different loads."""
-    devices = sorted({k[4] for k in kernels}) or [""]
+    devices = sorted({k[4] for k in kernels},  # GPU:2 before GPU:10
+                     key=lambda d: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", d)]
+                     ) or [""]
     index = {dev: i for i, dev in enumerate(devices)}
     per_part: dict[str, list[float]] = {}
     unmatched, sample = 0, {}

@@ -283,8 +283,8 @@ def reduce_barrier(x: jax.Array, tree):
     gradients only as early as covers its estimated latency, and the end of the
     step (norm reductions, the other collectives) offers that much work: on two
     H200s all 24 expert all-reduces ran after the backward pass, all but one
-    synchronously, and with PGLE's measured costs all but one still did
-    (docs/perf.md, session 7). Tying layer i's expert weights to the input of
+    synchronously, and with PGLE's measured costs all but one still ran
+    after it (docs/perf.md, session 7). Tying layer i's expert weights to the input of
     layer i - lag makes each all-reduce finish within the backward of the layers
     in between, where XLA overlaps it (with --pgle) with their kernels.
 
@@ -347,6 +347,7 @@ class MoELM(nnx.Module):
                 cast = (lambda w: w) if moe.dtype is None else (lambda w: w.astype(moe.dtype))
                 x, tied[i] = reduce_barrier(x, (cast(moe.w_gate_up[...]), cast(moe.w_down[...])))
             if j in tied:  # a copy of the block runs them: the model itself is not changed
+                # (so the block's forward must not update state of its own: none does)
                 block = nnx.clone(block)
                 block.moe.w_gate_up.set_value(tied[j][0])
                 block.moe.w_down.set_value(tied[j][1])
@@ -688,8 +689,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.no_checkpoint and (args.resume or args.stop_after):
         parser.error("--no-checkpoint cannot be combined with --resume or --stop-after")
-    if args.profile and (args.pgle or os.environ.get("JAX_ENABLE_PGLE", "").lower() in
-                         ("1", "true", "yes", "on")):
+    if args.profile and (args.pgle or jax.config.jax_enable_pgle):
         parser.error("--profile cannot be combined with PGLE (--pgle, JAX_ENABLE_PGLE): the "
                      "breakdown names kernels through a compile of the step without PGLE's "
                      "profile, which is not the program that ran")

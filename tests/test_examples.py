@@ -238,9 +238,10 @@ def test_reduce_barrier_leaves_the_model_unchanged():
 
 
 def test_bench_model_parts_candidates_compute_the_same_function():
-    """examples/bench_model_parts.py: every candidate form of the router logits and
-    of the attention block gives the example's outputs and gradients (to f32
-    rounding), and each is timed against the example's own form."""
+    """examples/bench_model_parts.py: every candidate form of the attention block
+    gives the example's outputs and gradients (to f32 rounding; on a CPU the
+    router's dot algorithms all run in f32, so only the GPU run checks those), and
+    each candidate is timed."""
     import bench_model_parts
 
     rows = bench_model_parts.run(small=True, warmup=0, repeats=1)
@@ -293,6 +294,22 @@ def test_pgle_untimed_steps_are_the_profiled_and_recompiling_ones(tmp_path):
 def test_profile_refuses_pgle():
     with pytest.raises(SystemExit):
         lm.parse_args(["--profile", "p", "--pgle"])
+    try:
+        jax.config.update("jax_enable_pgle", True)  # as JAX_ENABLE_PGLE sets it
+        with pytest.raises(SystemExit):
+            lm.parse_args(["--profile", "p"])
+    finally:
+        jax.config.update("jax_enable_pgle", False)
+    assert lm.parse_args(["--profile", "p"]).profile == "p"
+
+
+@pytest.mark.parametrize("extra", [["--ep", "2"], ["--shard-optimizer"]])
+def test_dp_default_lag_only_where_measured(tmp_path, extra):
+    """The barrier's default (lag 1) is for dp > 1 with ep = 1 and a replicated
+    optimizer, what was measured; elsewhere it stays off unless asked for."""
+    log = lm.main(["--steps", "2", "--eval-every", "2", "--eval-batches", "1", "--out",
+                   str(tmp_path / "run"), "--no-checkpoint", *SMALL, "--dp", "2", *extra])
+    assert log["config"]["grad_reduce_lag"] == -1 and log["mesh"]["dp"] == 2
 
 
 def test_refuses_to_overwrite_checkpoints_without_flag(straight_run):

@@ -3,24 +3,26 @@
     python examples/bench_model_parts.py                 # the h200 preset's shapes, one layer
     python examples/bench_model_parts.py --small         # tiny shapes (a CPU check)
 
-The h200 preset's profile (docs/perf.md, session 7) puts 3.5 ms a step in the
+The h200 preset's profile (docs/perf.md, session 7) put 3.5 ms a step in the
 router's three f32 dots and 4.3 ms in the glue around cuDNN attention (the q/k/v
 split, RoPE, their transposes). Each candidate here computes the same function
-as the example's code; the script prints one layer's forward+backward median
-time per candidate next to the example's form (`current`), measured in the same
-process, and the largest relative error of its outputs and gradients against it.
+as the example's code (`current`); the script prints one layer's forward+backward
+median time per candidate next to `current`'s, measured in the same process, and
+the largest relative error of its outputs and gradients against it.
 
-Router candidates: `jax.lax.DotAlgorithmPreset` algorithms for the f32 logits
-(BF16_BF16_F32_X6 keeps f32 accuracy in six bf16 passes; X3 is close to it).
-Attention candidates: q, k, v from slices of the weight instead of slices of
-the projection (`sliced_weights`), RoPE written as x * cos + rotate_half(x) *
-sin with the sign folded into sin (`rotate_half`: the same products and sums,
-though the compiler may contract them into different fused multiply-adds).
+Router candidates against `mok_jax.nn.router_logits` (bf16 products of the
+tokens with the kernel's exact three-term bf16 split): XLA's f32 dot with
+`Precision.HIGHEST` (`highest`, the layer's form until session 8) and
+`jax.lax.DotAlgorithmPreset` algorithms (BF16_BF16_F32_X6 keeps f32 accuracy in
+six bf16 passes; X3 is close to it). Attention candidates: q, k, v from slices
+of the weight instead of slices of the projection (`sliced_weights`), RoPE
+written as x * cos + rotate_half(x) * sin with the sign folded into sin
+(`rotate_half`: the same products and sums, though the compiler may contract
+them into different fused multiply-adds).
 
 Times are the wall time of one jitted call each (dispatch included): a router
 layer's forward+backward is ~0.3 ms on an H200, so read its differences against
-that. On a CPU, XLA ignores the dot algorithms (every router candidate is f32);
-there the check covers the attention candidates only.
+that. On a CPU, XLA ignores the dot algorithms (those candidates run in f32).
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_moe_lm as lm  # noqa: E402
 
+import mok_jax.nn as mnn  # noqa: E402
 from mok_jax.bench import _error_string, _rel_fro, time_step  # noqa: E402
 
 ROUTER = {
-    "current": jax.lax.Precision.HIGHEST,
+    "current": None,  # mok_jax.nn.router_logits, router_dot="auto"
+    "highest": jax.lax.Precision.HIGHEST,
     "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
     "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
 }
@@ -48,6 +52,8 @@ ROUTER = {
 
 def router_logits(name: str):
     def f(tokens, kernel):  # tokens [T, H] compute dtype, kernel [H, E] f32
+        if ROUTER[name] is None:
+            return mnn.router_logits(tokens, kernel)
         return jnp.dot(tokens.astype(jnp.float32), kernel, precision=ROUTER[name])
     return f
 
@@ -65,6 +71,9 @@ def rope_rotate_half(x: jax.Array, base: float = 10000.0) -> jax.Array:
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     return (xf * cos2 + jnp.concatenate([x2, x1], axis=-1) * sin2).astype(x.dtype)
+
+
+ATTENTION = ("current", "sliced_weights", "rotate_half")
 
 
 def attention(name: str, heads: int, implementation: str, dtype):
@@ -109,7 +118,7 @@ def run(small: bool = False, warmup: int = 3, repeats: int = 20) -> list[dict]:
         "router": ({name: router_logits(name) for name in ROUTER},
                    (x.reshape(-1, d), router_kernel)),
         "attention": ({name: attention(name, cfg.n_heads, implementation, dtype)
-                       for name in ("current", "sliced_weights", "rotate_half")},
+                       for name in ATTENTION},
                       (x, w_qkv, w_out)),
     }
     rows = []

@@ -161,6 +161,94 @@ def _top_k(select: jax.Array, values: jax.Array, k: int) -> tuple[jax.Array, jax
     return jnp.stack(ids, axis=-1).astype(jnp.int32), jnp.stack(picked, axis=-1)
 
 
+ROUTER_DOTS = ("auto", "highest")
+
+
+def _bf16_terms(a: jax.Array, n: int) -> list[jax.Array]:
+    """``n`` bfloat16 arrays whose f32 sum is ``a`` (f32): each term is what is left
+    of ``a`` after the previous ones, rounded to bfloat16. Three terms carry all 24
+    bits of an f32 significand (bar subnormal remainders); two carry 16.
+
+    The rounding is a ``reduce_precision`` in f32 followed by an exact convert:
+    XLA may fold an f32 -> bf16 -> f32 round trip into the identity when it allows
+    excess precision (its GPU default), which would zero every later term."""
+    terms = []
+    rest = a.astype(jnp.float32)
+    for i in range(n):
+        term = jax.lax.reduce_precision(rest, exponent_bits=8, mantissa_bits=7)
+        terms.append(term.astype(jnp.bfloat16))
+        if i + 1 < n:
+            rest = rest - term
+    return terms
+
+
+@jax.custom_vjp
+def _split_router_logits(tokens: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``tokens [T, H]`` (bfloat16) @ ``kernel [H, E]`` (f32) -> ``[T, E]`` f32 at f32
+    accuracy from bfloat16 matrix products: the kernel is three bf16 terms (its
+    exact value), a bf16 x bf16 product is exact in f32, and the products
+    accumulate in f32. One GEMM ``[T, H] x [H, 3E]`` reads the tokens once, in
+    bf16, where an f32 dot reads them widened (the router's part of an
+    h200-preset step on an H200: 4.1 ms with XLA's f32 ``HIGHEST`` dots, 2.0 ms
+    with these, docs/perf.md)."""
+    return _split_router_fwd(tokens, kernel)[0]
+
+
+def _sum_terms(stacked: jax.Array, n: int, axis: int) -> jax.Array:
+    """``stacked`` with ``axis`` of size ``n * m`` -> the f32 sum of its ``n`` blocks of
+    ``m``, smallest (last) first."""
+    parts = jnp.split(stacked, n, axis=axis)
+    total = parts[-1]
+    for part in reversed(parts[:-1]):
+        total = total + part
+    return total
+
+
+def _split_router_fwd(tokens, kernel):
+    w = jnp.concatenate(_bf16_terms(kernel, 3), axis=1)                       # [H, 3E]
+    products = jnp.dot(tokens, w, preferred_element_type=jnp.float32)       # [T, 3E]
+    return _sum_terms(products, 3, axis=1), (tokens, kernel)
+
+
+def _split_router_bwd(residuals, d_logits):
+    tokens, kernel = residuals
+    d_terms = _bf16_terms(d_logits, 3)
+    # d kernel [H, E] = tokens^T d_logits, d_logits exact in three terms.
+    d_kernel = _sum_terms(jnp.dot(tokens.T, jnp.concatenate(d_terms, axis=1),
+                                  preferred_element_type=jnp.float32), 3, axis=1)
+    # d tokens [T, H] = d_logits kernel^T: the six products of three terms a side
+    # whose term indices sum to at most 2 (the rest are below 2^-24 of the scale).
+    w_terms = _bf16_terms(kernel, 3)
+    pairs = [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0)]
+    lhs = jnp.concatenate([d_terms[i] for i, _ in pairs], axis=1)          # [T, 6E]
+    rhs = jnp.concatenate([w_terms[j] for _, j in pairs], axis=1)          # [H, 6E]
+    # Accumulated in f32 and rounded once, to the tokens' dtype, by the GEMM.
+    d_tokens = jnp.dot(lhs, rhs.T, preferred_element_type=tokens.dtype)
+    return d_tokens, d_kernel.astype(kernel.dtype)
+
+
+_split_router_logits.defvjp(_split_router_fwd, _split_router_bwd)
+
+
+def router_logits(tokens: jax.Array, kernel: jax.Array, router_dot: str = "auto") -> jax.Array:
+    """The router's logits ``tokens [T, H] @ kernel [H, E]`` in f32, at f32 accuracy.
+
+    ``router_dot="highest"``: XLA's f32 dot with ``Precision.HIGHEST`` on the
+    tokens widened to f32. ``"auto"``: the same for float32 tokens; for bfloat16
+    tokens (whose values bf16 holds exactly) bf16 matrix products of the tokens
+    with the kernel's exact three-term bf16 split, f32 accumulation, and the same
+    in the backward pass (d_logits split into three terms as well). Both agree to
+    f32 rounding: they sum the same exact products in different orders."""
+    if router_dot not in ROUTER_DOTS:
+        raise ValueError(f"router_logits: router_dot must be one of {ROUTER_DOTS}, "
+                         f"got {router_dot!r}")
+    if (router_dot == "auto" and tokens.dtype == jnp.bfloat16
+            and kernel.dtype in (jnp.float32, jnp.bfloat16)):
+        return _split_router_logits(tokens, kernel.astype(jnp.float32)).astype(jnp.float32)
+    return jnp.dot(tokens.astype(jnp.float32), kernel.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+
+
 _SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 
 
@@ -214,7 +302,7 @@ def _check_experts_split(num_experts, axis_name) -> None:
 
 def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renormalize,
                   route_scale, balance_bias, shared_ffn_size, capacity_factor, axis_name,
-                  batch_axis_names, backend, dtype, param_dtype, router_kernel_init,
+                  batch_axis_names, backend, router_dot, dtype, param_dtype, router_kernel_init,
                   expert_kernel_init, check_mesh, rngs) -> None:
     """Every constructor argument of `MoE`, checked before any parameter is made:
     a ValueError naming the argument."""
@@ -236,6 +324,8 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
     if not _is_real(route_scale) or not math.isfinite(route_scale) or route_scale <= 0:
         raise ValueError(f"MoE: route_scale must be a positive finite number, got {route_scale!r}")
     check_option_values("MoE", capacity_factor=capacity_factor, backend=backend)
+    if router_dot not in ROUTER_DOTS:
+        raise ValueError(f"MoE: router_dot must be one of {ROUTER_DOTS}, got {router_dot!r}")
     if dtype is not None:
         _as_dtype("dtype", dtype)
     _as_dtype("param_dtype", param_dtype)
@@ -277,8 +367,8 @@ class MoE(nnx.Module):
     ``route_scale``; then ``y_t = sum_k w_tk FFN_{id_tk}(x_t)`` (+ the shared
     expert's ``FFN_s(x_t)``) with ``FFN(v) = (silu(v @ Wg) * (v @ Wu)) @ Wd``.
 
-    Router math (logits, scores, top-k, weights, aux losses) is f32 with
-    ``Precision.HIGHEST``; experts run in ``dtype`` (float32 or bfloat16).
+    Router math (logits, scores, top-k, weights, aux losses) is f32 at f32
+    accuracy (`router_logits`); experts run in ``dtype`` (float32 or bfloat16).
 
     Args:
       hidden_size: H, the model width.
@@ -305,6 +395,10 @@ class MoE(nnx.Module):
         `MoEAux` is then reduced over them, so it is global, as under
         ``jax.jit``.
       backend: passed to `mok_jax.moe`.
+      router_dot: how the f32 router logits are computed (`router_logits`):
+        "auto" (bf16 tensor-core products, exact, for bfloat16 inputs; XLA's f32
+        ``HIGHEST`` dot otherwise) or "highest" (always XLA's f32 dot). The two
+        agree to f32 rounding.
       dtype: computation dtype of the experts (float32 or bfloat16); None
         infers it from the input and ``param_dtype``.
       param_dtype: dtype of every parameter.
@@ -351,8 +445,8 @@ class MoE(nnx.Module):
                  route_scale: float = 1.0, balance_bias: bool = False,
                  shared_ffn_size: int = 0, capacity_factor: float | None = None,
                  axis_name: str | None = None, batch_axis_names: Sequence[str] = (),
-                 backend: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32,
-                 router_kernel_init: nnx.Initializer = _LECUN_NORMAL,
+                 backend: str = "auto", router_dot: str = "auto", dtype: Any = None,
+                 param_dtype: Any = jnp.float32, router_kernel_init: nnx.Initializer = _LECUN_NORMAL,
                  expert_kernel_init: nnx.Initializer | None = None,
                  check_mesh: bool = True, rngs: nnx.Rngs):
         _check_config(hidden_size=hidden_size, ffn_size=ffn_size, num_experts=num_experts,
@@ -360,7 +454,7 @@ class MoE(nnx.Module):
                       route_scale=route_scale, balance_bias=balance_bias,
                       shared_ffn_size=shared_ffn_size, capacity_factor=capacity_factor,
                       axis_name=axis_name, batch_axis_names=batch_axis_names, backend=backend,
-                      dtype=dtype, param_dtype=param_dtype,
+                      router_dot=router_dot, dtype=dtype, param_dtype=param_dtype,
                       router_kernel_init=router_kernel_init,
                       expert_kernel_init=expert_kernel_init, check_mesh=check_mesh, rngs=rngs)
         self.check_mesh = bool(check_mesh)
@@ -376,6 +470,7 @@ class MoE(nnx.Module):
         self.axis_name = axis_name
         self.batch_axis_names = tuple(batch_axis_names)
         self.backend = backend
+        self.router_dot = router_dot
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
 
@@ -415,7 +510,7 @@ class MoE(nnx.Module):
         (softmax, or sigmoid scores normalised per token) and feed the
         load-balancing loss.
         """
-        logits = self.router(tokens.astype(jnp.float32))
+        logits = router_logits(tokens, self.router.kernel[...], self.router_dot)
         if self.score_fn == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
             probs = scores

@@ -238,10 +238,10 @@ def test_reduce_barrier_leaves_the_model_unchanged():
 
 
 def test_bench_model_parts_candidates_compute_the_same_function():
-    """examples/bench_model_parts.py: every candidate form of the attention block
-    gives the example's outputs and gradients (to f32 rounding; on a CPU the
-    router's dot algorithms all run in f32, so only the GPU run checks those), and
-    each candidate is timed."""
+    """examples/bench_model_parts.py: every candidate form of the router and of the
+    attention block gives the example's outputs and gradients (to f32 rounding; on
+    a CPU the router's dot algorithms run in f32, so only a GPU run checks their
+    bf16 passes), and each candidate is timed."""
     import bench_model_parts
 
     rows = bench_model_parts.run(small=True, warmup=0, repeats=1)

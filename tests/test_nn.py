@@ -121,6 +121,7 @@ def test_expert_init_is_lecun_per_expert():
     (dict(router_kernel_init="lecun"), "router_kernel_init must be an initializer"),
     (dict(expert_kernel_init=0.02), "expert_kernel_init must be None or an initializer"),
     (dict(rngs=0), "rngs must be an nnx.Rngs"),
+    (dict(router_dot="bf16x3"), "router_dot must be one of \\('auto', 'highest'\\)"),
 ])
 def test_bad_construction(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -189,6 +190,81 @@ def test_routing_against_numpy(score_fn, renormalize, route_scale):
         w = w / w.sum(axis=1, keepdims=True)
     np.testing.assert_allclose(weights, w * route_scale, rtol=1e-5)
     np.testing.assert_allclose(probs, scores / scores.sum(axis=1, keepdims=True), rtol=1e-5)
+
+
+def check_router_logits_accuracy(T=512, H=1024, E=32, seed=0):
+    """`mnn.router_logits` against float64 for bfloat16 tokens and an f32 kernel,
+    both ways, forward and backward: the logits and both gradients to f32
+    accumulation error of the scale ``sum |a||b|`` (a kernel rounded to bf16
+    would be off by ~2^-9 of it), the tokens' gradient then rounded to bf16. Shared with test_gpu.py, where
+    XLA's GPU passes (excess precision) could undo the three-term split."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(ks[0], (T, H), jnp.float32).astype(BF16)
+    w = jax.random.normal(ks[1], (H, E), jnp.float32) / np.sqrt(H)
+    g = jax.random.normal(ks[2], (T, E), jnp.float32)
+    x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
+    want = {"logits": (x64 @ w64, np.abs(x64) @ np.abs(w64)),
+            "d kernel": (x64.T @ g64, np.abs(x64).T @ np.abs(g64))}
+    dx_want = g64 @ w64.T
+    for router_dot in mnn.ROUTER_DOTS:
+        logits, pullback = jax.vjp(lambda a, b: mnn.router_logits(a, b, router_dot), x, w)
+        dx, dw = pullback(g)
+        assert logits.dtype == jnp.float32 and dw.dtype == jnp.float32 and dx.dtype == BF16
+        for what, got in (("logits", logits), ("d kernel", dw)):
+            ref, scale = want[what]
+            err = np.max(np.abs(np.asarray(got, np.float64) - ref) / scale)
+            assert err < 2e-6, f"{router_dot}: {what} error {err:.3g} of the scale"
+        dx_err = np.abs(np.asarray(dx, np.float64) - dx_want)
+        bound = 2.0**-8 * np.abs(dx_want) + 2e-6 * (np.abs(g64) @ np.abs(w64).T)
+        assert np.all(dx_err <= bound), f"{router_dot}: d tokens beyond bf16 rounding"
+
+
+def test_router_logits_are_f32_accurate_both_ways():
+    check_router_logits_accuracy()
+
+
+def test_router_logits_use_bf16_products_only_for_bf16_tokens():
+    w = jnp.ones((H, E), jnp.float32)
+
+    def dots(x, router_dot):
+        jaxpr = jax.make_jaxpr(lambda a, b: mnn.router_logits(a, b, router_dot))(x, w)
+        found = []
+
+        def walk(jp):
+            for eqn in jp.eqns:
+                if eqn.primitive.name == "dot_general":
+                    found.append(tuple(v.aval.dtype for v in eqn.invars))
+                for sub in jax.core.jaxprs_in_params(eqn.params):
+                    walk(sub)
+        walk(jaxpr.jaxpr)
+        return found
+
+    assert dots(jnp.ones((4, H), BF16), "auto") == [(BF16, BF16)]
+    assert dots(jnp.ones((4, H), BF16), "highest") == [(np.float32, np.float32)]
+    assert dots(jnp.ones((4, H), jnp.float32), "auto") == [(np.float32, np.float32)]
+    with pytest.raises(ValueError, match="router_dot must be one of"):
+        mnn.router_logits(jnp.ones((4, H), BF16), w, "bf16")
+
+
+def test_router_dot_choices_route_alike():
+    # The layer in bf16 with either router dot: the same experts, and weights,
+    # outputs and router gradients equal to f32 rounding.
+    x = tokens(128).astype(BF16)
+    results = []
+    for router_dot in mnn.ROUTER_DOTS:
+        layer = make_layer(dtype=BF16, router_dot=router_dot)
+        ids, weights, logits, _ = layer.route(x)
+
+        def loss(layer):
+            y, aux = layer(x)
+            return jnp.sum(y.astype(jnp.float32) ** 2) + aux.aux_loss + aux.z_loss
+        g = nnx.grad(loss)(layer)
+        results.append((ids, weights, logits, g.router.kernel[...]))
+    (ids0, w0, l0, g0), (ids1, w1, l1, g1) = results
+    np.testing.assert_array_equal(ids0, ids1)
+    np.testing.assert_allclose(l0, l1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(w0, w1, rtol=1e-5)
+    assert_close(g0, g1, np.float32, what="d router kernel")
 
 
 def test_top_k_matches_lax_top_k_with_ties():

@@ -68,6 +68,7 @@ class Config:
     attention: str = "auto"          # "auto": cuDNN flash attention on GPU (bf16), else XLA
     moe_backend: str = "auto"        # mok_jax.moe's backend ("fused": NVLink transport under EP)
     grad_reduce_lag: int = -1        # >= 0: see reduce_barrier (data-parallel overlap); -1 off
+    weight_copies: bool = True       # keep the expert stacks in `dtype` between steps (TrainState)
     seq: int = 128
     batch: int = 16
     steps: int = 400
@@ -366,9 +367,36 @@ class MoELM(nnx.Module):
 
 class TrainState(NamedTuple):
     step: jax.Array        # [] int32
-    params: nnx.State      # nnx.Param leaves
+    params: nnx.State      # nnx.Param leaves (float32: the master weights)
     bias: nnx.State        # mok_jax.nn.BalanceBias leaves (empty unless balance="bias")
     opt: Any               # optax state
+    copies: nnx.State      # `weight_copies` of params (empty unless weight_copies and bf16)
+
+
+EXPERT_STACKS = ("w_gate_up", "w_down")
+
+
+def _is_expert_stack(path, _) -> bool:
+    return bool(path) and path[-1] in EXPERT_STACKS
+
+
+def uses_weight_copies(cfg: Config) -> bool:
+    return cfg.weight_copies and jnp.dtype(cfg.dtype) != jnp.float32
+
+
+def weight_copies(params: nnx.State, dtype) -> nnx.State:
+    """The MoE layers' expert stacks (``w_gate_up``, ``w_down``) of ``params`` in
+    ``dtype``: what each layer casts them to before `mok_jax.moe`.
+
+    With ``Config.weight_copies`` (and a 16-bit ``dtype``) the train state keeps
+    them: the step that updates the f32 masters writes them in the same pass over
+    the parameters, and the next step's forward takes them instead of reading the
+    f32 stacks to cast them (1.7 ms of 123 in an h200-preset step on an H200,
+    docs/perf.md). The model computes the same function with the same gradients:
+    the layer's cast is then the identity, and the gradient of an f32 master is
+    the f32 value of its copy's gradient, which is what the cast's transpose gave."""
+    stacks, _ = nnx.split_state(params, _is_expert_stack, ...)
+    return jax.tree.map(lambda a: a.astype(dtype), stacks)
 
 
 def make_optimizer(cfg: Config):
@@ -413,7 +441,8 @@ def init_state(cfg: Config, mesh: Mesh, tx, *,
     def init():
         model = MoELM(cfg, rngs=nnx.Rngs(cfg.seed))
         _, params, bias = nnx.split(model, nnx.Param, mnn.BalanceBias)
-        return TrainState(jnp.zeros((), jnp.int32), params, bias, tx.init(params))
+        copies = weight_copies(params, cfg.dtype) if uses_weight_copies(cfg) else nnx.State({})
+        return TrainState(jnp.zeros((), jnp.int32), params, bias, tx.init(params), copies)
 
     graphdef = nnx.split(abstract_model(cfg), nnx.Param, mnn.BalanceBias)[0]
     shapes = jax.eval_shape(init)
@@ -487,8 +516,11 @@ def make_train_step(cfg: Config, graphdef, tx, schedule, *, update_shardings=Non
 
     aux_coef = cfg.aux_coef if cfg.balance == "aux" else 0.0
 
-    def loss_fn(params, bias, batch):
-        model = nnx.merge(graphdef, params, bias)
+    copies_on = uses_weight_copies(cfg)
+
+    def loss_fn(params, copies, bias, batch):
+        # params holds the rest of the parameters when copies holds the expert stacks
+        model = nnx.merge(graphdef, params, copies, bias)
         logits, auxes = model(batch[:, :-1])
         with jax.named_scope("embed_and_loss"):
             ce = cross_entropy(logits, batch[:, 1:])
@@ -498,8 +530,14 @@ def make_train_step(cfg: Config, graphdef, tx, schedule, *, update_shardings=Non
         return loss, (ce, aux_loss, z_loss, tokens_per_expert, dropped)
 
     def train_step(state: TrainState, batch: jax.Array):
-        (loss, (ce, aux_loss, z_loss, tpe, dropped)), grads = jax.value_and_grad(
-            loss_fn, has_aux=True)(state.params, state.bias, batch)
+        params = state.params
+        if copies_on:
+            _, params = nnx.split_state(params, _is_expert_stack, ...)
+        (loss, (ce, aux_loss, z_loss, tpe, dropped)), (grads, copy_grads) = jax.value_and_grad(
+            loss_fn, argnums=(0, 1), has_aux=True)(params, state.copies, state.bias, batch)
+        if copies_on:  # the f32 value of each copy's gradient: the cast's transpose
+            grads = nnx.merge_state(grads, jax.tree.map(lambda g: g.astype(jnp.float32),
+                                                        copy_grads))
         with jax.named_scope("optimizer"):
             params = state.params
             if update_shardings is not None:
@@ -510,6 +548,7 @@ def make_train_step(cfg: Config, graphdef, tx, schedule, *, update_shardings=Non
             params = optax.apply_updates(params, updates)
             if update_shardings is not None:
                 params = jax.lax.with_sharding_constraint(params, param_shardings)
+            copies = weight_copies(params, cfg.dtype) if copies_on else state.copies
         bias = state.bias
         if cfg.balance == "bias":
             model = nnx.merge(graphdef, params, state.bias)
@@ -524,7 +563,7 @@ def make_train_step(cfg: Config, graphdef, tx, schedule, *, update_shardings=Non
             "load_max": jnp.max(jnp.max(counts, axis=1) / jnp.mean(counts, axis=1)),
             "dropped": dropped,
         }
-        return TrainState(state.step + 1, params, bias, opt), metrics
+        return TrainState(state.step + 1, params, bias, opt, copies), metrics
 
     return train_step
 
@@ -550,9 +589,11 @@ def checkpoint_manager(directory: str):
 
 
 def save_checkpoint(manager, state: TrainState) -> None:
+    """Saves everything but ``copies``, which `restore_checkpoint` derives."""
     import orbax.checkpoint as ocp
 
-    manager.save(int(state.step), args=ocp.args.StandardSave(state._asdict()))
+    saved = {k: v for k, v in state._asdict().items() if k != "copies"}
+    manager.save(int(state.step), args=ocp.args.StandardSave(saved))
 
 
 def restore_checkpoint(manager, step: int, like: TrainState, shardings: TrainState) -> TrainState:
@@ -560,7 +601,14 @@ def restore_checkpoint(manager, step: int, like: TrainState, shardings: TrainSta
 
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           like._asdict(), shardings._asdict())
-    return TrainState(**manager.restore(step, args=ocp.args.StandardRestore(target)))
+    del target["copies"]
+    restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+    dtypes = {a.dtype for a in jax.tree.leaves(like.copies)}
+    copies = like.copies
+    if dtypes:  # derived from the restored masters, as the train step derives them
+        copies = jax.jit(lambda p: weight_copies(p, dtypes.pop()),
+                         out_shardings=shardings.copies)(restored["params"])
+    return TrainState(**restored, copies=copies)
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -613,7 +661,7 @@ def config_from_args(args) -> Config:
     overrides = {name: getattr(args, name) for name in
                  ("steps", "batch", "seq", "lr", "seed", "balance", "eval_every", "ckpt_every",
                   "log_every", "eval_batches", "attention", "dtype", "moe_backend",
-                  "grad_reduce_lag")
+                  "grad_reduce_lag", "weight_copies")
                  if getattr(args, name, None) is not None}
     if overrides.get("steps") is not None:
         overrides.setdefault("warmup", min(cfg.warmup, max(1, overrides["steps"] // 10)))
@@ -645,6 +693,11 @@ def parse_args(argv=None):
                              "before the backward of layer i-N-1 starts (an optimization "
                              "barrier; default 1 when dp > 1 and ep = 1 without "
                              "--shard-optimizer, else -1: off, XLA places the all-reduces)")
+    parser.add_argument("--no-weight-copies", dest="weight_copies", action="store_false",
+                        default=None,
+                        help="do not keep the expert stacks in the computation dtype between "
+                             "steps (saves 2 bytes a parameter of memory; each forward then "
+                             "casts the f32 masters)")
     parser.add_argument("--pgle", action="store_true",
                         help="profile-guided latency estimation: JAX profiles the first steps "
                              "and XLA recompiles the step with the measured costs (with "
@@ -716,8 +769,10 @@ def trace_only(cfg: Config) -> dict:
     tx, schedule = make_optimizer(cfg)
     model = abstract_model(cfg)
     graphdef, params, bias = nnx.split(model, nnx.Param, mnn.BalanceBias)
+    copies = (jax.eval_shape(lambda p: weight_copies(p, cfg.dtype), params)
+              if uses_weight_copies(cfg) else nnx.State({}))
     state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, bias,
-                       jax.eval_shape(tx.init, params))
+                       jax.eval_shape(tx.init, params), copies)
     batch = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
     new_state, metrics = jax.eval_shape(make_train_step(cfg, graphdef, tx, schedule), state, batch)
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(new_state.params))

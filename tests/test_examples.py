@@ -123,18 +123,26 @@ def test_resume_is_bitwise_identical(straight_run, resumed_run):
         assert_bitwise(x, y, "final state, straight vs resumed")
 
 
-def test_checkpoint_round_trip_is_bitwise(tmp_path):
-    cfg = lm.Config(balance="bias")  # with BalanceBias state too
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_checkpoint_round_trip_is_bitwise(tmp_path, dtype):
+    """Every leaf comes back; in bf16 the expert stacks' copies are not saved but
+    derived from the restored masters (not taken from ``like``)."""
+    cfg = lm.Config(balance="bias", dtype=dtype)  # with BalanceBias state too
     mesh = lm.make_mesh(2, 1, jax.devices()[:2])
     tx, _ = lm.make_optimizer(cfg)
-    _, state, shardings = lm.init_state(cfg, mesh, tx)
-    # Make the optimizer state non-trivial and the step non-zero.
-    state = state._replace(step=jnp.int32(7), opt=jax.tree.map(lambda a: a + 0.5, state.opt))
+    _, like, shardings = lm.init_state(cfg, mesh, tx)
+    # Make the optimizer state non-trivial, the step non-zero and the parameters new.
+    params = jax.tree.map(lambda a: a * 1.5 + 0.25, like.params)
+    copies = lm.weight_copies(params, cfg.dtype) if dtype == "bfloat16" else like.copies
+    opt = jax.tree.map(lambda a: a + jnp.asarray(3, a.dtype), like.opt)
+    state = like._replace(step=jnp.int32(7), opt=opt, params=params, copies=copies)
     assert jax.tree.leaves(state.bias)
+    assert len(jax.tree.leaves(state.copies)) == (2 * cfg.n_layers if dtype == "bfloat16" else 0)
     manager = lm.checkpoint_manager(str(tmp_path / "ckpt"))
     lm.save_checkpoint(manager, state)
     manager.wait_until_finished()
-    restored = lm.restore_checkpoint(manager, 7, state, shardings)
+    assert "copies" not in os.listdir(tmp_path / "ckpt" / "7" / "default")
+    restored = lm.restore_checkpoint(manager, 7, like, shardings)
     manager.close()
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for x, y, s in zip(jax.tree.leaves(restored), jax.tree.leaves(state),
@@ -212,6 +220,54 @@ def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_cpu_bits():
             assert_bitwise(metrics[name], ref[name], f"{where}: {name}")
         for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
             assert_bitwise(a, b, f"{where}: parameters")
+
+
+@pytest.mark.parametrize("mesh_shape, shard_optimizer", [((1, 1), False), ((2, 1), False),
+                                                       ((2, 1), True), ((2, 2), False)])
+def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
+    """Config.weight_copies (bf16): the train state keeps the expert stacks in bf16,
+    written by the update, and the forward takes them. Two steps give the same
+    losses, gradient norms, parameters and optimizer state, bit for bit, as
+    casting in the forward; the copies are the masters cast; f32 keeps none."""
+    dp, ep = mesh_shape
+    mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
+    rules = lm.mnn.logical_axis_rules(mesh.axis_names)
+    runs = {}
+    for dtype, copies in (("bfloat16", True), ("bfloat16", False), ("float32", True)):
+        cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=2, dtype=dtype, weight_copies=copies)
+        tx, schedule = lm.make_optimizer(cfg)
+        with jax.set_mesh(mesh), lm.nnx.logical_axis_rules(rules):  # as the example runs
+            graphdef, state, shardings = lm.init_state(cfg, mesh, tx,
+                                                       shard_optimizer=shard_optimizer)
+            update = (lm.shard_over_data(shardings.params, state.params, mesh)
+                      if shard_optimizer else None)
+            step = jax.jit(lm.make_train_step(cfg, graphdef, tx, schedule,
+                                              update_shardings=update,
+                                              param_shardings=shardings.params),
+                           in_shardings=(shardings, lm.batch_sharding(mesh)),
+                           out_shardings=(shardings, None))
+            metrics = []
+            for i in range(2):
+                batch = jax.device_put(jnp.asarray(np.random.default_rng(i).integers(
+                    0, 256, (cfg.batch, cfg.seq + 1)), jnp.int32), lm.batch_sharding(mesh))
+                state, m = step(state, batch)
+                metrics.append(m)
+        runs[dtype, copies] = (state, metrics)
+    (state, metrics), (ref_state, ref_metrics) = runs["bfloat16", True], runs["bfloat16", False]
+    assert len(jax.tree.leaves(state.copies)) == 4 and not jax.tree.leaves(ref_state.copies)
+    assert not jax.tree.leaves(runs["float32", True][0].copies)
+    for m, r in zip(metrics, ref_metrics):
+        for name in ("loss", "grad_norm"):
+            assert_bitwise(m[name], r[name], name)
+    for what in ("params", "opt"):
+        for a, b in zip(jax.tree.leaves(getattr(state, what)),
+                        jax.tree.leaves(getattr(ref_state, what))):
+            assert_bitwise(a, b, what)
+    want = lm.weight_copies(state.params, jnp.bfloat16)
+    for (path, a), (_, b) in zip(lm.nnx.to_flat_state(state.copies),
+                                 lm.nnx.to_flat_state(want)):
+        assert a.dtype == jnp.bfloat16 and path[-1] in lm.EXPERT_STACKS
+        assert_bitwise(a, b, f"copy {path}")
 
 
 def test_reduce_barrier_leaves_the_model_unchanged():

@@ -5,6 +5,7 @@ bias-based balancing, and the layer under jit on sharded meshes and inside shard
 import doctest
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -234,7 +235,7 @@ def test_router_logits_use_bf16_products_only_for_bf16_tokens():
             for eqn in jp.eqns:
                 if eqn.primitive.name == "dot_general":
                     found.append(tuple(v.aval.dtype for v in eqn.invars))
-                for sub in jax.core.jaxprs_in_params(eqn.params):
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                     walk(sub)
         walk(jaxpr.jaxpr)
         return found

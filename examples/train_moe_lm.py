@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -195,15 +196,44 @@ def _dense_init(axes, scale=1.0):
     return mnn.logical_partitioning(init, axes)
 
 
-def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
-    """Rotary position embedding over ``x`` ``[B, S, N, D]`` (positions 0..S-1)."""
-    _, seq, _, dim = x.shape
+def rope_angles(seq: int, dim: int, base: float = 10000.0) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` ``[1, S, 1, D/2]`` f32 of RoPE's angles at positions 0..S-1."""
     inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)        # [D/2]
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [S, D/2]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    return jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Each head's halves ``(x1, x2)`` -> ``(x1 cos - x2 sin, x1 sin + x2 cos)``, in f32."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary position embedding over ``x`` ``[B, S, N, D]`` (positions 0..S-1).
+
+    Its backward pass is the rotation by the opposite angles, ``rotate(g, cos,
+    -sin)``: the same products and sums as the transpose JAX derives (the
+    compiler may fuse different multiply-adds: the last f32 bit can differ), in
+    the forward's form, which XLA compiles to faster kernels than the derived
+    transpose's slices, pads and adds (on an H200, RoPE's backward kernels took
+    1.24 ms of an h200-preset step instead of 1.80, and the attention block's
+    glue 4.01 ms instead of 4.40: docs/perf.md, session 8)."""
+    return rotate(x, *rope_angles(x.shape[1], x.shape[3], base))
+
+
+def _rope_fwd(x, base):
+    return rope(x, base), None
+
+
+def _rope_bwd(base, _, g):
+    cos, sin = rope_angles(g.shape[1], g.shape[3], base)
+    return (rotate(g, cos, -sin),)
+
+
+rope.defvjp(_rope_fwd, _rope_bwd)
 
 
 def attention_implementation(name: str, dtype, head_dim: int = 64) -> str:

@@ -14,6 +14,13 @@ struct alignas(sizeof(T) * V) Vec {
   T v[V];
 };
 
+// The built-in type of V elements' bytes, for kernels that only move data.
+template <int Bytes> struct RawOf;
+template <> struct RawOf<2> { using type = unsigned short; };
+template <> struct RawOf<4> { using type = unsigned int; };
+template <> struct RawOf<8> { using type = uint2; };
+template <> struct RawOf<16> { using type = uint4; };
+
 template <typename T, int V>
 __device__ __forceinline__ Vec<T, V> load_vec(const T* p) {
   return *reinterpret_cast<const Vec<T, V>*>(p);
@@ -67,18 +74,26 @@ __global__ void __launch_bounds__(kThreads)
 gather_rows_kernel(const X* __restrict__ src, const int32_t* __restrict__ row_pair,
                    const int64_t* __restrict__ num_rows, int64_t top_k, int64_t cols,
                    X* __restrict__ dst) {
+  // Copied as the built-in type of V elements: copied as Vec<X, V> structs, the
+  // compiler stored rows longer than one pass (32 * V * kUnroll elements) one
+  // element at a time (8 st.global.u16 for one st.global.v4 in bf16): 4 KB rows
+  // were gathered at a fifth of the memory's speed (docs/perf.md, session 8).
+  using Raw = typename RawOf<sizeof(X) * V>::type;
   const int64_t n = *num_rows;
+  const int64_t vectors = cols / V;  // V divides cols (vector_width)
   const int lane = lane_id();
   for (int64_t r = first_warp(); r < n; r += warp_stride()) {
-    const X* s = src + (row_pair[r] / top_k) * cols;
-    X* d = dst + r * cols;
-    for (int64_t c0 = int64_t(lane) * V; c0 < cols; c0 += 32 * V * kUnroll) {
-      Vec<X, V> v[kUnroll];
-      load_lane_vectors<X, V>(s, c0, cols, v);
+    const Raw* s = reinterpret_cast<const Raw*>(src + (row_pair[r] / top_k) * cols);
+    Raw* d = reinterpret_cast<Raw*>(dst + r * cols);
+    for (int64_t c0 = lane; c0 < vectors; c0 += 32 * kUnroll) {
+      Raw v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int64_t c = c0 + u * 32 * V;
-        if (c < cols) store_vec<X, V>(d + c, v[u]);
+        if (c0 + u * 32 < vectors) v[u] = s[c0 + u * 32];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + u * 32 < vectors) d[c0 + u * 32] = v[u];
       }
     }
   }

@@ -14,9 +14,7 @@ Router candidates against `mok_jax.nn.router_logits` (bf16 products of the
 tokens with the kernel's exact three-term bf16 split): XLA's f32 dot with
 `Precision.HIGHEST` (`highest`, the layer's form until session 8) and
 `jax.lax.DotAlgorithmPreset` algorithms (BF16_BF16_F32_X6 keeps f32 accuracy in
-six bf16 passes; X3 is close to it). Attention candidates: RoPE's backward as
-JAX derives it (`derived_rope_bwd`, the form until session 8; the example's
-`rope` runs the rotation by the opposite angles), q, k, v from slices
+six bf16 passes; X3 is close to it). Attention candidates: q, k, v from slices
 of the weight instead of slices of the projection (`sliced_weights`), RoPE
 written as x * cos + rotate_half(x) * sin with the sign folded into sin
 (`rotate_half`: the same products and sums, though the compiler may contract
@@ -75,13 +73,7 @@ def rope_rotate_half(x: jax.Array, base: float = 10000.0) -> jax.Array:
     return (xf * cos2 + jnp.concatenate([x2, x1], axis=-1) * sin2).astype(x.dtype)
 
 
-ATTENTION = ("current", "derived_rope_bwd", "sliced_weights", "rotate_half")
-
-
-def rope_derived_bwd(x: jax.Array) -> jax.Array:
-    """`lm.rope` without its custom backward: JAX's transpose of the rotation (the
-    example's form until session 8)."""
-    return lm.rotate(x, *lm.rope_angles(x.shape[1], x.shape[3]))
+ATTENTION = ("current", "sliced_weights", "rotate_half")
 
 
 def attention(name: str, heads: int, implementation: str, dtype):
@@ -93,8 +85,7 @@ def attention(name: str, heads: int, implementation: str, dtype):
         else:
             q, k, v = jnp.split(x @ w_qkv, 3, axis=-1)
         q, k, v = (a.reshape(batch, seq, heads, d // heads) for a in (q, k, v))
-        rope = {"rotate_half": rope_rotate_half,
-                "derived_rope_bwd": rope_derived_bwd}.get(name, lm.rope)
+        rope = rope_rotate_half if name == "rotate_half" else lm.rope
         o = jax.nn.dot_product_attention(rope(q), rope(k), v, is_causal=True,
                                          implementation=implementation)
         return o.reshape(batch, seq, d) @ w_out
@@ -125,7 +116,8 @@ def run(small: bool = False, warmup: int = 3, repeats: int = 20) -> list[dict]:
     implementation = lm.attention_implementation("auto", dtype, d // cfg.n_heads)
     groups = {
         "router": ({name: router_logits(name) for name in ROUTER},
-                   (x.reshape(-1, d), router_kernel)),
+                   # bf16 tokens, as in the h200 preset (so --small runs the split too)
+                   (x.reshape(-1, d).astype(jnp.bfloat16), router_kernel)),
         "attention": ({name: attention(name, cfg.n_heads, implementation, dtype)
                        for name in ATTENTION},
                       (x, w_qkv, w_out)),

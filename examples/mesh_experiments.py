@@ -122,7 +122,8 @@ def run(args) -> dict:
     n = len(devices)
     cfg = lm.PRESETS[args.preset]
     batch = args.batch or -(-cfg.batch // n) * n
-    cfg = dataclasses.replace(cfg, batch=batch, seq=args.seq or cfg.seq)
+    # One loss+grad step, no optimizer update: no bf16 copies of the expert stacks.
+    cfg = dataclasses.replace(cfg, batch=batch, seq=args.seq or cfg.seq, weight_copies=False)
     if cfg.batch % n:
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {n} devices")
     corpus = lm.load_corpus()

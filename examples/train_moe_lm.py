@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -196,44 +195,15 @@ def _dense_init(axes, scale=1.0):
     return mnn.logical_partitioning(init, axes)
 
 
-def rope_angles(seq: int, dim: int, base: float = 10000.0) -> tuple[jax.Array, jax.Array]:
-    """``(cos, sin)`` ``[1, S, 1, D/2]`` f32 of RoPE's angles at positions 0..S-1."""
+def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary position embedding over ``x`` ``[B, S, N, D]`` (positions 0..S-1)."""
+    _, seq, _, dim = x.shape
     inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)        # [D/2]
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [S, D/2]
-    return jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
-
-
-def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Each head's halves ``(x1, x2)`` -> ``(x1 cos - x2 sin, x1 sin + x2 cos)``, in f32."""
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
-    """Rotary position embedding over ``x`` ``[B, S, N, D]`` (positions 0..S-1).
-
-    Its backward pass is the rotation by the opposite angles, ``rotate(g, cos,
-    -sin)``: the same products and sums as the transpose JAX derives (the
-    compiler may fuse different multiply-adds: the last f32 bit can differ), in
-    the forward's form, which XLA compiles to faster kernels than the derived
-    transpose's slices, pads and adds (on an H200, RoPE's backward kernels took
-    1.24 ms of an h200-preset step instead of 1.80, and the attention block's
-    glue 4.01 ms instead of 4.40: docs/perf.md, session 8)."""
-    return rotate(x, *rope_angles(x.shape[1], x.shape[3], base))
-
-
-def _rope_fwd(x, base):
-    return rope(x, base), None
-
-
-def _rope_bwd(base, _, g):
-    cos, sin = rope_angles(g.shape[1], g.shape[3], base)
-    return (rotate(g, cos, -sin),)
-
-
-rope.defvjp(_rope_fwd, _rope_bwd)
 
 
 def attention_implementation(name: str, dtype, head_dim: int = 64) -> str:
@@ -560,6 +530,11 @@ def make_train_step(cfg: Config, graphdef, tx, schedule, *, update_shardings=Non
         return loss, (ce, aux_loss, z_loss, tokens_per_expert, dropped)
 
     def train_step(state: TrainState, batch: jax.Array):
+        if copies_on != bool(jax.tree.leaves(state.copies)):
+            raise ValueError(
+                f"train_step: the state {'lacks' if copies_on else 'holds'} the expert stacks' "
+                f"copies but the step was built with weight_copies={cfg.weight_copies} and "
+                f"dtype={cfg.dtype}: build the state and the step from the same Config")
         params = state.params
         if copies_on:
             _, params = nnx.split_state(params, _is_expert_stack, ...)
@@ -726,8 +701,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-weight-copies", dest="weight_copies", action="store_false",
                         default=None,
                         help="do not keep the expert stacks in the computation dtype between "
-                             "steps (saves 2 bytes a parameter of memory; each forward then "
-                             "casts the f32 masters)")
+                             "steps (saves 2 bytes per expert parameter, 2.4 GB for the h200 "
+                             "preset; each forward then casts the f32 masters)")
     parser.add_argument("--pgle", action="store_true",
                         help="profile-guided latency estimation: JAX profiles the first steps "
                              "and XLA recompiles the step with the measured costs (with "

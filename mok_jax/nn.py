@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 import mok_jax
-from mok_jax.moe import check_option_values
+from mok_jax.moe import _vary_alike, check_option_values
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -238,13 +238,23 @@ def router_logits(tokens: jax.Array, kernel: jax.Array, router_dot: str = "auto"
     tokens (whose values bf16 holds exactly) bf16 matrix products of the tokens
     with the kernel's exact three-term bf16 split, f32 accumulation, and the same
     in the backward pass (d_logits split into three terms as well). Both agree to
-    f32 rounding: they sum the same exact products in different orders."""
+    f32 rounding: they sum the same exact products in different orders. (The
+    split is exact for values whose remainders stay in bf16's normal range,
+    i.e. above ~2^-110 in magnitude, and below bf16's largest value, ~3.4e38.)
+
+    ``tokens`` may have leading dimensions (``[..., H]`` -> ``[..., E]``). Inside
+    ``shard_map`` the kernel is cast to vary over the tokens' axes first, so its
+    gradient is summed over them (as for the f32 dot)."""
     if router_dot not in ROUTER_DOTS:
         raise ValueError(f"router_logits: router_dot must be one of {ROUTER_DOTS}, "
                          f"got {router_dot!r}")
     if (router_dot == "auto" and tokens.dtype == jnp.bfloat16
             and kernel.dtype in (jnp.float32, jnp.bfloat16)):
-        return _split_router_logits(tokens, kernel.astype(jnp.float32)).astype(jnp.float32)
+        lead = tokens.shape[:-1]
+        flat, kernel = _vary_alike((tokens.reshape(-1, tokens.shape[-1]),
+                                    kernel.astype(jnp.float32)))
+        logits = _split_router_logits(flat, kernel)
+        return logits.reshape(*lead, logits.shape[-1])
     return jnp.dot(tokens.astype(jnp.float32), kernel.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
 
@@ -475,6 +485,8 @@ class MoE(nnx.Module):
         self.param_dtype = jnp.dtype(param_dtype)
 
         H, F, E = self.hidden_size, self.ffn_size, self.num_experts
+        # The router's parameter (``router.kernel``); the layer computes its logits
+        # with `router_logits`, not by calling this Linear.
         self.router = nnx.Linear(
             H, E, use_bias=False, dtype=jnp.float32, param_dtype=param_dtype,
             precision=jax.lax.Precision.HIGHEST,

@@ -207,9 +207,14 @@ def check_router_logits_accuracy(T=512, H=1024, E=32, seed=0):
     want = {"logits": (x64 @ w64, np.abs(x64) @ np.abs(w64)),
             "d kernel": (x64.T @ g64, np.abs(x64).T @ np.abs(g64))}
     dx_want = g64 @ w64.T
+    # Jitted, as in a model (eagerly every op would compile alone, and XLA's
+    # folding of f32 -> bf16 -> f32 round trips would never see the split).
+    terms = jax.jit(lambda k: sum(t.astype(jnp.float32) for t in mnn._bf16_terms(k, 3)[::-1]))(w)
+    assert_bitwise(terms, w, "the kernel's three bf16 terms sum to it")
     for router_dot in mnn.ROUTER_DOTS:
-        logits, pullback = jax.vjp(lambda a, b: mnn.router_logits(a, b, router_dot), x, w)
-        dx, dw = pullback(g)
+        logits, dx, dw = jax.jit(lambda a, b, c, d=router_dot: (
+            lambda out, pullback: (out, *pullback(c)))(
+                *jax.vjp(lambda u, v: mnn.router_logits(u, v, d), a, b)))(x, w, g)
         assert logits.dtype == jnp.float32 and dw.dtype == jnp.float32 and dx.dtype == BF16
         for what, got in (("logits", logits), ("d kernel", dw)):
             ref, scale = want[what]
@@ -568,6 +573,45 @@ def test_inside_shard_map_matches_jit(dp, ep):
     # Global aux values: means of shard means (same value, other summation order).
     np.testing.assert_allclose(float(aux.aux_loss), float(aux0.aux_loss), rtol=1e-6)
     np.testing.assert_allclose(float(aux.z_loss), float(aux0.z_loss), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dp, ep", [(8, 1), (2, 4)])
+def test_bf16_gradients_inside_shard_map_match_jit(dp, ep):
+    # The bf16 router's custom VJP inside shard_map (check_vma): its kernel is
+    # replicated, the tokens vary over (dp, ep); the kernel's gradient is summed.
+    x = tokens(64).astype(BF16)
+
+    def loss(layer, x, total):
+        y, aux = layer(x)
+        return total(jnp.sum(y.astype(jnp.float32) ** 2)) + aux.aux_loss + aux.z_loss
+
+    want = nnx.grad(loss)(make_layer(dtype=BF16), x, lambda v: v)
+    layer = make_layer(dtype=BF16, axis_name="ep", batch_axis_names=("dp", "ep"))
+    mesh = mesh_of(dp, ep)
+    graphdef, state = nnx.split(layer)
+    specs = jax.tree.map(lambda s: s.spec, mnn.named_shardings(state, mesh),
+                         is_leaf=lambda a: isinstance(a, NamedSharding))
+
+    def local(state, x):
+        total = lambda v: jax.lax.psum(v, ("dp", "ep"))  # noqa: E731
+        return jax.grad(lambda st: loss(nnx.merge(graphdef, st), x, total))(state)
+
+    got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P(("dp", "ep"))),
+                                out_specs=specs, check_vma=True))(state, x)
+    np.testing.assert_allclose(got["router"]["kernel"][...], want.router.kernel[...],
+                               rtol=1e-5, atol=1e-7)
+    for name in ("w_gate_up", "w_down"):
+        assert_close(got[name][...], getattr(want, name)[...], BF16, what=f"d {name}")
+
+
+def test_router_logits_keep_leading_dimensions():
+    x = tokens(24).astype(BF16).reshape(2, 12, H)
+    w = jax.random.normal(jax.random.key(3), (H, E), jnp.float32)
+    got = mnn.router_logits(x, w)
+    assert got.shape == (2, 12, E)
+    np.testing.assert_allclose(got, mnn.router_logits(x, w, "highest"), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.reshape(24, E), mnn.router_logits(x.reshape(24, H), w),
+                               rtol=0, atol=0)
 
 
 def _trace_in_shard_map(layer, mesh, param_specs):

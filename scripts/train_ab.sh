@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Same-call A/B of the training example: this tree's Python against a base commit's,
+# both on one extension, one run after another on the same machine.
+#
+#   scripts/train_ab.sh OUTDIR BASE_DIR
+#
+# BASE_DIR holds the base commit's Python, made where git is (the GPU machine's
+# copy of the tree has no .git):
+#   mkdir -p .ab/base && git archive BASE mok_jax examples | tar -x -C .ab/base
+# (.ab/ is git-ignored: name it in the device tool's carry.) The extension is
+# this tree's mok_jax/_mok*.so, or, with MOK_WHEEL=path/to/mok_jax-*.whl, the
+# one installed from that wheel; it is copied into BASE_DIR/mok_jax too, so the
+# comparison is of the Python alone (the C++ must not have changed in between).
+#
+# RUNS: one run per line, "TAG ROOT ARGS...", ROOT "new" (this tree) or "base";
+# TRAIN_ARGS: the arguments every run shares. OUTDIR gets summary.txt (each
+# run's closing line) and log_TAG.json (its full log). Session 8's calls
+# (docs/perf.md) are the defaults.
+set -uo pipefail
+OUTDIR=$(realpath -m "${1:?usage: train_ab.sh OUTDIR BASE_DIR}")
+BASE=$(realpath "${2:?usage: train_ab.sh OUTDIR BASE_DIR}")
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+TRAIN_ARGS=${TRAIN_ARGS:-"--preset h200 --steps 100 --eval-every 100 --eval-batches 4 \
+--log-every 10 --no-checkpoint --no-progress --pgle"}
+RUNS=${RUNS:-"one_new new --dp 1
+one_base base --dp 1
+one_new2 new --dp 1
+dp2_new new --dp 2 --batch 64"}
+mkdir -p "$OUTDIR"
+S=$OUTDIR/summary.txt
+
+if [ -n "${MOK_WHEEL:-}" ]; then
+  rm -rf /tmp/mok_ab_wheel
+  $PY -m pip install -q --no-deps --no-index --target /tmp/mok_ab_wheel "$MOK_WHEEL" || exit 1
+  cp /tmp/mok_ab_wheel/mok_jax/_mok*.so mok_jax/ || exit 1
+fi
+so=$(ls mok_jax/_mok*.so 2>/dev/null)
+[ -n "$so" ] || { echo "no mok_jax/_mok*.so in the tree: pass MOK_WHEEL" >&2; exit 1; }
+[ -f "$BASE/examples/train_moe_lm.py" ] || { echo "$BASE has no examples/train_moe_lm.py" >&2; exit 1; }
+cp $so "$BASE/mok_jax/" || exit 1
+
+echo "train_ab: $(date -u); base $BASE; extension $(basename $so); args: $TRAIN_ARGS" > "$S"
+status=0
+while read -r tag root args; do
+  [ -n "$tag" ] || continue
+  case $root in new) dir=$PWD ;; base) dir=$BASE ;; *) echo "bad ROOT $root" >&2; exit 1 ;; esac
+  echo "== $tag ($root): $args" | tee -a "$S"
+  # shellcheck disable=SC2086
+  PYTHONPATH=$dir $PY "$dir/examples/train_moe_lm.py" $TRAIN_ARGS $args --out "/tmp/mok_ab_$tag" \
+    > "/tmp/mok_ab_$tag.txt" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || { status=1; tail -n 20 "/tmp/mok_ab_$tag.txt" >> "$S"; }
+  echo "rc=$rc $(grep -E '^done' /tmp/mok_ab_$tag.txt)" | tee -a "$S"
+  cp "/tmp/mok_ab_$tag/log.json" "$OUTDIR/log_$tag.json" 2>/dev/null
+done <<< "$RUNS"
+exit $status

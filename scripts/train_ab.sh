@@ -15,7 +15,7 @@
 # RUNS: one run per line, "TAG ROOT ARGS...", ROOT "new" (this tree) or "base";
 # TRAIN_ARGS: the arguments every run shares. OUTDIR gets summary.txt (each
 # run's closing line) and log_TAG.json (its full log). Session 8's calls
-# (docs/perf.md) are the defaults.
+# (docs/perf.md) are what the defaults are modelled on.
 set -uo pipefail
 OUTDIR=$(realpath -m "${1:?usage: train_ab.sh OUTDIR BASE_DIR}")
 BASE=$(realpath "${2:?usage: train_ab.sh OUTDIR BASE_DIR}")
@@ -47,6 +47,7 @@ status=0
 while read -r tag root args; do
   [ -n "$tag" ] || continue
   case $root in new) dir=$PWD ;; base) dir=$BASE ;; *) echo "bad ROOT $root" >&2; exit 1 ;; esac
+  rm -rf "/tmp/mok_ab_$tag"
   echo "== $tag ($root): $args" | tee -a "$S"
   # shellcheck disable=SC2086
   PYTHONPATH=$dir $PY "$dir/examples/train_moe_lm.py" $TRAIN_ARGS $args --out "/tmp/mok_ab_$tag" \

@@ -207,24 +207,24 @@ def _sum_terms(stacked: jax.Array, n: int, axis: int) -> jax.Array:
 def _split_router_fwd(tokens, kernel):
     w = jnp.concatenate(_bf16_terms(kernel, 3), axis=1)                       # [H, 3E]
     products = jnp.dot(tokens, w, preferred_element_type=jnp.float32)       # [T, 3E]
-    return _sum_terms(products, 3, axis=1), (tokens, kernel)
+    return _sum_terms(products, 3, axis=1), (tokens, w)
 
 
 def _split_router_bwd(residuals, d_logits):
-    tokens, kernel = residuals
+    tokens, w = residuals  # w: the kernel's three terms, [H, 3E], from the forward
     d_terms = _bf16_terms(d_logits, 3)
     # d kernel [H, E] = tokens^T d_logits, d_logits exact in three terms.
     d_kernel = _sum_terms(jnp.dot(tokens.T, jnp.concatenate(d_terms, axis=1),
                                   preferred_element_type=jnp.float32), 3, axis=1)
     # d tokens [T, H] = d_logits kernel^T: the six products of three terms a side
     # whose term indices sum to at most 2 (the rest are below 2^-24 of the scale).
-    w_terms = _bf16_terms(kernel, 3)
+    w_terms = jnp.split(w, 3, axis=1)
     pairs = [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0)]
     lhs = jnp.concatenate([d_terms[i] for i, _ in pairs], axis=1)          # [T, 6E]
     rhs = jnp.concatenate([w_terms[j] for _, j in pairs], axis=1)          # [H, 6E]
     # Accumulated in f32 and rounded once, to the tokens' dtype, by the GEMM.
     d_tokens = jnp.dot(lhs, rhs.T, preferred_element_type=tokens.dtype)
-    return d_tokens, d_kernel.astype(kernel.dtype)
+    return d_tokens, d_kernel  # f32: router_logits passes the kernel in f32
 
 
 _split_router_logits.defvjp(_split_router_fwd, _split_router_bwd)

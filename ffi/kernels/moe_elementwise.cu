@@ -18,7 +18,6 @@ struct alignas(sizeof(T) * V) Vec {
 template <int Bytes> struct RawOf;
 template <> struct RawOf<2> { using type = unsigned short; };
 template <> struct RawOf<4> { using type = unsigned int; };
-template <> struct RawOf<8> { using type = uint2; };
 template <> struct RawOf<16> { using type = uint4; };
 
 template <typename T, int V>

@@ -28,6 +28,15 @@ template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, V>& v) {
   *reinterpret_cast<Vec<T, V>*>(p) = v;
 }
+// Stores a vector that was only loaded, not computed, as its raw bytes: nvcc has
+// stored such copies one element at a time in loops (see gather_rows_kernel).
+template <typename T, int V>
+__device__ __forceinline__ void store_vec_raw(T* p, const Vec<T, V>& v) {
+  using Raw = typename RawOf<sizeof(T) * V>::type;
+  Raw raw;
+  __builtin_memcpy(&raw, &v, sizeof(Raw));
+  *reinterpret_cast<Raw*>(p) = raw;
+}
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
@@ -120,7 +129,7 @@ gather_dy_kernel(const X* __restrict__ dy, const W* __restrict__ weights,
         Vec<X, V> o;
 #pragma unroll
         for (int i = 0; i < V; ++i) o.v[i] = from_float<X>(w * to_float(v[u].v[i]));
-        store_vec<X, V>(dy_rows + r * hidden + c, v[u]);
+        store_vec_raw<X, V>(dy_rows + r * hidden + c, v[u]);  // the copy of dy
         store_vec<X, V>(dout_rows + r * hidden + c, o);
       }
     }

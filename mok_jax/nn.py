@@ -184,7 +184,7 @@ def _bf16_terms(a: jax.Array, n: int) -> list[jax.Array]:
 
 @jax.custom_vjp
 def _split_router_logits(tokens: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``tokens [T, H]`` (bfloat16) @ ``kernel [H, E]`` (f32) -> ``[T, E]`` f32 at f32
+    """``tokens [..., H]`` (bfloat16) @ ``kernel [H, E]`` (f32) -> ``[..., E]`` f32 at f32
     accuracy from bfloat16 matrix products: the kernel is three bf16 terms (its
     exact value), a bf16 x bf16 product is exact in f32, and the products
     accumulate in f32. One GEMM ``[T, H] x [H, 3E]`` reads the tokens once, in
@@ -206,21 +206,34 @@ def _sum_terms(stacked: jax.Array, n: int, axis: int) -> jax.Array:
 
 def _split_router_fwd(tokens, kernel):
     w = jnp.concatenate(_bf16_terms(kernel, 3), axis=1)                       # [H, 3E]
-    products = jnp.dot(tokens, w, preferred_element_type=jnp.float32)       # [T, 3E]
-    return _sum_terms(products, 3, axis=1), (tokens, w)
+    products = jnp.dot(tokens, w, preferred_element_type=jnp.float32)       # [..., 3E]
+    return _sum_terms(products, 3, axis=-1), (tokens, w)
+
+
+def _explicit_sharding(x: jax.Array):
+    """``x``'s sharding where the current mesh has Explicit axes, else None: there a
+    dot that contracts a sharded dimension must be told its result's sharding."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.explicit_axes:
+        return None
+    return jax.typeof(x).sharding
 
 
 def _split_router_bwd(residuals, d_logits):
     tokens, w = residuals  # w: the kernel's three terms, [H, 3E], from the forward
     d_terms = _bf16_terms(d_logits, 3)
-    # d kernel [H, E] = tokens^T d_logits, d_logits exact in three terms.
-    d_kernel = _sum_terms(jnp.dot(tokens.T, jnp.concatenate(d_terms, axis=1),
-                                  preferred_element_type=jnp.float32), 3, axis=1)
-    # d tokens [T, H] = d_logits kernel^T: the six products of three terms a side
+    # d kernel [H, E] = tokens^T d_logits over every leading dimension, d_logits
+    # exact in three terms. The contracted dimensions are the tokens' (sharded on
+    # a data-parallel mesh): the result is sharded as the kernel's terms are.
+    lead = tuple(range(tokens.ndim - 1))
+    d_kernel = _sum_terms(jax.lax.dot_general(
+        tokens, jnp.concatenate(d_terms, axis=-1), ((lead, lead), ((), ())),
+        preferred_element_type=jnp.float32, out_sharding=_explicit_sharding(w)), 3, axis=1)
+    # d tokens [..., H] = d_logits kernel^T: the six products of three terms a side
     # whose term indices sum to at most 2 (the rest are below 2^-24 of the scale).
     w_terms = jnp.split(w, 3, axis=1)
     pairs = [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0)]
-    lhs = jnp.concatenate([d_terms[i] for i, _ in pairs], axis=1)          # [T, 6E]
+    lhs = jnp.concatenate([d_terms[i] for i, _ in pairs], axis=-1)         # [..., 6E]
     rhs = jnp.concatenate([w_terms[j] for _, j in pairs], axis=1)          # [H, 6E]
     # Accumulated in f32 and rounded once, to the tokens' dtype, by the GEMM.
     d_tokens = jnp.dot(lhs, rhs.T, preferred_element_type=tokens.dtype)
@@ -250,11 +263,8 @@ def router_logits(tokens: jax.Array, kernel: jax.Array, router_dot: str = "auto"
                          f"got {router_dot!r}")
     if (router_dot == "auto" and tokens.dtype == jnp.bfloat16
             and kernel.dtype in (jnp.float32, jnp.bfloat16)):
-        lead = tokens.shape[:-1]
-        flat, kernel = _vary_alike((tokens.reshape(-1, tokens.shape[-1]),
-                                    kernel.astype(jnp.float32)))
-        logits = _split_router_logits(flat, kernel)
-        return logits.reshape(*lead, logits.shape[-1])
+        tokens, kernel = _vary_alike((tokens, kernel.astype(jnp.float32)))
+        return _split_router_logits(tokens, kernel)
     return jnp.dot(tokens.astype(jnp.float32), kernel.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
 

@@ -614,6 +614,36 @@ def test_router_logits_keep_leading_dimensions():
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shape, spec", [((64, H), P("dp", None)),
+                                         ((4, 16, H), P(None, "dp", None)),
+                                         ((4, 16, H), P("dp", "ep", None))])
+def test_router_logits_gradients_on_an_explicit_mesh(shape, spec):
+    # jax.make_mesh gives Explicit axes: there the backward's tokens^T @ d_logits
+    # contracts the sharded token dimensions and must name its result's sharding
+    # (it raised ShardingTypeError), and reshaping tokens sharded on their second
+    # dimension is not expressible. Both dots must agree with the f32 one.
+    mesh = jax.make_mesh((4, 2), ("dp", "ep"), axis_types=(AxisType.Explicit,) * 2)
+    x = jax.random.normal(jax.random.key(5), shape, jnp.float32).astype(BF16)
+    w = jax.random.normal(jax.random.key(6), (H, E), jnp.float32)
+
+    def loss(x, w, router_dot):
+        return jnp.sum(jnp.sin(mnn.router_logits(x, w, router_dot)))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        ws = jax.device_put(w, NamedSharding(mesh, P()))
+        dx, dw = grad(xs, ws, "auto")
+        dx_ref, dw_ref = grad(xs, ws, "highest")
+    assert dx.sharding.spec == xs.sharding.spec and dw.sharding.spec == P(None, None)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-4)
+    assert_close(dx, dx_ref, BF16, what="d tokens")
+    # And the same values as without a mesh.
+    dx0, dw0 = grad(x, w, "auto")
+    np.testing.assert_allclose(dw, dw0, rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx0, np.float32))
+
+
 def _trace_in_shard_map(layer, mesh, param_specs):
     """Traces the layer inside shard_map (nothing runs) with the given parameter specs."""
     graphdef, state = nnx.split(layer)

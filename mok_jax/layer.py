@@ -31,9 +31,9 @@ class LocalPath:
 
     def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
-        y, gate_up, *stats = primitives.moe_fwd_p.bind(
+        y, gate_up, x_rows, *stats = primitives.moe_fwd_p.bind(
             *operands, capacity=self.capacity, save_gate_up=save)
-        return y, tuple(stats), operands + (gate_up,)
+        return y, tuple(stats), operands + (gate_up, x_rows)
 
     def backward(self, residuals, dy):
         x = residuals[0]

@@ -3,11 +3,15 @@
 Two primitives, both lowered to XLA FFI custom calls (targets in `_ext`):
 
 * ``moe_fwd_p``: ``(x, expert_ids, expert_weights, w_gate_up, w_down) ->
-  (y, gate_up, tokens_per_expert, dropped, invalid)``. ``gate_up`` is the
+  (y, gate_up, x_rows, tokens_per_expert, dropped, invalid)``. ``gate_up`` is the
   gate/up projection of every kept pair by routing-plan row (expert, then
-  token, then k), ``[T*K, 2F]`` in x.dtype, saved for the backward (``[0, 2F]`` when ``save_gate_up=False``).
+  token, then k), ``[T*K, 2F]`` in x.dtype, and ``x_rows`` the x row of every
+  kept pair in the same order, ``[T*K, H]``; both are saved for the backward
+  (``[0, 2F]`` and ``[0, H]`` when ``save_gate_up=False``). Rows past the kept
+  ones are undefined (zeros on CPU).
 * ``moe_bwd_p``: ``(x, expert_ids, expert_weights, w_gate_up, w_down, gate_up,
-  dy) -> (dx, d_expert_weights, d_w_gate_up, d_w_down)``.
+  x_rows, dy) -> (dx, d_expert_weights, d_w_gate_up, d_w_down)``; it reads the
+  forward's x_rows instead of gathering x again (x still gives dx its shape).
 
 Parameters of both: ``capacity`` (rows kept per expert, ``NO_CAPACITY`` for
 all); the forward also takes ``save_gate_up``. Shapes and dtypes are checked
@@ -167,9 +171,11 @@ def _fwd_abstract_eval(x, expert_ids, expert_weights, w_gate_up, w_down, *, capa
     top_k = expert_ids.shape[1]
     experts, _, two_f = w_gate_up.shape
     i32 = np.dtype(np.int32)
+    rows = tokens * top_k if save_gate_up else 0
     return (
         _rows_of(x, x.shape, x.dtype),
-        _rows_of(x, (tokens * top_k if save_gate_up else 0, two_f), x.dtype),
+        _rows_of(x, (rows, two_f), x.dtype),
+        _rows_of(x, (rows, x.shape[1]), x.dtype),
         _replicated((experts,), i32),
         _replicated((), i32),
         _replicated((), i32),
@@ -189,9 +195,9 @@ _register(moe_fwd_p, _ext.MOE_FORWARD, _fwd_abstract_eval, _fwd_attrs)
 moe_bwd_p = Primitive("mok_moe_bwd")
 
 
-def _bwd_abstract_eval(x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, *,
-                       capacity):
-    del expert_ids, gate_up, dy, capacity
+def _bwd_abstract_eval(x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, x_rows, dy,
+                       *, capacity):
+    del expert_ids, gate_up, x_rows, dy, capacity
     return _like(x), _like(expert_weights), _like(w_gate_up), _like(w_down)
 
 

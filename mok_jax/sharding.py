@@ -207,17 +207,19 @@ def _runs_local(cfg, cap, backend) -> bool:
 
 
 def _local_forward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
-    """The single-device forward on this device's tokens; global statistics."""
-    y, gate_up, *stats = primitives.moe_fwd_p.bind(
+    """The single-device forward on this device's tokens; global statistics. The
+    residuals (``[T_local*K or 0, C]`` each): gate_up and x_rows."""
+    y, gate_up, x_rows, *stats = primitives.moe_fwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=save)
     if cfg.token_axes:
         stats = [jax.lax.psum(v, cfg.token_axes) for v in stats]
-    return y, tuple(stats), gate_up
+    return y, tuple(stats), (gate_up, x_rows)
 
 
-def _local_backward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy):
+def _local_backward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, x_rows,
+                    dy):
     dx, d_weights, d_w_gate_up, d_w_down = primitives.moe_bwd_p.bind(
-        x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity=cap)
+        x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, x_rows, dy, capacity=cap)
     data_axes = tuple(a for a in cfg.token_axes if a != cfg.axis_name)
     if data_axes:
         d_w_gate_up = jax.lax.psum(d_w_gate_up, data_axes)
@@ -240,7 +242,7 @@ def _to_residual(rows, T, r):
 @functools.partial(custom_partitioning, static_argnums=(5, 6))
 def _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend):
     del backend
-    y, _, *stats = primitives.moe_fwd_p.bind(
+    y, _, _, *stats = primitives.moe_fwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=False)
     return y, _pack_stats(stats)
 
@@ -289,7 +291,7 @@ def _rows_per_token(cfg, bound, top_k):
 @functools.partial(custom_partitioning, static_argnums=(5, 6, 7))
 def _forward_saving(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend, bound):
     del backend
-    y, _, *stats = primitives.moe_fwd_p.bind(
+    y, _, _, *stats = primitives.moe_fwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=False)
     T, K = expert_ids.shape
     r = bound * K
@@ -316,10 +318,10 @@ def _forward_saving_partition(cap, backend, bound, mesh, arg_shapes, result_shap
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
         T = x.shape[0]
-        if local:  # the x_rows residual is not used: the backward gathers x itself
-            y, stats, gate_up = _local_forward(cfg, cap, x, expert_ids, expert_weights,
-                                               w_gate_up, w_down, save=True)
-            return (y, _pack_stats(stats), jax.lax.empty((T, r, x.shape[1]), x.dtype),
+        if local:  # the single-device layer's residuals, T*K rows of T*r
+            y, stats, (gate_up, x_rows) = _local_forward(
+                cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down, save=True)
+            return (y, _pack_stats(stats), _to_residual(x_rows, T, r),
                     _to_residual(gate_up, T, r))
         path = ep.ExchangePath(cfg, transport, rows=T * r)
         y, stats, res = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down,
@@ -342,10 +344,10 @@ _forward_saving.def_partition(
 def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up, cap,
               backend, bound):
     del backend, bound, x_rows, gate_up
-    _, gate_up, *_ = primitives.moe_fwd_p.bind(
+    _, gate_up, x_rows, *_ = primitives.moe_fwd_p.bind(
         x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=True)
     return tuple(primitives.moe_bwd_p.bind(
-        x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity=cap))
+        x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, x_rows, dy, capacity=cap))
 
 
 def _backward_infer(cap, backend, bound, mesh, arg_shapes, result_shape):
@@ -365,9 +367,9 @@ def _backward_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
         T = x.shape[0]
         if local:
             K = expert_ids.shape[1]
-            rows = gate_up.reshape(T * r, -1)[:T * K]
             return _local_backward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down,
-                                   rows, dy)
+                                   gate_up.reshape(T * r, -1)[:T * K],
+                                   x_rows.reshape(T * r, -1)[:T * K], dy)
         path = ep.ExchangePath(cfg, transport, rows=T * r)
         p, route = path.routing(expert_ids, w_gate_up.shape[0])  # the plan, again (cheap)
         res = ep.Residuals(p, route, x_rows.reshape(T * r, -1), gate_up.reshape(T * r, -1),

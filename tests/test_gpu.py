@@ -106,7 +106,7 @@ def test_swiglu_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew, capaci
     ffn = jax.jit(lambda *a: prim.expert_ffn_fwd_p.bind(*a, save_gate_up=True))
 
     def run():
-        y, gate_up, _, dropped, invalid = fwd(x, ids, w, wgu, wd)
+        y, gate_up, _, _, dropped, invalid = fwd(x, ids, w, wgu, wd)
         gate_up = gate_up[:T * K - int(dropped) - int(invalid)]  # rows past these: untouched
         out_rows, ep_gate_up = ffn(x_rows, sizes, wgu, wd)
         return [y, gate_up, out_rows, ep_gate_up, *grad(x, w, wgu, wd)]

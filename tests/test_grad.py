@@ -257,3 +257,84 @@ def test_vmap_of_grad_matches_per_slice(dtype):
         g = per_example(xb[b], ib[b], wb[b], ctb[b])
         _assert_grads_bitwise([a[b] for a in gb], g, f"vmap(grad) slice {b}")
         _assert_grads_bitwise([a[b] for a in gb_jit], g, f"jit(vmap(grad)) slice {b}")
+
+
+# --------------------------------------------------------------------------------------
+# The forward's x_rows residual (the backward reads it instead of gathering x again)
+# --------------------------------------------------------------------------------------
+
+
+def _x_rows_case(dtype):
+    """A problem with capacity drops, invalid ids and an empty expert; its capacity."""
+    T, K, E, H, F = 13, 3, 5, 16, 8
+    x, ids, w, wgu, wd = make_problem(12, T, K, E, H, F, dtype)
+    ids = ids.at[::4, 0].set(1).at[2, 2].set(-1).at[7, 1].set(E).at[11, 0].set(2**30)
+    ids = jnp.where(ids == 4, 0, ids)  # expert 4 gets no pair
+    cap = mok_jax.capacity(0.5, T, K, E)
+    return (x, ids, w, wgu, wd), cap
+
+
+def _np_x_rows(x, ids, E, cap):
+    """x's row of every kept pair in the routing plan's order (expert, then token, then
+    k): the rows the backward gathered itself before the forward saved them."""
+    _, _, _, keep = np_stats(ids, E, cap)
+    ids, x = np.asarray(ids), np.asarray(x)
+    order = [(t, k) for e in range(E) for t in range(ids.shape[0]) for k in range(ids.shape[1])
+             if keep[t, k] and ids[t, k] == e]
+    return x[[t for t, _ in order]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_saves_x_rows_in_plan_order(dtype):
+    from mok_jax import primitives as prim
+    args, cap = _x_rows_case(dtype)
+    x, ids, _, wgu, _ = args
+    T, K, E, H = *ids.shape, wgu.shape[0], x.shape[1]
+    want = _np_x_rows(x, ids, E, cap)
+    _, dropped, invalid, _ = np_stats(ids, E, cap)
+    assert dropped > 0 and invalid == 3 and 0 < want.shape[0] < T * K
+
+    y, gate_up, x_rows, _, n_dropped, n_invalid = prim.moe_fwd_p.bind(
+        *args, capacity=cap, save_gate_up=True)
+    assert (int(n_dropped), int(n_invalid)) == (dropped, invalid)
+    assert x_rows.shape == (T * K, H) and x_rows.dtype == x.dtype
+    assert_bitwise(x_rows[:want.shape[0]], want, "saved x rows")
+    if jax.devices()[0].platform == "cpu":  # rows past the kept ones: zeros on CPU only
+        assert_bitwise(x_rows[want.shape[0]:], np.zeros((T * K - want.shape[0], H), want.dtype),
+                       "x rows past the kept ones")
+
+    # Not differentiated: no residuals, the same y.
+    y0, gate_up0, x_rows0, *_ = prim.moe_fwd_p.bind(*args, capacity=cap, save_gate_up=False)
+    assert gate_up0.shape == (0, wgu.shape[2]) and gate_up0.dtype == x.dtype
+    assert x_rows0.shape == (0, H) and x_rows0.dtype == x.dtype
+    assert_bitwise(y0, y, "y without residuals")
+    del gate_up
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_reads_the_forwards_x_rows(dtype):
+    from mok_jax import primitives as prim
+    args, cap = _x_rows_case(dtype)
+    x, ids, w, wgu, wd = args
+    T, H = x.shape
+    ct = _cotangent(12, T, H)
+    got = grads(mok_jax.moe, args, ct, 0.5)
+
+    # The gradients are those of the backward given x's rows gathered in plan order
+    # (what it gathered itself before), the same bits.
+    _, gate_up, _, *_ = prim.moe_fwd_p.bind(*args, capacity=cap, save_gate_up=True)
+    rows = _np_x_rows(x, ids, wgu.shape[0], cap)
+    padded = np.zeros((ids.size, H), rows.dtype)
+    padded[:rows.shape[0]] = rows
+    dy = ct.astype(x.dtype)
+    want = prim.moe_bwd_p.bind(*args, gate_up, jnp.asarray(padded), dy, capacity=cap)
+    _assert_grads_bitwise(got, want, "grad vs backward of numpy-gathered x rows")
+
+    # It reads them: twice the rows give twice d_w_gate_up (exact), the rest unchanged.
+    twice = prim.moe_bwd_p.bind(*args, gate_up, jnp.asarray(padded) * 2, dy, capacity=cap)
+    for name, a, b in zip(NAMES, twice, want):
+        if name == "d_w_gate_up":
+            assert np.any(np.asarray(b, np.float32) != 0.0)
+            assert_bitwise(a, b * 2, "d_w_gate_up of doubled x rows")
+        else:
+            assert_bitwise(a, b, f"{name} of doubled x rows")

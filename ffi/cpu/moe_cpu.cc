@@ -1,6 +1,7 @@
 #include "moe_cpu.h"
 
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <vector>
 
@@ -88,9 +89,10 @@ void expert_ffn_forward(const X* x, const RowMap& map, const int64_t* expert_beg
 // Backward of expert_ffn_forward for rows combined with weight w[pair(r)]:
 // dx_out[pair(r)] = round_x(dgu @ Wgu_e^T), dw_out[pair(r)] = <dy @ Wd_e^T, h>,
 // d_w_gate_up / d_w_down reduced over each expert's rows in canonical order
-// (zero for experts without rows). gate_up is the forward's, by row.
+// (zero for experts without rows). gate_up is the forward's, by row; so is x_rows
+// when not null (x[token(r)] at row r), else x is gathered through `map`.
 template <typename X, typename W>
-void expert_ffn_backward(const X* x, const X* dy, const W* w, const RowMap& map,
+void expert_ffn_backward(const X* x, const X* x_rows, const X* dy, const W* w, const RowMap& map,
                          const int64_t* expert_begin, int64_t experts, int64_t H, int64_t F,
                          const X* wgu, const X* wd, const X* gate_up, X* dx_out, W* dw_out,
                          X* dwgu, X* dwd) {
@@ -131,7 +133,11 @@ void expert_ffn_backward(const X* x, const X* dy, const W* w, const RowMap& map,
     load_f32(wd + e * F * H, s.w_d.data(), F * H);
     transpose_f32(s.w_gu.data(), s.w_gu_t.data(), H, 2 * F);
     transpose_f32(s.w_d.data(), s.w_d_t.data(), F, H);
-    gather_rows(x, map, begin, n, H, s.xe.data());
+    if (x_rows != nullptr) {
+      load_f32(x_rows + begin * H, s.xe.data(), n * H);
+    } else {
+      gather_rows(x, map, begin, n, H, s.xe.data());
+    }
     gather_rows(dy, map, begin, n, H, s.dye.data());
     load_f32(gate_up + begin * 2 * F, s.gu.data(), n * 2 * F);
 
@@ -198,12 +204,21 @@ void combine(const X* rows, const W* weights, Kept kept, int64_t T, int64_t K, i
 }
 
 template <typename X, typename W>
-void forward(const MoeForwardArgs& a) {
+void forward(const MoeForwardArgs& a, X* x_rows_out) {
   const auto [T, K, E, H, F] = a.shape;
   const RoutingPlan plan = build_routing_plan(a.expert_ids, T, K, E, a.capacity);
   for (int64_t e = 0; e < E; ++e) a.tokens_per_expert[e] = plan.routed[e];
   *a.dropped = plan.dropped;
   *a.invalid = plan.invalid;
+
+  // The x row of each kept pair by plan row, for the backward; zeros past them.
+  if (x_rows_out != nullptr) {
+    const X* x = static_cast<const X*>(a.x);
+    for (int64_t r = 0; r < plan.num_rows; ++r) {
+      std::memcpy(x_rows_out + r * H, x + (plan.row_pair[r] / K) * H, H * sizeof(X));
+    }
+    for (int64_t i = plan.num_rows * H; i < T * K * H; ++i) x_rows_out[i] = from_float<X>(0.0f);
+  }
 
   // Expert outputs by pair, rounded to x.dtype; pairs without a row are unused.
   std::vector<X> o_pair(plan.num_rows > 0 ? T * K * H : 0);
@@ -216,7 +231,7 @@ void forward(const MoeForwardArgs& a) {
 }
 
 template <typename X, typename W>
-void backward(const MoeBackwardArgs& a) {
+void backward(const MoeBackwardArgs& a, const X* x_rows) {
   const auto [T, K, E, H, F] = a.shape;
   const RoutingPlan plan = build_routing_plan(a.expert_ids, T, K, E, a.capacity);
   W* dew = static_cast<W*>(a.d_expert_weights);
@@ -225,7 +240,7 @@ void backward(const MoeBackwardArgs& a) {
   std::vector<X> dx_pair(plan.num_rows > 0 ? T * K * H : 0);
   const RowMap map{plan.row_pair.data(), K};
   expert_ffn_backward<X, W>(
-      static_cast<const X*>(a.x), static_cast<const X*>(a.dy),
+      static_cast<const X*>(a.x), x_rows, static_cast<const X*>(a.dy),
       static_cast<const W*>(a.expert_weights), map, plan.expert_begin.data(), E, H, F,
       static_cast<const X*>(a.w_gate_up), static_cast<const X*>(a.w_down),
       static_cast<const X*>(a.gate_up), dx_pair.data(), dew, static_cast<X*>(a.d_w_gate_up),
@@ -272,14 +287,16 @@ std::string dispatch(DType x_dtype, DType weight_dtype, Fn&& fn) {
 
 }  // namespace
 
-std::string moe_forward(const MoeForwardArgs& args) {
-  return dispatch(args.x_dtype, args.weight_dtype,
-                  [&]<typename X, typename W>() { forward<X, W>(args); });
+std::string moe_forward(const MoeForwardArgs& args, void* x_rows_out) {
+  return dispatch(args.x_dtype, args.weight_dtype, [&]<typename X, typename W>() {
+    forward<X, W>(args, static_cast<X*>(x_rows_out));
+  });
 }
 
-std::string moe_backward(const MoeBackwardArgs& args) {
-  return dispatch(args.x_dtype, args.weight_dtype,
-                  [&]<typename X, typename W>() { backward<X, W>(args); });
+std::string moe_backward(const MoeBackwardArgs& args, const void* x_rows) {
+  return dispatch(args.x_dtype, args.weight_dtype, [&]<typename X, typename W>() {
+    backward<X, W>(args, static_cast<const X*>(x_rows));
+  });
 }
 
 std::string expert_ffn_forward(const ExpertFfnForwardArgs& a) {
@@ -304,7 +321,7 @@ std::string expert_ffn_backward(const ExpertFfnBackwardArgs& a) {
   if (!err.empty()) return err;
   return dispatch(a.x_dtype, a.weight_dtype, [&]<typename X, typename W>() {
     expert_ffn_backward<X, W>(
-        static_cast<const X*>(a.x_rows), static_cast<const X*>(a.dy_rows),
+        static_cast<const X*>(a.x_rows), nullptr, static_cast<const X*>(a.dy_rows),
         static_cast<const W*>(a.w_rows), RowMap{}, begin.data(), a.experts, a.hidden, a.ffn,
         static_cast<const X*>(a.w_gate_up), static_cast<const X*>(a.w_down),
         static_cast<const X*>(a.gate_up), static_cast<X*>(a.dx_rows),

@@ -22,8 +22,12 @@ using mok::MoeBackwardArgs;
 using mok::MoeForwardArgs;
 
 // Both return an empty string on success, else a message (allocation failure).
-std::string moe_forward(const MoeForwardArgs& args);
-std::string moe_backward(const MoeBackwardArgs& args);
+// x_rows_out: [T * K, H] in x.dtype or nullptr; when given, the forward writes the
+// x row of each kept pair by plan row (x[row_pair[r] / K] at row r) and zeroes the
+// rows past the kept ones. x_rows: the forward's x_rows for the backward, or
+// nullptr to gather them from x (the same values, so the same results).
+std::string moe_forward(const MoeForwardArgs& args, void* x_rows_out);
+std::string moe_backward(const MoeBackwardArgs& args, const void* x_rows);
 
 }  // namespace mok::cpu
 

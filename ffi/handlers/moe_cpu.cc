@@ -16,10 +16,26 @@ using ffi_checks::check_forward_results;
 using ffi_checks::decode;
 using ffi_checks::Decoded;
 
+// The forward's x_rows result ([T*K or 0, H], x.dtype) and the backward's x_rows
+// operand ([T*K, H]); the same checks as the CUDA handlers'.
+ffi::Error check_forward_x_rows(const char* op, const Decoded& d, const ffi::AnyBuffer& x_rows,
+                                bool save_gate_up) {
+  const auto [T, K, E, H, F] = d.shape;
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "x_rows", x_rows, {save_gate_up ? T * K : 0, H}));
+  return ffi_checks::expect_dtype(op, "x_rows", x_rows, d.x_dtype);
+}
+
+ffi::Error check_backward_x_rows(const char* op, const Decoded& d, const ffi::AnyBuffer& x_rows) {
+  const auto [T, K, E, H, F] = d.shape;
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "x_rows", x_rows, {T * K, H}));
+  return ffi_checks::expect_dtype(op, "x_rows", x_rows, d.x_dtype);
+}
+
 ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                          ffi::AnyBuffer expert_weights, ffi::AnyBuffer w_gate_up,
                          ffi::AnyBuffer w_down, int64_t capacity, bool save_gate_up,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gate_up,
+                         ffi::Result<ffi::AnyBuffer> x_rows,
                          ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
                          ffi::Result<ffi::Buffer<ffi::S32>> dropped,
                          ffi::Result<ffi::Buffer<ffi::S32>> invalid) {
@@ -27,18 +43,19 @@ ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
   Decoded d;
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *tokens_per_expert, save_gate_up));
+  MOK_RETURN_IF_ERROR(check_forward_x_rows(op, d, *x_rows, save_gate_up));
 
   const MoeForwardArgs args = ffi_checks::forward_args(
       d, x, expert_ids, expert_weights, w_gate_up, w_down, capacity, save_gate_up, *y,
       *gate_up, *tokens_per_expert, *dropped, *invalid);
-  std::string err = cpu::moe_forward(args);
+  std::string err = cpu::moe_forward(args, save_gate_up ? x_rows->untyped_data() : nullptr);
   return ffi_checks::launcher_result(op, err);
 }
 
 ffi::Error MoeBackwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                           ffi::AnyBuffer expert_weights, ffi::AnyBuffer w_gate_up,
-                          ffi::AnyBuffer w_down, ffi::AnyBuffer gate_up, ffi::AnyBuffer dy,
-                          int64_t capacity, ffi::Result<ffi::AnyBuffer> dx,
+                          ffi::AnyBuffer w_down, ffi::AnyBuffer gate_up, ffi::AnyBuffer x_rows,
+                          ffi::AnyBuffer dy, int64_t capacity, ffi::Result<ffi::AnyBuffer> dx,
                           ffi::Result<ffi::AnyBuffer> d_expert_weights,
                           ffi::Result<ffi::AnyBuffer> d_w_gate_up,
                           ffi::Result<ffi::AnyBuffer> d_w_down) {
@@ -47,10 +64,11 @@ ffi::Error MoeBackwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, dy, *dx, *d_expert_weights,
                                               *d_w_gate_up, *d_w_down));
+  MOK_RETURN_IF_ERROR(check_backward_x_rows(op, d, x_rows));
   const MoeBackwardArgs args = ffi_checks::backward_args(
       d, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity, *dx,
       *d_expert_weights, *d_w_gate_up, *d_w_down);
-  std::string err = cpu::moe_backward(args);
+  std::string err = cpu::moe_backward(args, x_rows.untyped_data());
   return ffi_checks::launcher_result(op, err);
 }
 

@@ -42,6 +42,21 @@ ffi::Error take_scratch(ffi::ScratchAllocator& scratch, size_t bytes, void** out
   return ffi::Error::Success();
 }
 
+// The forward's x_rows result ([T*K or 0, H], x.dtype) and the backward's x_rows
+// operand ([T*K, H]); the same checks as the CPU handlers'.
+ffi::Error check_forward_x_rows(const char* op, const Decoded& d, const ffi::AnyBuffer& x_rows,
+                                bool save_gate_up) {
+  const auto [T, K, E, H, F] = d.shape;
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "x_rows", x_rows, {save_gate_up ? T * K : 0, H}));
+  return ffi_checks::expect_dtype(op, "x_rows", x_rows, d.x_dtype);
+}
+
+ffi::Error check_backward_x_rows(const char* op, const Decoded& d, const ffi::AnyBuffer& x_rows) {
+  const auto [T, K, E, H, F] = d.shape;
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "x_rows", x_rows, {T * K, H}));
+  return ffi_checks::expect_dtype(op, "x_rows", x_rows, d.x_dtype);
+}
+
 // Row and pair indices are int32 on the device.
 ffi::Error rows_fit_int32(const char* op, int64_t rows) {
   if (rows <= INT32_MAX) return ffi::Error::Success();
@@ -54,6 +69,7 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
                           ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down, int64_t capacity,
                           bool save_gate_up, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> gate_up,
+                          ffi::Result<ffi::AnyBuffer> x_rows,
                           ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
                           ffi::Result<ffi::Buffer<ffi::S32>> dropped,
                           ffi::Result<ffi::Buffer<ffi::S32>> invalid) {
@@ -61,23 +77,28 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   Decoded d;
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *tokens_per_expert, save_gate_up));
+  MOK_RETURN_IF_ERROR(check_forward_x_rows(op, d, *x_rows, save_gate_up));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
 
   const MoeForwardArgs args = ffi_checks::forward_args(
       d, x, expert_ids, expert_weights, w_gate_up, w_down, capacity, save_gate_up, *y,
       *gate_up, *tokens_per_expert, *dropped, *invalid);
 
+  // Saved: the forward gathers x into the x_rows result, not into its workspace (the
+  // workspace size and moe_forward's carve both follow save_gate_up).
   const size_t bytes = cuda::moe_forward_workspace_bytes(d.shape, d.x_dtype, save_gate_up);
   void* ws = nullptr;
   MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
-  std::string err = cuda::moe_forward(args, ws, bytes, stream);
+  std::string err = cuda::moe_forward(args, save_gate_up ? x_rows->untyped_data() : nullptr, ws,
+                                      bytes, stream);
   return ffi_checks::launcher_result(op, err);
 }
 
 ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                            ffi::Buffer<ffi::S32> expert_ids, ffi::AnyBuffer expert_weights,
                            ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
-                           ffi::AnyBuffer gate_up, ffi::AnyBuffer dy, int64_t capacity,
+                           ffi::AnyBuffer gate_up, ffi::AnyBuffer x_rows, ffi::AnyBuffer dy,
+                           int64_t capacity,
                            ffi::Result<ffi::AnyBuffer> dx,
                            ffi::Result<ffi::AnyBuffer> d_expert_weights,
                            ffi::Result<ffi::AnyBuffer> d_w_gate_up,
@@ -87,6 +108,7 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, dy, *dx, *d_expert_weights,
                                               *d_w_gate_up, *d_w_down));
+  MOK_RETURN_IF_ERROR(check_backward_x_rows(op, d, x_rows));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
 
   const MoeBackwardArgs args = ffi_checks::backward_args(
@@ -96,7 +118,7 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   const size_t bytes = cuda::moe_backward_workspace_bytes(d.shape, d.x_dtype);
   void* ws = nullptr;
   MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
-  std::string err = cuda::moe_backward(args, ws, bytes, stream);
+  std::string err = cuda::moe_backward(args, x_rows.untyped_data(), ws, bytes, stream);
   return ffi_checks::launcher_result(op, err);
 }
 

@@ -22,9 +22,10 @@ auto moe_forward(Binding b) {
       .template Arg<ffi::AnyBuffer>()       // w_gate_up [E, H, 2F]
       .template Arg<ffi::AnyBuffer>()       // w_down [E, F, H]
       .template Attr<int64_t>("capacity")   // rows kept per expert, < 0: all
-      .template Attr<bool>("save_gate_up")  // write gate_up for the backward
+      .template Attr<bool>("save_gate_up")  // write gate_up and x_rows for the backward
       .template Ret<ffi::AnyBuffer>()       // y [T, H]
       .template Ret<ffi::AnyBuffer>()       // gate_up [T*K or 0, 2F] by plan row
+      .template Ret<ffi::AnyBuffer>()       // x_rows [T*K or 0, H] by plan row
       .template Ret<S32>()                  // tokens_per_expert [E]
       .template Ret<S32>()                  // dropped []
       .template Ret<S32>();                 // invalid []
@@ -38,6 +39,7 @@ auto moe_backward(Binding b) {
       .template Arg<ffi::AnyBuffer>()       // w_gate_up [E, H, 2F]
       .template Arg<ffi::AnyBuffer>()       // w_down [E, F, H]
       .template Arg<ffi::AnyBuffer>()       // gate_up [T*K, 2F] from the forward
+      .template Arg<ffi::AnyBuffer>()       // x_rows [T*K, H] from the forward
       .template Arg<ffi::AnyBuffer>()       // dy [T, H]
       .template Attr<int64_t>("capacity")   // rows kept per expert, < 0: all
       .template Ret<ffi::AnyBuffer>()       // dx [T, H]

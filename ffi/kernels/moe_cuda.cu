@@ -15,7 +15,7 @@ size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 struct ForwardBuffers {
   RoutingPlanDevice plan;
-  void* x_rows;     // [R, H]
+  void* x_rows;     // [R, H], or nullptr when saved (the x_rows result buffer holds them)
   float* gate_up_f32;  // [R, 2F] GEMM1's f32 accumulators, or the interleaved
                        // weight of the fused SwiGLU GEMM (which is smaller)
   void* h;          // [R, F]
@@ -26,14 +26,15 @@ struct ForwardBuffers {
 
 ForwardBuffers carve_forward(void* ws, const MoeShape& s, DType dt, bool save_gate_up,
                              size_t* total) {
-  (void)save_gate_up;  // the residual, when saved, is a result buffer, not workspace
+  // The residuals, when saved, are result buffers, not workspace: gate_up, and the
+  // x rows GEMM1 reads (gathered straight into the x_rows result).
   const int64_t pairs = s.tokens * s.top_k;
   const size_t eb = elem_bytes(dt);
   Carver c(ws);
   ForwardBuffers b{};
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
-  b.x_rows = c.take(pairs * s.hidden * eb);
+  if (!save_gate_up) b.x_rows = c.take(pairs * s.hidden * eb);
   // GEMM1's f32 accumulators, or the interleaved weight of the fused SwiGLU GEMM.
   b.gate_up_f32 = static_cast<float*>(c.take(std::max(
       pairs * 2 * s.ffn * sizeof(float), swiglu_interleave_bytes(s.experts, s.hidden, s.ffn, pairs))));
@@ -47,7 +48,6 @@ ForwardBuffers carve_forward(void* ws, const MoeShape& s, DType dt, bool save_ga
 
 struct BackwardBuffers {
   RoutingPlanDevice plan;
-  void* x_rows;     // [R, H]
   void* dy_rows;    // [R, H], reused for dx rows once dh is computed
   void* dout_rows;  // [R, H] round(w * dy)
   float* dh_raw;    // [R, F] f32
@@ -64,7 +64,6 @@ BackwardBuffers carve_backward(void* ws, const MoeShape& s, DType dt, size_t* to
   BackwardBuffers b{};
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
-  b.x_rows = c.take(pairs * s.hidden * eb);
   b.dy_rows = c.take(pairs * s.hidden * eb);
   b.dout_rows = c.take(pairs * s.hidden * eb);
   b.dh_raw = static_cast<float*>(c.take(pairs * s.ffn * sizeof(float)));
@@ -90,13 +89,14 @@ size_t moe_backward_workspace_bytes(const MoeShape& shape, DType x_dtype) {
   return total;
 }
 
-std::string moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream) {
+std::string moe_forward(const MoeForwardArgs& a, void* x_rows_out, void* workspace,
+                        size_t workspace_bytes, cudaStream_t stream) {
   const auto [T, K, E, H, F] = a.shape;
   const int64_t pairs = T * K;
   size_t need = 0;
-  ForwardBuffers b = carve_forward(workspace, a.shape, a.x_dtype, a.gate_up_out != nullptr, &need);
+  ForwardBuffers b = carve_forward(workspace, a.shape, a.x_dtype, x_rows_out != nullptr, &need);
   if (need > workspace_bytes) return "MoE forward: workspace too small";
+  if (x_rows_out != nullptr) b.x_rows = x_rows_out;  // saved for the backward
   const int64_t* num_rows = b.plan.expert_begin + E;  // kept rows, on the device
 
   MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan,
@@ -125,19 +125,19 @@ std::string moe_forward(const MoeForwardArgs& a, void* workspace, size_t workspa
                       K, H, a.y, stream);
 }
 
-std::string moe_backward(const MoeBackwardArgs& a, void* workspace, size_t workspace_bytes,
-                         cudaStream_t stream) {
+std::string moe_backward(const MoeBackwardArgs& a, const void* x_rows, void* workspace,
+                         size_t workspace_bytes, cudaStream_t stream) {
   const auto [T, K, E, H, F] = a.shape;
   const int64_t pairs = T * K;
   size_t need = 0;
   BackwardBuffers b = carve_backward(workspace, a.shape, a.x_dtype, &need);
   if (need > workspace_bytes) return "MoE backward: workspace too small";
+  if (x_rows == nullptr && pairs > 0) return "MoE backward: the forward's x rows are missing";
   const int64_t* num_rows = b.plan.expert_begin + E;
 
   MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan, nullptr,
                                            nullptr, nullptr, stream));
-  MOK_RETURN_IF_MESSAGE(gather_token_rows(a.x_dtype, a.x, b.plan.row_pair, num_rows, pairs, K, H,
-                                          b.x_rows, stream));
+  // x rows: the forward's (x_rows), not gathered again.
   MOK_RETURN_IF_MESSAGE(gather_dy_rows(a.x_dtype, a.weight_dtype, a.dy, a.expert_weights,
                                        b.plan.row_pair, num_rows, pairs, K, H, b.dy_rows,
                                        b.dout_rows, stream));
@@ -158,7 +158,7 @@ std::string moe_backward(const MoeBackwardArgs& a, void* workspace, size_t works
   WeightGradGemm wgrad_down{E, b.plan.expert_begin, pairs, F, H, a.x_dtype, b.h_rows,
                             b.dout_rows, a.d_w_down};
   MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(wgrad_down, b.gemm_ws, b.gemm_ws_bytes, stream));
-  WeightGradGemm wgrad_gate_up{E, b.plan.expert_begin, pairs, H, 2 * F, a.x_dtype, b.x_rows,
+  WeightGradGemm wgrad_gate_up{E, b.plan.expert_begin, pairs, H, 2 * F, a.x_dtype, x_rows,
                                b.d_gate_up, a.d_w_gate_up};
   MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(wgrad_gate_up, b.gemm_ws, b.gemm_ws_bytes, stream));
   return combine_rows(a.x_dtype, a.weight_dtype, dx_rows, nullptr, b.plan.pair_row, T, K, H, a.dx,

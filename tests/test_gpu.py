@@ -128,6 +128,71 @@ def test_swiglu_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew, capaci
     assert _rel(fused[0], y_ref) <= 2e-2
 
 
+# Shapes where the backward's data-gradient GEMM of w_down runs SwiGLU's backward in
+# its epilogue (F % 256 == 0): one chunk with full tiles; three chunks with ragged
+# rows; two chunks where the forward's rule does not fuse (4*E*H > T*K).
+BWD_FUSED_SHAPES = [(512, 4, 4, 64, 256), (300, 2, 4, 16, 768), (96, 2, 8, 128, 512)]
+
+
+@pytest.mark.parametrize("shape", BWD_FUSED_SHAPES)
+@pytest.mark.parametrize("skew", [False, True])
+@pytest.mark.parametrize("capacity_factor, weight_dtype", [(None, jnp.float32),
+                                                           (0.75, jnp.float32),
+                                                           (None, jnp.bfloat16)])
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_swiglu_backward_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew,
+                                                         capacity_factor, weight_dtype,
+                                                         schedule):
+    """dh = dy @ w_down^T with SwiGLU's backward in the GEMM's epilogue (h, d gate/up
+    and per-chunk sums of d expert_weights; swiglu_grad.cuh), in its cooperative
+    128x256 instance or its 64x256 ping-pong one
+    (MOK_JAX_GEMM_PINGPONG=rows_t_swiglu_bwd), against the GEMM to f32 followed by
+    swiglu_backward_kernel (MOK_JAX_SWIGLU_EPILOGUE=0): the same bits for every
+    gradient of the layer and of the EP pieces' expert FFN, and near the
+    reference."""
+    from mok_jax import _mok, primitives as prim
+    T, K, E, H, F = shape
+    # Else both runs would be unfused and equal whatever the epilogue does.
+    assert _mok.swiglu_bwd_epilogue_shape(H, F)
+    assert _mok.HAS_SM90A_KERNELS and jax.devices()[0].compute_capability == "9.0"
+    x, ids, w, wgu, wd = _problem(T, K, E, H, F, jnp.bfloat16, seed=7, skew=skew)
+    w = w.astype(weight_dtype)
+    ids = ids.at[::5, 1].set(-1)  # invalid ids too
+    cot = jnp.sin(jnp.arange(H, dtype=jnp.float32))
+    grad = jax.jit(jax.grad(_loss_fn(mok_jax.moe, ids, cot, capacity_factor=capacity_factor),
+                            argnums=(0, 1, 2, 3)))
+    # The EP pieces: rows already grouped, an empty expert, per-row weights.
+    R = T * K
+    sizes = jnp.array([R // E] * (E - 2) + [0, R - (E - 2) * (R // E)], jnp.int32)
+    x_rows = jnp.tile(x, (K, 1))
+    dy_rows = jnp.cos(x_rows.astype(jnp.float32) * 3.0).astype(jnp.bfloat16)
+    w_rows = jnp.linspace(0.1, 1.0, R).astype(weight_dtype)
+    ffn_fwd = jax.jit(lambda *a: prim.expert_ffn_fwd_p.bind(*a, save_gate_up=True))
+    ffn_bwd = jax.jit(prim.expert_ffn_bwd_p.bind)
+
+    def run():
+        _, gate_up = ffn_fwd(x_rows, sizes, wgu, wd)
+        ep = ffn_bwd(x_rows, dy_rows, w_rows, sizes, wgu, wd, gate_up)
+        return [*grad(x, w, wgu, wd), *ep]
+
+    if schedule == "pingpong":
+        monkeypatch.setenv("MOK_JAX_GEMM_PINGPONG", "rows_t_swiglu_bwd")
+    fused = jax.block_until_ready(run())  # before the knobs change
+    monkeypatch.setenv("MOK_JAX_SWIGLU_EPILOGUE", "0")
+    monkeypatch.delenv("MOK_JAX_GEMM_PINGPONG", raising=False)
+    unfused = run()
+    names = ("dx", "d expert_weights", "dwgu", "dwd",
+             "ep dx_rows", "ep dw_rows", "ep d w_gate_up", "ep d w_down")
+    for name, a, b in zip(names, fused, unfused):
+        bits = np.uint16 if a.dtype == jnp.bfloat16 else np.uint32
+        np.testing.assert_array_equal(np.asarray(a).view(bits), np.asarray(b).view(bits),
+                                      err_msg=name)
+    g_ref = jax.grad(_loss_fn(moe_reference, ids, cot, capacity_factor=capacity_factor),
+                     argnums=(0, 1, 2, 3))(x, w.astype(jnp.float32), wgu, wd)
+    for name, a, b in zip(names, fused, g_ref):
+        assert _rel(a, b) <= 2e-2, name
+
+
 @pytest.mark.parametrize("shape", SHAPES[1:])
 def test_f32_matches_reference_tightly(shape):
     T, K, E, H, F = shape

@@ -60,11 +60,6 @@ NB_MODULE(_mok, m) {
         nb::arg("hidden"), nb::arg("ffn"), nb::arg("rows"),
         "Whether a bf16 forward on sm_90a of these sizes (rows = T*K) runs GEMM1 with "
         "SwiGLU in its epilogue (MOK_JAX_SWIGLU_EPILOGUE=0 turns it off).");
-  m.def("swiglu_bwd_epilogue_shape", &mok::swiglu_bwd_epilogue_shape, nb::arg("hidden"),
-        nb::arg("ffn"),
-        "Whether a bf16 backward on sm_90a of these sizes runs the data-gradient GEMM of "
-        "w_down with SwiGLU's backward in its epilogue (MOK_JAX_SWIGLU_EPILOGUE=0 turns it "
-        "off).");
   nb::enum_<mok::DType>(m, "DType", "Element types the kernels accept.", nb::is_arithmetic())
       .value("F32", mok::DType::kF32)
       .value("BF16", mok::DType::kBF16);

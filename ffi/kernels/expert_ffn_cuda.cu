@@ -119,7 +119,7 @@ size_t expert_ffn_backward_workspace_bytes(const ExpertFfnShape& s, DType dtype)
   carve_groups(c, s.experts);
   c.take(s.rows * sizeof(int32_t));            // identity row -> pair map
   c.take(s.rows * s.hidden * eb);              // dout rows
-  c.take(s.rows * s.ffn * sizeof(float));      // dh_raw (or the fused GEMM's d w chunks)
+  c.take(s.rows * s.ffn * sizeof(float));      // dh_raw
   c.take(s.rows * s.ffn * eb);                 // h rows
   c.take(s.rows * 2 * s.ffn * eb);             // d gate_up
   c.take(grouped_gemm_workspace_bytes(s.experts));
@@ -156,12 +156,12 @@ std::string expert_ffn_backward(const ExpertFfnShape& s, DType dtype, DType weig
   // gives dout = round_x(w * dy) (and a copy of dy we do not need).
   MOK_RETURN_IF_MESSAGE(gather_dy_rows(dtype, weight_dtype, dy_rows, w_rows, identity, num_rows,
                                        s.rows, 1, s.hidden, dx_rows, dout, stream));
-  // dh = dy @ Wd^T and SwiGLU's backward (fused where it applies, same bits).
-  const DownBackward down{s.experts, g.expert_begin, g.tile_begin, s.rows,  s.rows,
-                          s.hidden,  s.ffn,          dtype,        weight_dtype, dy_rows,
-                          w_down,    gate_up,        w_rows,       identity, identity,
-                          dh_raw,    h_rows,         d_gate_up,    dw_rows};
-  MOK_RETURN_IF_MESSAGE(run_down_backward(down, gemm_ws, gemm_bytes, stream));
+  RowsGemm dgrad2{s.experts, g.expert_begin, s.rows, s.ffn, s.hidden, true, dtype, DType::kF32,
+                  dy_rows, w_down, dh_raw};
+  MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad2, g.tile_begin, gemm_ws, gemm_bytes, stream));
+  MOK_RETURN_IF_MESSAGE(swiglu_backward(dtype, weight_dtype, gate_up, dh_raw, w_rows, identity,
+                                        identity, num_rows, s.rows, s.rows, s.ffn, h_rows,
+                                        d_gate_up, dw_rows, stream));
   RowsGemm dgrad1{s.experts, g.expert_begin, s.rows, s.hidden, 2 * s.ffn, true, dtype, dtype,
                   d_gate_up, w_gate_up, dx_rows};
   MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad1, g.tile_begin, gemm_ws, gemm_bytes, stream));

@@ -56,26 +56,4 @@ size_t rows_swiglu_workspace_bytes(int64_t experts, int device, int sm_count);
 std::string rows_swiglu_run(const SwigluOperands& op, bool pingpong, int device, int sm_count,
                             void* ws, size_t ws_bytes, cudaStream_t stream);
 
-// Backward data-gradient GEMM of W_down with SwiGLU's backward in the epilogue
-// (swiglu_bwd_epilogue.cuh): dy rows [M, H] @ W_down_e^T, F % 256 == 0.
-struct SwigluBwdOperands {
-  int64_t experts;
-  const int64_t* expert_begin;  // device [E + 1]
-  int64_t k;                    // H
-  int64_t ffn;                  // F, a multiple of 256
-  const void* a;                // dy rows [R, H] bf16
-  const void* b;                // W_down [E, F, H] bf16
-  const void* gate_up;          // [R, 2F] bf16, the forward's residual
-  const void* weights;          // combine weights by pair (f32 or bf16)
-  bool weights_f32;
-  const int32_t* row_pair;      // [R]
-  void* h_rows;                 // [R, F] bf16
-  void* d_gate_up;              // [R, 2F] bf16
-  float* dw_chunks;             // [R, F / 256]
-};
-size_t rows_t_swiglu_bwd_workspace_bytes(int64_t experts, int device, int sm_count);
-// pingpong: the 64x256 ping-pong instance instead of the 128x256 cooperative one.
-std::string rows_t_swiglu_bwd_run(const SwigluBwdOperands& op, bool pingpong, int device,
-                                  int sm_count, void* ws, size_t ws_bytes, cudaStream_t stream);
-
 }  // namespace mok::cuda::cutlass_grouped

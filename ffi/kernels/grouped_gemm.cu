@@ -46,8 +46,7 @@ bool tensor_core_device(int cc) {
 }
 
 // Which row-GEMM instances use the ping-pong schedule: MOK_JAX_GEMM_PINGPONG, a
-// comma list of rows_f32, rows_bf16, rows_t_f32, rows_t_bf16, rows_swiglu, rows_t_swiglu_bwd
-// (or "all"),
+// comma list of rows_f32, rows_bf16, rows_t_f32, rows_t_bf16, rows_swiglu (or "all"),
 // read at every call (so that a test can compare both schedules in one process).
 // A tuning knob for benchmarks; the default is the cooperative schedule.
 bool pingpong(const char* instance) {
@@ -91,7 +90,6 @@ size_t grouped_gemm_workspace_bytes(int64_t experts) {
                    tc::rows_t_bf16_pp_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_f32_pp_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_swiglu_workspace_bytes(experts, info.device, info.sm_count),
-                   tc::rows_t_swiglu_bwd_workspace_bytes(experts, info.device, info.sm_count),
                    tc::wgrad_bf16_workspace_bytes(experts, info.device, info.sm_count)});
 #else
   (void)experts;
@@ -165,45 +163,6 @@ std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* worksp
   (void)interleaved, (void)workspace, (void)workspace_bytes, (void)stream;
   return {};
 #endif
-}
-
-bool down_backward_fuses(const DownBackward& p, int cc) {
-  // "0": the unfused path; "fwd": the forward's fusion only (for measurements).
-  const char* knob = std::getenv("MOK_JAX_SWIGLU_EPILOGUE");
-  if (knob != nullptr && (std::strcmp(knob, "0") == 0 || std::strcmp(knob, "fwd") == 0)) {
-    return false;
-  }
-  const auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  return tensor_core_device(cc) && p.dtype == DType::kBF16 &&
-         swiglu_bwd_epilogue_shape(p.hidden, p.ffn) && p.max_rows > 0 && aligned16(p.gate_up) &&
-         aligned16(p.h_rows) && aligned16(p.d_gate_up) && aligned16(p.dy_rows) &&
-         aligned16(p.w_down);
-}
-
-std::string run_down_backward(const DownBackward& p, void* workspace, size_t workspace_bytes,
-                              cudaStream_t stream) {
-  DeviceInfo info;
-  MOK_RETURN_IF_MESSAGE(device_info(&info));
-  const int64_t* num_rows = p.expert_begin + p.experts;
-#ifdef MOK_HAVE_SM90A
-  if (down_backward_fuses(p, info.cc)) {
-    const tc::SwigluBwdOperands op{p.experts,     p.expert_begin, p.hidden,    p.ffn,
-                                   p.dy_rows,     p.w_down,       p.gate_up,   p.expert_weights,
-                                   p.weight_dtype == DType::kF32,  p.row_pair,  p.h_rows,
-                                   p.d_gate_up,   p.scratch};
-    MOK_RETURN_IF_MESSAGE(tc::rows_t_swiglu_bwd_run(op, pingpong("rows_t_swiglu_bwd"), info.device,
-                                                    info.sm_count, workspace, workspace_bytes,
-                                                    stream));
-    return swiglu_dw_from_chunks(p.weight_dtype, p.scratch, p.ffn / 256, p.pair_row, p.pairs,
-                                 p.d_expert_weights, stream);
-  }
-#endif
-  RowsGemm dgrad{p.experts, p.expert_begin, p.max_rows, p.ffn,  p.hidden,  true,
-                 p.dtype,   DType::kF32,    p.dy_rows,  p.w_down, p.scratch};
-  MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad, p.tile_begin, workspace, workspace_bytes, stream));
-  return swiglu_backward(p.dtype, p.weight_dtype, p.gate_up, p.scratch, p.expert_weights,
-                         p.row_pair, p.pair_row, num_rows, p.max_rows, p.pairs, p.ffn, p.h_rows,
-                         p.d_gate_up, p.d_expert_weights, stream);
 }
 
 std::string run_weight_grad_gemm(const WeightGradGemm& p, void* workspace,

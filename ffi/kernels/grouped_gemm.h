@@ -69,38 +69,6 @@ size_t swiglu_interleave_bytes(int64_t experts, int64_t hidden, int64_t ffn, int
 std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream, bool* ran);
 
-// The backward through W_down and SwiGLU: dh = dy_rows @ W_down_e^T (f32), then per
-// kept row h_rows, d_gate_up and d_expert_weights as swiglu_backward defines them.
-// bf16 on sm_90a with F % 256 == 0: one GEMM with SwiGLU's backward in its epilogue
-// (dh never leaves the registers) and a small pass summing each row's d w chunks;
-// else the data-gradient GEMM writes dh to `scratch` and swiglu_backward reads it.
-// Both give the same bits (swiglu_grad.cuh); MOK_JAX_SWIGLU_EPILOGUE=0 forces the
-// second, as it does for the forward (=fwd: for the backward only). The ping-pong
-// instance: MOK_JAX_GEMM_PINGPONG=rows_t_swiglu_bwd.
-struct DownBackward {
-  int64_t experts;
-  const int64_t* expert_begin;  // device [E + 1]
-  const int64_t* tile_begin;    // the routing plan's SIMT tile map
-  int64_t max_rows;             // R
-  int64_t pairs;                // T * K (d_expert_weights' length)
-  int64_t hidden, ffn;
-  DType dtype, weight_dtype;
-  const void* dy_rows;          // [R, H]
-  const void* w_down;           // [E, F, H]
-  const void* gate_up;          // [R, 2F] the forward's residual
-  const void* expert_weights;   // [pairs]
-  const int32_t* row_pair;      // [R]
-  const int32_t* pair_row;      // [pairs], -1 for pairs without a row
-  float* scratch;               // [R, F] f32
-  void* h_rows;                 // [R, F]
-  void* d_gate_up;              // [R, 2F]
-  void* d_expert_weights;       // [pairs]
-};
-std::string run_down_backward(const DownBackward& p, void* workspace, size_t workspace_bytes,
-                              cudaStream_t stream);
-// True when run_down_backward takes the fused GEMM for these operands on this device.
-bool down_backward_fuses(const DownBackward& p, int cc);
-
 // Workspace every launcher here needs for `experts` groups on the current device
 // (pointer arrays, problem shapes, the tensor-core kernels' own workspace).
 size_t grouped_gemm_workspace_bytes(int64_t experts);

@@ -50,7 +50,7 @@ struct BackwardBuffers {
   RoutingPlanDevice plan;
   void* dy_rows;    // [R, H], reused for dx rows once dh is computed
   void* dout_rows;  // [R, H] round(w * dy)
-  float* dh_raw;    // [R, F] f32 (or the fused GEMM's d w chunks, [R, F / 256])
+  float* dh_raw;    // [R, F] f32
   void* h_rows;     // [R, F]
   void* d_gate_up;  // [R, 2F]
   void* gemm_ws;
@@ -141,14 +141,14 @@ std::string moe_backward(const MoeBackwardArgs& a, const void* x_rows, void* wor
   MOK_RETURN_IF_MESSAGE(gather_dy_rows(a.x_dtype, a.weight_dtype, a.dy, a.expert_weights,
                                        b.plan.row_pair, num_rows, pairs, K, H, b.dy_rows,
                                        b.dout_rows, stream));
-  // dh = dy @ Wd^T, then SwiGLU backward and d expert_weights (in the GEMM's
-  // epilogue where it applies; the same bits either way).
-  const DownBackward down{E,           b.plan.expert_begin, b.plan.tile_begin, pairs,
-                          pairs,       H,                   F,                 a.x_dtype,
-                          a.weight_dtype, b.dy_rows,        a.w_down,          a.gate_up,
-                          a.expert_weights, b.plan.row_pair, b.plan.pair_row,  b.dh_raw,
-                          b.h_rows,    b.d_gate_up,         a.d_expert_weights};
-  MOK_RETURN_IF_MESSAGE(run_down_backward(down, b.gemm_ws, b.gemm_ws_bytes, stream));
+  // dh_raw = dy @ Wd^T (f32), then SwiGLU backward and d expert_weights.
+  RowsGemm dgrad2{E, b.plan.expert_begin, pairs, F, H, true, a.x_dtype, DType::kF32,
+                  b.dy_rows, a.w_down, b.dh_raw};
+  MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad2, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));
+  MOK_RETURN_IF_MESSAGE(swiglu_backward(a.x_dtype, a.weight_dtype, a.gate_up, b.dh_raw,
+                                        a.expert_weights, b.plan.row_pair, b.plan.pair_row,
+                                        num_rows, pairs, pairs, F, b.h_rows, b.d_gate_up,
+                                        a.d_expert_weights, stream));
   // dx rows = dgu @ Wgu^T (into the dy rows' buffer, no longer needed).
   void* dx_rows = b.dy_rows;
   RowsGemm dgrad1{E, b.plan.expert_begin, pairs, H, 2 * F, true, a.x_dtype, a.x_dtype,

@@ -5,7 +5,6 @@
 
 #include "cuda_check.h"
 #include "mok/bf16.h"
-#include "swiglu_grad.cuh"
 
 namespace mok::cuda {
 namespace {
@@ -175,8 +174,15 @@ swiglu_forward_kernel(const float* __restrict__ gate_up, const int64_t* __restri
   }
 }
 
-// SwiGLU backward after a data-gradient GEMM that wrote dh in f32 (swiglu_grad.cuh):
-// the unfused twin of the GEMM epilogue in swiglu_bwd_epilogue.cuh, the same bits.
+// Sum over a warp in a fixed order (a fixed xor tree): same bits on every run.
+__device__ __forceinline__ float warp_sum_fixed(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// d_weights[p] = <dh_raw row, h row>: each lane sums its elements in order, then
+// the lanes' partials are added by warp_sum_fixed.
 template <typename X, typename W, int V>
 __global__ void __launch_bounds__(kThreads)
 swiglu_backward_kernel(const X* __restrict__ gate_up, const float* __restrict__ dh_raw,
@@ -192,9 +198,9 @@ swiglu_backward_kernel(const X* __restrict__ gate_up, const float* __restrict__ 
     const X* g = gate_up + r * 2 * ffn;
     const X* u = g + ffn;
     const float* dh = dh_raw + r * ffn;
-    X* h_row = h_rows + r * ffn;
     X* dg = d_gate_up + r * 2 * ffn;
     X* du = dg + ffn;
+    float dw = 0.0f;
     for (int64_t f0 = int64_t(lane) * V; f0 < ffn; f0 += 32 * V * kU) {
       Vec<X, V> gv[kU], uv[kU];
       Vec<float, V> dv[kU];
@@ -214,59 +220,25 @@ swiglu_backward_kernel(const X* __restrict__ gate_up, const float* __restrict__ 
         Vec<X, V> hv, dgv, duv;
 #pragma unroll
         for (int i = 0; i < V; ++i) {
-          const SwigluGrad e =
-              swiglu_grad(to_float(gv[j].v[i]), to_float(uv[j].v[i]), dv[j].v[i], w);
-          hv.v[i] = from_float<X>(e.h_raw);
-          dgv.v[i] = from_float<X>(e.dgate);
-          duv.v[i] = from_float<X>(e.dup);
+          const float gf = to_float(gv[j].v[i]), uf = to_float(uv[j].v[i]);
+          const float s = sigmoid(gf);
+          const float silu = gf * s;
+          const float h = round_to<X>(silu * uf);
+          hv.v[i] = from_float<X>(h);
+          const float dhr = dv[j].v[i];
+          dw += dhr * h;  // <dy, o> = <dy @ Wd^T, h>
+          const float dhw = w * dhr;
+          dgv.v[i] = from_float<X>(dhw * uf * (s * (1.0f + gf * (1.0f - s))));
+          duv.v[i] = from_float<X>(dhw * silu);
         }
-        store_vec<X, V>(h_row + f, hv);
+        store_vec<X, V>(h_rows + r * ffn + f, hv);
         store_vec<X, V>(dg + f, dgv);
         store_vec<X, V>(du + f, duv);
       }
     }
-    // d w = <dy, o> = <dy @ Wd^T, h>, summed in the fused GEMM epilogue's order
-    // (swiglu_grad.cuh): lane 4c' + q sums partial q of chunk c0 + c', from the
-    // dh just read and the h this warp just stored.
-    __syncwarp();
-    const int64_t chunks = (ffn + kSwigluDwChunk - 1) / kSwigluDwChunk;
-    const int q = lane % 4;
-    float total = 0.0f;
-    for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
-      const int64_t c = c0 + lane / 4;
-      float part = 0.0f;
-      if (c < chunks) {
-        for (int j = 0; j < kSwigluDwChunk / 8; ++j) {
-          const int64_t f = c * kSwigluDwChunk + 8 * j + 2 * q;
-          if (f < ffn) part = swiglu_dw_step(part, dh[f], to_float(h_row[f]));
-          if (f + 1 < ffn) part = swiglu_dw_step(part, dh[f + 1], to_float(h_row[f + 1]));
-        }
-      }
-      const float chunk = swiglu_dw_quad_sum(part);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float v = __shfl_sync(0xffffffffu, chunk, 4 * k);
-        if (c0 + k < chunks) total = __fadd_rn(total, v);
-      }
-    }
+    const float total = warp_sum_fixed(dw);
     if (lane == 0) d_weights[p] = from_float<W>(total);
   }
-}
-
-// d_weights[p] = 0 + partial[r, 0] + partial[r, 1] + ... for p's row r (the fused
-// SwiGLU-backward GEMM's per-chunk sums, swiglu_grad.cuh), 0 for pairs without a row.
-template <typename W>
-__global__ void swiglu_dw_from_chunks_kernel(const float* __restrict__ partials, int64_t chunks,
-                                             const int32_t* __restrict__ pair_row, int64_t pairs,
-                                             W* __restrict__ d_weights) {
-  const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (p >= pairs) return;
-  const int32_t r = pair_row[p];
-  float total = 0.0f;
-  if (r >= 0) {
-    for (int64_t c = 0; c < chunks; ++c) total = __fadd_rn(total, partials[r * chunks + c]);
-  }
-  d_weights[p] = from_float<W>(total);
 }
 
 template <typename W>
@@ -458,18 +430,6 @@ std::string swiglu_backward(DType dtype, DType weight_dtype, const void* gate_up
       }, args);
     }
     MOK_CUDA_RETURN_IF_LAUNCH_FAILED("swiglu_backward_kernel");
-    return {};
-  });
-}
-
-std::string swiglu_dw_from_chunks(DType weight_dtype, const float* partials, int64_t chunks,
-                                  const int32_t* pair_row, int64_t pairs, void* d_expert_weights,
-                                  cudaStream_t stream) {
-  if (pairs == 0) return {};
-  return with_dtype(weight_dtype, [&]<typename W>() -> std::string {
-    swiglu_dw_from_chunks_kernel<W><<<(pairs + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-        partials, chunks, pair_row, pairs, static_cast<W*>(d_expert_weights));
-    MOK_CUDA_RETURN_IF_LAUNCH_FAILED("swiglu_dw_from_chunks_kernel");
     return {};
   });
 }

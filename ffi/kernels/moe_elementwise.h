@@ -33,9 +33,8 @@ std::string swiglu_forward(DType dtype, const float* gate_up_f32, const int64_t*
                            cudaStream_t stream);
 
 // Per kept row r (pair p): h = round_x(silu(g) u); d_expert_weights[p] = <dh_raw, h>
-// (summed in the order of swiglu_grad.cuh, the fused GEMM epilogue's); dh = w dh_raw;
-// d_gate_up = round_x([dh u silu'(g), dh silu(g)]); h_rows = h. Pairs without a row get
-// d_expert_weights = 0.
+// (each lane's elements in order, then a fixed xor tree over the warp); dh = w dh_raw; d_gate_up = round_x([dh u silu'(g),
+// dh silu(g)]); h_rows = h. Pairs without a row get d_expert_weights = 0.
 std::string swiglu_backward(DType dtype, DType weight_dtype, const void* gate_up,
                             const float* dh_raw, const void* expert_weights,
                             const int32_t* row_pair, const int32_t* pair_row,
@@ -43,12 +42,6 @@ std::string swiglu_backward(DType dtype, DType weight_dtype, const void* gate_up
                             int64_t ffn, void* h_rows, void* d_gate_up,
                             void* d_expert_weights, cudaStream_t stream);
 
-// After the fused SwiGLU-backward GEMM (run_swiglu_backward_gemm): d_expert_weights[p]
-// = the in-order sum of row pair_row[p]'s `chunks` partial sums ([R, chunks] f32), 0
-// for pairs without a row.
-std::string swiglu_dw_from_chunks(DType weight_dtype, const float* partials, int64_t chunks,
-                                  const int32_t* pair_row, int64_t pairs, void* d_expert_weights,
-                                  cudaStream_t stream);
 // out[t] = round_x(sum over k ascending of weight(t, k) * rows[pair_row[t * K + k]]),
 // f32 sum; weight is expert_weights[t, k], or 1 when expert_weights is null.
 std::string combine_rows(DType dtype, DType weight_dtype, const void* rows,

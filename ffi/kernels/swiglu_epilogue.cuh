@@ -23,44 +23,6 @@
 
 namespace mok::cuda::cutlass_grouped {
 
-// Moving a wgmma accumulator fragment's rows to and from memory 16 bytes at a time:
-// in the fragment each lane of a quad (lane % 4) holds two adjacent columns of every
-// 8-column group of a row; a 4x4 transpose of 32-bit words inside the quad gives each
-// lane 8 adjacent columns of one group (and back: the transpose is its own inverse).
-struct QuadVectors {
-  CUTLASS_DEVICE static uint32_t pack(float a, float b) {
-    return uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
-  }
-  CUTLASS_DEVICE static void store16(bf16* p, const uint32_t (&w)[4]) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-  // On entry lane q of each quad holds row q of a 4x4 matrix of words, M[q][0..3];
-  // on exit it holds column q: w[s] = M[s][q]. Two butterfly stages (lane ^ 2, then
-  // lane ^ 1), two shuffles each.
-  CUTLASS_DEVICE static void quad_transpose(uint32_t (&w)[4], int q) {
-    const bool b1 = q & 2, b0 = q & 1;
-    // Stage 1: keep the columns whose bit 1 is q's, send the other two to lane q ^ 2.
-    const uint32_t keep0 = b1 ? w[2] : w[0], keep1 = b1 ? w[3] : w[1];
-    const uint32_t send0 = b1 ? w[0] : w[2], send1 = b1 ? w[1] : w[3];
-    const uint32_t recv0 = __shfl_xor_sync(0xffffffffu, send0, 2);
-    const uint32_t recv1 = __shfl_xor_sync(0xffffffffu, send1, 2);
-    // t[x][c]: row (q with bit 1 = x), column (2 * bit1(q) + c).
-    uint32_t t00 = b1 ? recv0 : keep0, t01 = b1 ? recv1 : keep1;
-    uint32_t t10 = b1 ? keep0 : recv0, t11 = b1 ? keep1 : recv1;
-    // Stage 2: keep column bit 0 == bit0(q), send the other to lane q ^ 1.
-    const uint32_t s0 = b0 ? t00 : t01, s1 = b0 ? t10 : t11;
-    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-    const uint32_t k0 = b0 ? t01 : t00, k1 = b0 ? t11 : t10;
-    // Row s = 2 * x + y of the result: y == bit0(q) kept, the other received.
-    w[0] = b0 ? r0 : k0;
-    w[1] = b0 ? k0 : r0;
-    w[2] = b0 ? r1 : k1;
-    w[3] = b0 ? k1 : r1;
-  }
-
-};
-
 // The epilogue proper, in CUTLASS's "no shared memory" epilogue interface (see
 // cutlass/epilogue/collective/default_epilogue_array.hpp), wrapped below in
 // Sm90TmaWarpSpecializedAdapter for the warp-specialized kernels.
@@ -192,22 +154,22 @@ class SwigluEpilogue {
           const int i = 4 * (j0 + k) + 2 * half;
           const float g0 = accumulators(i), g1 = accumulators(i + 1);
           const float u0 = accumulators(i + kValues / 2), u1 = accumulators(i + kValues / 2 + 1);
-          h[k] = QuadVectors::pack(g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
-          g[k] = QuadVectors::pack(g0, g1);
-          u[k] = QuadVectors::pack(u0, u1);
+          h[k] = pack(g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
+          g[k] = pack(g0, g1);
+          u[k] = pack(u0, u1);
         }
         // Every lane shuffles (full warp), whether or not its row is stored.
-        QuadVectors::quad_transpose(h, quad_lane);
+        quad_transpose(h, quad_lane);
         const int64_t f = int64_t(n_coord) * kHalf + (get<1>(coords(4 * j0)) & ~7) +
                           8 * quad_lane;  // column 0 of group j0 + quad_lane
-        if (row_ok) QuadVectors::store16(params_.h + row * ffn + f, h);
+        if (row_ok) store16(params_.h + row * ffn + f, h);
         if (params_.gate_up != nullptr) {
-          QuadVectors::quad_transpose(g, quad_lane);
-          QuadVectors::quad_transpose(u, quad_lane);
+          quad_transpose(g, quad_lane);
+          quad_transpose(u, quad_lane);
           if (row_ok) {
             bf16* gu = params_.gate_up + row * 2 * ffn;
-            QuadVectors::store16(gu + f, g);
-            QuadVectors::store16(gu + ffn + f, u);
+            store16(gu + f, g);
+            store16(gu + ffn + f, u);
           }
         }
       }
@@ -216,6 +178,36 @@ class SwigluEpilogue {
 
  private:
   CUTLASS_DEVICE static float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+  CUTLASS_DEVICE static uint32_t pack(float a, float b) {
+    return uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
+  }
+  CUTLASS_DEVICE static void store16(bf16* p, const uint32_t (&w)[4]) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  // On entry lane q of each quad holds row q of a 4x4 matrix of words, M[q][0..3];
+  // on exit it holds column q: w[s] = M[s][q]. Two butterfly stages (lane ^ 2, then
+  // lane ^ 1), two shuffles each.
+  CUTLASS_DEVICE static void quad_transpose(uint32_t (&w)[4], int q) {
+    const bool b1 = q & 2, b0 = q & 1;
+    // Stage 1: keep the columns whose bit 1 is q's, send the other two to lane q ^ 2.
+    const uint32_t keep0 = b1 ? w[2] : w[0], keep1 = b1 ? w[3] : w[1];
+    const uint32_t send0 = b1 ? w[0] : w[2], send1 = b1 ? w[1] : w[3];
+    const uint32_t recv0 = __shfl_xor_sync(0xffffffffu, send0, 2);
+    const uint32_t recv1 = __shfl_xor_sync(0xffffffffu, send1, 2);
+    // t[x][c]: row (q with bit 1 = x), column (2 * bit1(q) + c).
+    uint32_t t00 = b1 ? recv0 : keep0, t01 = b1 ? recv1 : keep1;
+    uint32_t t10 = b1 ? keep0 : recv0, t11 = b1 ? keep1 : recv1;
+    // Stage 2: keep column bit 0 == bit0(q), send the other to lane q ^ 1.
+    const uint32_t s0 = b0 ? t00 : t01, s1 = b0 ? t10 : t11;
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+    const uint32_t k0 = b0 ? t01 : t00, k1 = b0 ? t11 : t10;
+    // Row s = 2 * x + y of the result: y == bit0(q) kept, the other received.
+    w[0] = b0 ? r0 : k0;
+    w[1] = b0 ? k0 : r0;
+    w[2] = b0 ? r1 : k1;
+    w[3] = b0 ? k1 : r1;
+  }
 
   Params params_;
 };

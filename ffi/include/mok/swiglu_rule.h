@@ -1,5 +1,5 @@
-// When the CUDA kernels run SwiGLU in a GEMM's epilogue (bf16 on sm_90a): the
-// rules on shapes, shared by the kernels and the Python bindings (tests ask it).
+// When the CUDA forward runs GEMM1 with SwiGLU in its epilogue (bf16 on sm_90a):
+// the rule on shapes, shared by the kernels and the Python bindings (tests ask it).
 #pragma once
 
 #include <cstdint>
@@ -14,13 +14,6 @@ namespace mok {
 inline bool swiglu_epilogue_shape(int64_t experts, int64_t hidden, int64_t ffn, int64_t rows) {
   return experts > 0 && hidden > 0 && hidden % 8 == 0 && ffn > 0 && ffn % 128 == 0 &&
          4 * experts * hidden <= rows;
-}
-
-// The backward: the data-gradient GEMM of W_down runs SwiGLU's backward in its
-// epilogue (bf16 on sm_90a) when a 256-column tile covers whole chunks of F and
-// the rows are 16-byte aligned. No weight copy is needed, so no rule on rows.
-inline bool swiglu_bwd_epilogue_shape(int64_t hidden, int64_t ffn) {
-  return hidden > 0 && hidden % 8 == 0 && ffn > 0 && ffn % 256 == 0;
 }
 
 }  // namespace mok

@@ -11,6 +11,9 @@
 # this tree's mok_jax/_mok*.so, or, with MOK_WHEEL=path/to/mok_jax-*.whl, the
 # one installed from that wheel; it is copied into BASE_DIR/mok_jax too, so the
 # comparison is of the Python alone (the C++ must not have changed in between).
+# With MOK_BASE_WHEEL=path/to/base's mok_jax-*.whl the base runs on its own
+# extension instead: an A/B of the C++ too (the wheels must be of the same
+# Python version; the base tree's Python must match its wheel's FFI signatures).
 #
 # RUNS: one run per line, "TAG ROOT ARGS...", ROOT "new" (this tree) or "base";
 # TRAIN_ARGS: the arguments every run shares. OUTDIR gets summary.txt (each
@@ -40,9 +43,16 @@ fi
 so=$(ls mok_jax/_mok*.so 2>/dev/null)
 [ -n "$so" ] || { echo "no mok_jax/_mok*.so in the tree: pass MOK_WHEEL" >&2; exit 1; }
 [ -f "$BASE/examples/train_moe_lm.py" ] || { echo "$BASE has no examples/train_moe_lm.py" >&2; exit 1; }
-cp $so "$BASE/mok_jax/" || exit 1
+if [ -n "${MOK_BASE_WHEEL:-}" ]; then
+  rm -rf /tmp/mok_ab_base_wheel
+  $PY -m pip install -q --no-deps --no-index --target /tmp/mok_ab_base_wheel "$MOK_BASE_WHEEL" \
+    || exit 1
+  cp /tmp/mok_ab_base_wheel/mok_jax/_mok*.so "$BASE/mok_jax/" || exit 1
+else
+  cp $so "$BASE/mok_jax/" || exit 1
+fi
 
-echo "train_ab: $(date -u); base $BASE; extension $(basename $so); args: $TRAIN_ARGS" > "$S"
+echo "train_ab: $(date -u); base $BASE; extension $(basename $so); base wheel ${MOK_BASE_WHEEL:-same}; args: $TRAIN_ARGS" > "$S"
 status=0
 while read -r tag root args; do
   [ -n "$tag" ] || continue

@@ -932,12 +932,21 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     tokens_per_step = cfg.batch * cfg.seq
     pending: list[tuple[int, dict]] = []
     t_run = time.perf_counter()
-    t_mark, steps_since_mark, compile_s = None, 0, None
+    # Throughput is timed between completed steps: t_mark is when step mark_step was
+    # known to be done (None: no mark yet), and an interval's rate is its steps over
+    # the time between two such moments.
+    t_mark, mark_step, compile_s = None, start, None
 
-    def flush():
-        for step_done, metrics in jax.device_get(pending):
+    def flush(upto=None):
+        """Moves the metrics of steps <= upto (all when None) to the log; waits for them."""
+        ready = [(s, m) for s, m in pending if upto is None or s <= upto]
+        for step_done, metrics in jax.device_get(ready):
             log["train"].append({"step": step_done, **{k: float(v) for k, v in metrics.items()}})
-        pending.clear()
+        pending[:] = pending[len(ready):]
+
+    def mark(step_done):
+        nonlocal t_mark, mark_step
+        t_mark, mark_step = time.perf_counter(), step_done
 
     untimed = untimed_steps()
     profile_from = start + untimed + 2 if args.profile else None
@@ -945,68 +954,80 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     if profile_to is not None and profile_to > stop:
         raise SystemExit(f"--profile needs {profile_to - start} steps to run, this run has "
                          f"{stop - start}")
+
+    def log_interval(upto):
+        """The log line of step `upto`: waits for it (only for it: a later step may
+        already be queued, so the GPU does not idle while the host logs)."""
+        flush(upto)
+        now = time.perf_counter()
+        profiled = profile_from is not None and mark_step < profile_to and upto > profile_from
+        timed = t_mark is not None and upto > mark_step and not profiled
+        if timed:
+            dt = (now - t_mark) / (upto - mark_step)
+            row = {"step": upto, "steps": upto - mark_step, "step_time_s": dt,
+                   "tokens_per_s": tokens_per_step / dt}
+            if peak:
+                row["mfu"] = row["tokens_per_s"] * flops_per_token(cfg) / (peak * 1e12 * dp * ep)
+            log["throughput"].append(row)
+        last = log["train"][-1]
+        tps = log["throughput"][-1]["tokens_per_s"] if log["throughput"] else float("nan")
+        if progress is not None:
+            progress.set_postfix(loss=f"{last['ce']:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+        else:  # no bar: one line per log interval
+            rate = f", {tps:,.0f} tokens/s" if timed else ""
+            mfu = (f", MFU {100 * log['throughput'][-1]['mfu']:.1f}%"
+                   if timed and "mfu" in log["throughput"][-1] else "")
+            print(f"step {upto}: train loss {last['ce']:.4f}{rate}{mfu}", flush=True)
+        if args.no_checkpoint:  # no checkpoint saves to carry the log: write it now
+            write_json(log_path, log)
+        # The next interval starts when this step was done (the host's logging above
+        # ran while the next step was already on the GPU): the new (t_mark, mark_step).
+        return now, upto
+
+    deferred = None  # a log step whose line waits until the next step is dispatched
     for step in range(start, stop):
         batch = jax.device_put(batch_at(corpus.train, step, cfg), tokens_sharding)
-        # Traced steps are not training throughput (no CUDA graphs, the tracer's
-        # cost): they are not counted, and the interval they fall in restarts after.
-        profiling = profile_from is not None and profile_from <= step < profile_to
         if step == profile_from:
             jax.block_until_ready(state)
             jax.profiler.start_trace(args.profile)
             t_profile = time.perf_counter()
         state, metrics = train_step(state, batch)
-        if step + 1 == profile_to:
+        done = step + 1
+        pending.append((done, metrics))
+        if deferred is not None:  # step `done` is queued: now wait for `deferred`
+            t_mark, mark_step = log_interval(deferred)
+            deferred = None
+        if done == profile_to:
             jax.block_until_ready((state, metrics))
             profile_wall = time.perf_counter() - t_profile
             jax.profiler.stop_trace()
             log["profile"] = profile_step(args, cfg, train_step, state, batch, profile_wall)
-            t_mark, steps_since_mark = time.perf_counter(), 0  # profiling is not training
-        pending.append((step + 1, metrics))
-        done = step + 1
+            mark(done)  # profiling is not training
         if done - start <= untimed:  # compiling steps: time them apart
             jax.block_until_ready(metrics)
             if compile_s is None:
                 compile_s = time.perf_counter() - t_run
-            t_mark, steps_since_mark = time.perf_counter(), 0
-        elif not profiling:
-            steps_since_mark += 1
+            mark(done)
+        evaluating = done % cfg.eval_every == 0 or done == cfg.steps
+        saving = not args.no_checkpoint and (done % cfg.ckpt_every == 0 or done == stop)
         if done % cfg.log_every == 0 or done == stop:
-            flush()
-            now = time.perf_counter()
-            timed = steps_since_mark > 0 and not profiling
-            if timed:
-                dt = (now - t_mark) / steps_since_mark
-                row = {"step": done, "steps": steps_since_mark, "step_time_s": dt,
-                       "tokens_per_s": tokens_per_step / dt}
-                if peak:
-                    row["mfu"] = row["tokens_per_s"] * flops_per_token(cfg) / (
-                        peak * 1e12 * dp * ep)
-                log["throughput"].append(row)
-            last = log["train"][-1]
-            tps = log["throughput"][-1]["tokens_per_s"] if log["throughput"] else float("nan")
-            if progress is not None:
-                progress.set_postfix(loss=f"{last['ce']:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
-            else:  # no bar: one line per log interval
-                rate = f", {tps:,.0f} tokens/s" if timed else ""
-                mfu = (f", MFU {100 * log['throughput'][-1]['mfu']:.1f}%"
-                       if timed and "mfu" in log["throughput"][-1] else "")
-                print(f"step {done}: train loss {last['ce']:.4f}{rate}{mfu}", flush=True)
-            if args.no_checkpoint:  # no checkpoint saves to carry the log: write it now
-                write_json(log_path, log)
-            t_mark, steps_since_mark = time.perf_counter(), 0
+            if done == stop or evaluating or saving:
+                t_mark, mark_step = log_interval(done)  # waits anyway
+            else:
+                deferred = done
         if progress is not None:
             progress.update(1)
-        if done % cfg.eval_every == 0 or done == cfg.steps:
+        if evaluating:
             flush()
             log["eval"].append({"step": done, "loss": evaluate(state)})
             msg = f"step {done}: eval loss {log['eval'][-1]['loss']:.4f}"
             (progress.write if progress is not None else print)(msg)
-            t_mark, steps_since_mark = time.perf_counter(), 0  # evaluating is not training
-        if not args.no_checkpoint and (done % cfg.ckpt_every == 0 or done == stop):
+            mark(done)  # evaluating is not training
+        if saving:
             flush()
             save_checkpoint(manager, state)
             write_json(log_path, log)
-            t_mark, steps_since_mark = time.perf_counter(), 0  # nor is saving
+            mark(done)  # nor is saving
     flush()
     if progress is not None:
         progress.close()

@@ -3,6 +3,7 @@ resume, the h200 preset traces) and mesh_experiments.py (every mesh agrees), fro
 their command lines and in process."""
 
 import json
+import re
 import math
 import os
 import subprocess
@@ -360,6 +361,37 @@ def test_pgle_untimed_steps_are_the_profiled_and_recompiling_ones(tmp_path):
     timed = {r["step"]: r["steps"] for r in log["throughput"]}
     assert timed == {10: 10 - untimed}, timed
     assert log["config"]["grad_reduce_lag"] == 1 and log["mesh"] == {"dp": 2, "ep": 1}
+
+
+def test_log_lines_wait_only_for_their_own_step(tmp_path, monkeypatch):
+    """A log line of a step that neither evaluates nor saves is written after the
+    next step has been dispatched: the host waits for the logged step only, and
+    the GPU has the next one queued (a log line used to drain the pipeline). The
+    throughput rows still cover every timed step once, and every step's losses
+    are logged in order."""
+    events = []
+    batch_at = lm.batch_at
+
+    def dispatching(data, step, cfg, **kw):
+        events.append(("dispatch", step + 1))
+        return batch_at(data, step, cfg, **kw)
+
+    def printing(*args, **kw):
+        events.append(("print", " ".join(map(str, args))))
+
+    monkeypatch.setattr(lm, "batch_at", dispatching)
+    monkeypatch.setattr(lm, "print", printing, raising=False)
+    log = lm.main(["--steps", "12", "--eval-every", "12", "--out", str(tmp_path / "run"),
+                   "--no-checkpoint", *SMALL, "--log-every", "3"])
+    printed = {int(m.group(1)): i for i, (kind, text) in enumerate(events)
+               if kind == "print" and (m := re.match(r"step (\d+): train loss", text))}
+    assert sorted(printed) == [3, 6, 9, 12]
+    for step in (3, 6, 9):  # step 12 evaluates: the pipeline drains there anyway
+        assert printed[step] > events.index(("dispatch", step + 1)), (step, events)
+    assert [r["step"] for r in log["train"]] == list(range(1, 13))
+    rows = log["throughput"]
+    assert [r["step"] for r in rows] == [3, 6, 9, 12]
+    assert sum(r["steps"] for r in rows) == 12 - lm.untimed_steps()
 
 
 def test_profile_refuses_pgle():

@@ -988,6 +988,9 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     for step in range(start, stop):
         batch = jax.device_put(batch_at(corpus.train, step, cfg), tokens_sharding)
         if step == profile_from:
+            if deferred is not None:  # its interval must not time the tracer's start
+                t_mark, mark_step = log_interval(deferred)
+                deferred = None
             jax.block_until_ready(state)
             jax.profiler.start_trace(args.profile)
             t_profile = time.perf_counter()

@@ -211,10 +211,13 @@ def _split_router_fwd(tokens, kernel):
 
 
 def _explicit_sharding(x: jax.Array):
-    """``x``'s sharding where the current mesh has Explicit axes, else None: there a
-    dot that contracts a sharded dimension must be told its result's sharding."""
+    """``x``'s sharding where its mesh (the context's, else the one its type names)
+    has Explicit axes, else None: there a dot that contracts a sharded dimension
+    must be told its result's sharding."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not mesh.explicit_axes:
+    if mesh.empty:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty or not mesh.explicit_axes:
         return None
     return jax.typeof(x).sharding
 
@@ -236,7 +239,9 @@ def _split_router_bwd(residuals, d_logits):
     lhs = jnp.concatenate([d_terms[i] for i, _ in pairs], axis=-1)         # [..., 6E]
     rhs = jnp.concatenate([w_terms[j] for _, j in pairs], axis=1)          # [H, 6E]
     # Accumulated in f32 and rounded once, to the tokens' dtype, by the GEMM.
-    d_tokens = jnp.dot(lhs, rhs.T, preferred_element_type=tokens.dtype)
+    # (Contracted over 6E: sharded where the kernel's E is.)
+    d_tokens = jnp.dot(lhs, rhs.T, preferred_element_type=tokens.dtype,
+                       out_sharding=_explicit_sharding(tokens))
     return d_tokens, d_kernel  # f32: router_logits passes the kernel in f32
 
 

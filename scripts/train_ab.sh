@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Same-call A/B of the training example: this tree's Python against a base commit's,
-# both on one extension, one run after another on the same machine.
+# one run after another on the same machine: both on one extension, or (with
+# MOK_BASE_WHEEL) each on its own.
 #
 #   scripts/train_ab.sh OUTDIR BASE_DIR
 #
@@ -40,7 +41,7 @@ if [ -n "${MOK_WHEEL:-}" ]; then
   $PY -m pip install -q --no-deps --no-index --target /tmp/mok_ab_wheel "$MOK_WHEEL" || exit 1
   cp /tmp/mok_ab_wheel/mok_jax/_mok*.so mok_jax/ || exit 1
 fi
-so=$(ls mok_jax/_mok*.so 2>/dev/null)
+so=$(ls mok_jax/_mok*.so 2>/dev/null | tr '\n' ' ')
 [ -n "$so" ] || { echo "no mok_jax/_mok*.so in the tree: pass MOK_WHEEL" >&2; exit 1; }
 [ -f "$BASE/examples/train_moe_lm.py" ] || { echo "$BASE has no examples/train_moe_lm.py" >&2; exit 1; }
 if [ -n "${MOK_BASE_WHEEL:-}" ]; then
@@ -52,7 +53,7 @@ else
   cp $so "$BASE/mok_jax/" || exit 1
 fi
 
-echo "train_ab: $(date -u); base $BASE; extension $(basename $so); base wheel ${MOK_BASE_WHEEL:-same}; args: $TRAIN_ARGS" > "$S"
+echo "train_ab: $(date -u); base $BASE; extension(s) $so; base wheel ${MOK_BASE_WHEEL:-same}; args: $TRAIN_ARGS" > "$S"
 status=0
 while read -r tag root args; do
   [ -n "$tag" ] || continue

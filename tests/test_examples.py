@@ -373,7 +373,8 @@ def test_log_lines_wait_only_for_their_own_step(tmp_path, monkeypatch):
     batch_at = lm.batch_at
 
     def dispatching(data, step, cfg, **kw):
-        events.append(("dispatch", step + 1))
+        if kw.get("stream", 0) == 0:  # training batches (the eval set has its own stream)
+            events.append(("dispatch", step + 1))
         return batch_at(data, step, cfg, **kw)
 
     def printing(*args, **kw):
@@ -386,6 +387,7 @@ def test_log_lines_wait_only_for_their_own_step(tmp_path, monkeypatch):
     printed = {int(m.group(1)): i for i, (kind, text) in enumerate(events)
                if kind == "print" and (m := re.match(r"step (\d+): train loss", text))}
     assert sorted(printed) == [3, 6, 9, 12]
+    assert [e for e in events if e[0] == "dispatch"] == [("dispatch", s) for s in range(1, 13)]
     for step in (3, 6, 9):  # step 12 evaluates: the pipeline drains there anyway
         assert printed[step] > events.index(("dispatch", step + 1)), (step, events)
     assert [r["step"] for r in log["train"]] == list(range(1, 13))

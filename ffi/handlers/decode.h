@@ -56,6 +56,7 @@ inline ffi::Error decode(const char* op, const ffi::AnyBuffer& x, const ffi::Buf
 // The forward's results must match the decoded problem.
 inline ffi::Error check_forward_results(const char* op, const Decoded& d, const ffi::AnyBuffer& y,
                                         const ffi::AnyBuffer& gate_up,
+                                        const ffi::AnyBuffer& x_rows,
                                         const ffi::Buffer<ffi::S32>& tokens_per_expert,
                                         bool save_gate_up) {
   const auto [T, K, E, H, F] = d.shape;
@@ -63,13 +64,16 @@ inline ffi::Error check_forward_results(const char* op, const Decoded& d, const 
   MOK_RETURN_IF_ERROR(expect_dtype(op, "y", y, d.x_dtype));
   MOK_RETURN_IF_ERROR(expect_shape(op, "gate_up", gate_up, {save_gate_up ? T * K : 0, 2 * F}));
   MOK_RETURN_IF_ERROR(expect_dtype(op, "gate_up", gate_up, d.x_dtype));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "x_rows", x_rows, {save_gate_up ? T * K : 0, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "x_rows", x_rows, d.x_dtype));
   MOK_RETURN_IF_ERROR(expect_shape(op, "tokens_per_expert", tokens_per_expert, {E}));
   return ffi::Error::Success();
 }
 
 // The backward's extra operands and its results must match the decoded problem.
 inline ffi::Error check_backward_operands(const char* op, const Decoded& d,
-                                          const ffi::AnyBuffer& gate_up, const ffi::AnyBuffer& dy,
+                                          const ffi::AnyBuffer& gate_up,
+                                          const ffi::AnyBuffer& x_rows, const ffi::AnyBuffer& dy,
                                           const ffi::AnyBuffer& dx,
                                           const ffi::AnyBuffer& d_expert_weights,
                                           const ffi::AnyBuffer& d_w_gate_up,
@@ -77,6 +81,8 @@ inline ffi::Error check_backward_operands(const char* op, const Decoded& d,
   const auto [T, K, E, H, F] = d.shape;
   MOK_RETURN_IF_ERROR(expect_shape(op, "gate_up", gate_up, {T * K, 2 * F}));
   MOK_RETURN_IF_ERROR(expect_dtype(op, "gate_up", gate_up, d.x_dtype));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "x_rows", x_rows, {T * K, H}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "x_rows", x_rows, d.x_dtype));
   MOK_RETURN_IF_ERROR(expect_shape(op, "dy", dy, {T, H}));
   MOK_RETURN_IF_ERROR(expect_dtype(op, "dy", dy, d.x_dtype));
   MOK_RETURN_IF_ERROR(expect_shape(op, "dx", dx, {T, H}));

@@ -16,21 +16,6 @@ using ffi_checks::check_forward_results;
 using ffi_checks::decode;
 using ffi_checks::Decoded;
 
-// The forward's x_rows result ([T*K or 0, H], x.dtype) and the backward's x_rows
-// operand ([T*K, H]); the same checks as the CUDA handlers'.
-ffi::Error check_forward_x_rows(const char* op, const Decoded& d, const ffi::AnyBuffer& x_rows,
-                                bool save_gate_up) {
-  const auto [T, K, E, H, F] = d.shape;
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "x_rows", x_rows, {save_gate_up ? T * K : 0, H}));
-  return ffi_checks::expect_dtype(op, "x_rows", x_rows, d.x_dtype);
-}
-
-ffi::Error check_backward_x_rows(const char* op, const Decoded& d, const ffi::AnyBuffer& x_rows) {
-  const auto [T, K, E, H, F] = d.shape;
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "x_rows", x_rows, {T * K, H}));
-  return ffi_checks::expect_dtype(op, "x_rows", x_rows, d.x_dtype);
-}
-
 ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                          ffi::AnyBuffer expert_weights, ffi::AnyBuffer w_gate_up,
                          ffi::AnyBuffer w_down, int64_t capacity, bool save_gate_up,
@@ -42,8 +27,8 @@ ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
   constexpr const char* op = "mok_moe_fwd";
   Decoded d;
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
-  MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *tokens_per_expert, save_gate_up));
-  MOK_RETURN_IF_ERROR(check_forward_x_rows(op, d, *x_rows, save_gate_up));
+  MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *x_rows, *tokens_per_expert,
+                                            save_gate_up));
 
   const MoeForwardArgs args = ffi_checks::forward_args(
       d, x, expert_ids, expert_weights, w_gate_up, w_down, capacity, save_gate_up, *y,
@@ -62,9 +47,8 @@ ffi::Error MoeBackwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
   constexpr const char* op = "mok_moe_bwd";
   Decoded d;
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
-  MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, dy, *dx, *d_expert_weights,
+  MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, x_rows, dy, *dx, *d_expert_weights,
                                               *d_w_gate_up, *d_w_down));
-  MOK_RETURN_IF_ERROR(check_backward_x_rows(op, d, x_rows));
   const MoeBackwardArgs args = ffi_checks::backward_args(
       d, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity, *dx,
       *d_expert_weights, *d_w_gate_up, *d_w_down);

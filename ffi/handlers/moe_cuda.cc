@@ -42,21 +42,6 @@ ffi::Error take_scratch(ffi::ScratchAllocator& scratch, size_t bytes, void** out
   return ffi::Error::Success();
 }
 
-// The forward's x_rows result ([T*K or 0, H], x.dtype) and the backward's x_rows
-// operand ([T*K, H]); the same checks as the CPU handlers'.
-ffi::Error check_forward_x_rows(const char* op, const Decoded& d, const ffi::AnyBuffer& x_rows,
-                                bool save_gate_up) {
-  const auto [T, K, E, H, F] = d.shape;
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "x_rows", x_rows, {save_gate_up ? T * K : 0, H}));
-  return ffi_checks::expect_dtype(op, "x_rows", x_rows, d.x_dtype);
-}
-
-ffi::Error check_backward_x_rows(const char* op, const Decoded& d, const ffi::AnyBuffer& x_rows) {
-  const auto [T, K, E, H, F] = d.shape;
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "x_rows", x_rows, {T * K, H}));
-  return ffi_checks::expect_dtype(op, "x_rows", x_rows, d.x_dtype);
-}
-
 // Row and pair indices are int32 on the device.
 ffi::Error rows_fit_int32(const char* op, int64_t rows) {
   if (rows <= INT32_MAX) return ffi::Error::Success();
@@ -76,8 +61,8 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   constexpr const char* op = "mok_moe_fwd (CUDA)";
   Decoded d;
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
-  MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *tokens_per_expert, save_gate_up));
-  MOK_RETURN_IF_ERROR(check_forward_x_rows(op, d, *x_rows, save_gate_up));
+  MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *x_rows, *tokens_per_expert,
+                                            save_gate_up));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
 
   const MoeForwardArgs args = ffi_checks::forward_args(
@@ -106,9 +91,8 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   constexpr const char* op = "mok_moe_bwd (CUDA)";
   Decoded d;
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
-  MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, dy, *dx, *d_expert_weights,
+  MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, x_rows, dy, *dx, *d_expert_weights,
                                               *d_w_gate_up, *d_w_down));
-  MOK_RETURN_IF_ERROR(check_backward_x_rows(op, d, x_rows));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
 
   const MoeBackwardArgs args = ffi_checks::backward_args(

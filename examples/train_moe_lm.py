@@ -944,9 +944,9 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             log["train"].append({"step": step_done, **{k: float(v) for k, v in metrics.items()}})
         pending[:] = pending[len(ready):]
 
-    def mark(step_done):
+    def mark(step_done, when=None):
         nonlocal t_mark, mark_step
-        t_mark, mark_step = time.perf_counter(), step_done
+        t_mark, mark_step = time.perf_counter() if when is None else when, step_done
 
     untimed = untimed_steps()
     profile_from = start + untimed + 2 if args.profile else None
@@ -981,15 +981,15 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
         if args.no_checkpoint:  # no checkpoint saves to carry the log: write it now
             write_json(log_path, log)
         # The next interval starts when this step was done (the host's logging above
-        # ran while the next step was already on the GPU): the new (t_mark, mark_step).
-        return now, upto
+        # ran while the next step was already on the GPU).
+        mark(upto, now)
 
     deferred = None  # a log step whose line waits until the next step is dispatched
     for step in range(start, stop):
         batch = jax.device_put(batch_at(corpus.train, step, cfg), tokens_sharding)
         if step == profile_from:
             if deferred is not None:  # its interval must not time the tracer's start
-                t_mark, mark_step = log_interval(deferred)
+                log_interval(deferred)
                 deferred = None
             jax.block_until_ready(state)
             jax.profiler.start_trace(args.profile)
@@ -998,7 +998,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
         done = step + 1
         pending.append((done, metrics))
         if deferred is not None:  # step `done` is queued: now wait for `deferred`
-            t_mark, mark_step = log_interval(deferred)
+            log_interval(deferred)
             deferred = None
         if done == profile_to:
             jax.block_until_ready((state, metrics))
@@ -1015,7 +1015,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
         saving = not args.no_checkpoint and (done % cfg.ckpt_every == 0 or done == stop)
         if done % cfg.log_every == 0 or done == stop:
             if done == stop or evaluating or saving:
-                t_mark, mark_step = log_interval(done)  # waits anyway
+                log_interval(done)  # waits anyway
             else:
                 deferred = done
         if progress is not None:

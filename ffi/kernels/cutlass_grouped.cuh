@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cute/tensor.hpp"
@@ -169,6 +170,24 @@ size_t carve(void* ws, int64_t experts, GroupArrays<G>* out) {
   return c.used();
 }
 
+// Measurement knobs of the persistent tile scheduler, read at every call (a
+// benchmark can compare settings in one process): MOK_JAX_GEMM_RASTER "m" (tiles
+// along M first, CUTLASS's grouped default) or "n", and MOK_JAX_GEMM_SWIZZLE 1, 2,
+// 4 or 8 (CUTLASS's default 1). Unset or other values: the defaults. Tile order
+// changes no result: every tile is still reduced by one CTA over K in order.
+template <class SchedulerArguments>
+void apply_scheduler_knobs(SchedulerArguments& s) {
+  using Raster = decltype(s.raster_order);
+  if (const char* r = std::getenv("MOK_JAX_GEMM_RASTER")) {
+    if (r[0] == 'n' && r[1] == '\0') s.raster_order = Raster::AlongN;
+    if (r[0] == 'm' && r[1] == '\0') s.raster_order = Raster::AlongM;
+  }
+  if (const char* z = std::getenv("MOK_JAX_GEMM_SWIZZLE")) {
+    const int v = std::atoi(z);
+    if (v == 1 || v == 2 || v == 4 || v == 8) s.max_swizzle_size = v;
+  }
+}
+
 template <class G>
 typename G::Device::Arguments make_arguments(const GroupArrays<G>& g, int64_t experts,
                                              int device, int sm_count) {
@@ -192,6 +211,7 @@ typename G::Device::Arguments make_arguments(const GroupArrays<G>& g, int64_t ex
   args.epilogue.dD = g.stride_d;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
+  apply_scheduler_knobs(args.scheduler);
   return args;
 }
 

@@ -60,6 +60,7 @@ typename G::Device::Arguments make_swiglu_arguments(const SwigluArrays<G>& g,
   args.epilogue.ffn = op.ffn;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
+  apply_scheduler_knobs(args.scheduler);
   return args;
 }
 

@@ -128,6 +128,83 @@ def test_swiglu_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew, capaci
     assert _rel(fused[0], y_ref) <= 2e-2
 
 
+# Finite bf16 bit patterns the rounding must get right beside ordinary values:
+# zeros, the largest values (sums of two overflow f32 to infinity, or round up to
+# it in bf16), subnormals, powers of two that make halfway cases (1 + 2^-8 lies
+# halfway between two bf16 values), 1 + one ulp. (No infinities or NaNs among the
+# weights: an x entry of 0 times one would make the whole accumulator NaN.)
+SPECIAL_BF16 = [0x0000, 0x8000, 0x7F7F, 0xFF7F, 0x7F70, 0x0001, 0x807F, 0x0080, 0x3F80,
+                0xBF80, 0x3B80, 0x3B40, 0x3F81, 0x7F00, 0x0100]
+# NaNs with a sign and a payload, and infinities, for x.
+NONFINITE_BF16 = [0x7FC1, 0xFFC5, 0x7F80, 0xFF80]
+
+
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_swiglu_epilogue_rounds_special_values_like_unfused(monkeypatch, schedule):
+    """The epilogue rounds h, g and u to bf16 with the hardware's conversion; the
+    unfused SwiGLU kernel with float_to_bf16. Each x row holds two nonzeros, so each
+    accumulator is the f32 sum of two weight entries (or their products with a NaN
+    or an infinity). Three kinds of rows: (0) sums of entries drawn from
+    SPECIAL_BF16 and random values; (1) sums of finite values from subnormal to 2^30
+    and halfway makers, so that h is finite and seen exactly through y with
+    W_down = I; (2) a NaN or an infinity in x. The saved residual (g and u) and y
+    must have the same bits in both paths."""
+    from mok_jax import _mok, primitives as prim
+    T, E, H, F = 1536, 2, 128, 128
+    assert _mok.swiglu_epilogue_shape(E, H, F, T)
+    assert _mok.HAS_SM90A_KERNELS and jax.devices()[0].compute_capability == "9.0"
+    rng = np.random.default_rng(11)
+    half = H // 2
+
+    def bf16_values(bits):
+        return np.array(bits, np.uint16).view(jnp.bfloat16).astype(np.float32)
+
+    special = bf16_values(SPECIAL_BF16)
+    wgu = np.empty((E, H, 2 * F), np.float32)
+    shape = (E, half, 2 * F)
+    # W rows [0, H/2): half special values, half random normals.
+    wgu[:, :half] = np.where(rng.random(shape) < 0.5,
+                             special[rng.integers(0, len(special), shape)],
+                             rng.standard_normal(shape) * 4.0)
+    # W rows [H/2, H): finite, exponents from the subnormals up, and halfway makers.
+    finite = rng.standard_normal(shape) * np.exp2(rng.integers(-133, 30, shape))
+    halfway = rng.choice([1.0, 2.0**-8, 3 * 2.0**-9, -1.0], shape)
+    wgu[:, half:] = np.where(rng.random(shape) < 0.2, halfway, finite)
+    wgu = jnp.asarray(wgu, jnp.bfloat16)
+    kind = np.arange(T) % 3
+    a = rng.integers(0, half, T)
+    b = (a + rng.integers(1, half, T)) % half
+    offset = np.where(kind == 1, half, 0)
+    x = np.zeros((T, H), np.float32)
+    x[np.arange(T), a + offset] = np.where(
+        kind == 2, bf16_values(NONFINITE_BF16)[rng.integers(0, len(NONFINITE_BF16), T)], 1.0)
+    x[np.arange(T), b + offset] = 1.0
+    x = jnp.asarray(x, jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, E, (T, 1)), jnp.int32)
+    w = jnp.ones((T, 1), jnp.float32)
+    wd = jnp.broadcast_to(jnp.eye(F, H, dtype=jnp.bfloat16), (E, F, H))
+    fwd = jax.jit(lambda *args: prim.moe_fwd_p.bind(*args, capacity=prim.NO_CAPACITY,
+                                                    save_gate_up=True)[:2])
+    if schedule == "pingpong":
+        monkeypatch.setenv("MOK_JAX_GEMM_PINGPONG", "rows_swiglu")
+    fused = jax.block_until_ready(fwd(x, ids, w, wgu, wd))
+    monkeypatch.setenv("MOK_JAX_SWIGLU_EPILOGUE", "0")
+    monkeypatch.delenv("MOK_JAX_GEMM_PINGPONG", raising=False)
+    unfused = fwd(x, ids, w, wgu, wd)
+    for name, got, want in zip(("y (h)", "gate_up"), fused, unfused):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                      np.asarray(want).view(np.uint16), err_msg=name)
+    # The draw reaches the cases: NaNs, both infinities and subnormals among g and
+    # u, and every h of a finite row is finite (y's rows are the tokens' own rows).
+    gu = np.asarray(fused[1]).view(np.uint16)
+    exponent, mantissa = gu & 0x7F80, gu & 0x7F
+    assert ((exponent == 0x7F80) & (mantissa != 0)).any(), "no NaN"
+    assert (gu == 0x7F80).any() and (gu == 0xFF80).any(), "no infinity"
+    assert ((exponent == 0) & (mantissa != 0)).any(), "no subnormal"
+    y = np.asarray(fused[0]).view(np.uint16)[kind == 1]
+    assert ((y & 0x7F80) < 0x7F80).all(), "h of a finite row is not finite"
+
+
 @pytest.mark.parametrize("shape", SHAPES[1:])
 def test_f32_matches_reference_tightly(shape):
     T, K, E, H, F = shape

@@ -1,14 +1,17 @@
-"""The row kernels' stores in PTX: copies of 16-byte vectors must stay 16-byte stores.
+"""Kernels' stores in PTX: 16-byte vector stores must stay 16-byte stores.
 
-nvcc has twice turned a vector copy inside a loop into one store per element
-(gather_rows_kernel for bf16 rows longer than 1024, gather_dy_kernel's copy of dy for
-f32 rows longer than 512): the results stay right, so no numerical test sees it,
-and the kernel runs at a fifth of the memory's speed. This test compiles
-ffi/kernels/moe_elementwise.cu to PTX with the nvcc on PATH (CI has one; skipped
-without) and checks every vectorised instantiation of the pure row-moving kernels.
+nvcc has three times turned a vector store into smaller ones (gather_rows_kernel for
+bf16 rows longer than 1024 and gather_dy_kernel's copy of dy for f32 rows longer
+than 512, one store per element; the SwiGLU GEMM epilogue's uint4 stores, four
+4-byte stores each): the results stay right, so no numerical test sees it, and the
+kernels run slower (the row kernels at a fifth of the memory's speed). These tests
+compile ffi/kernels/moe_elementwise.cu and gemm_tc_rows_swiglu.cu to PTX with the
+nvcc on PATH (CI has one; skipped without) and check every vectorised instantiation
+of the pure row-moving kernels and both SwiGLU GEMM instances.
 """
 
 import collections
+import importlib.util
 import os
 import re
 import shutil
@@ -38,17 +41,23 @@ def entries(ptx):
         yield name, ptx[pos:end]
 
 
+def compile_ptx(source, out, includes=()):
+    """PTX of `source` as the build compiles it for sm_90a (CMakeLists.txt's flags)."""
+    cmd = [nvcc, "-O3", "-DNDEBUG", "-std=c++20", "-arch=sm_90a", "--expt-relaxed-constexpr",
+           "-diag-suppress=2908", "-DMOK_HAVE_SM90A", "-I", os.path.join(ROOT, "ffi"),
+           "-I", os.path.join(ROOT, "ffi", "include")]
+    for path in includes:
+        cmd += ["-isystem", path]
+    done = subprocess.run(cmd + ["-ptx", source, "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, f"nvcc failed:\n{done.stderr}"
+    return out.read_text()
+
+
 @pytest.fixture(scope="module")
 def ptx(tmp_path_factory):
     if nvcc is None:
         pytest.skip("no nvcc on PATH")
-    out = tmp_path_factory.mktemp("ptx") / "moe_elementwise.ptx"
-    cmd = [nvcc, "-O3", "-std=c++20", "-arch=sm_90a", "--expt-relaxed-constexpr",
-           "-diag-suppress=2908", "-DMOK_HAVE_SM90A", "-I", os.path.join(ROOT, "ffi"),
-           "-I", os.path.join(ROOT, "ffi", "include"), "-ptx", SOURCE, "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, f"nvcc failed:\n{done.stderr}"
-    return out.read_text()
+    return compile_ptx(SOURCE, tmp_path_factory.mktemp("ptx") / "moe_elementwise.ptx")
 
 
 def test_vectorised_row_kernels_store_only_vectors(ptx):
@@ -83,3 +92,25 @@ def test_the_check_sees_element_wise_stores():
     assert stores == {".v4.u32": 1, ".f32": 1}
     assert [bool(VECTOR.search(k)) for k in (".v4.u32", ".cs.v2.f32", ".f32", ".u16")] == [
         True, True, False, False]
+
+
+def test_swiglu_gemm_epilogue_stores_only_16_byte_vectors(tmp_path):
+    """GEMM1's SwiGLU epilogue (ffi/kernels/swiglu_epilogue.cuh) writes h and the
+    gate/up residual as 16-byte stores; the rest of those kernels (CUTLASS's TMA
+    main loop) stores nothing to global memory itself."""
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    spec = importlib.util.find_spec("cutlass_library")  # the nvidia-cutlass package
+    if spec is None:
+        pytest.skip("no CUTLASS headers (pip install nvidia-cutlass, in the test extra)")
+    pkg = spec.submodule_search_locations[0]
+    includes = [os.path.join(pkg, "source", "include"),
+                os.path.join(pkg, "source", "tools", "util", "include")]
+    source = os.path.join(ROOT, "ffi", "kernels", "gemm_tc_rows_swiglu.cu")
+    text = compile_ptx(source, tmp_path / "swiglu.ptx", includes)
+    kernels = {name: collections.Counter(m.group(1) for m in STORE.finditer(body))
+               for name, body in entries(text)
+               if "device_kernel" in name and "SwigluEpilogue" in name}
+    assert len(kernels) == 2, list(kernels)  # the cooperative and ping-pong instances
+    for name, stores in kernels.items():
+        assert stores and all(VECTOR.search(k) and ".v4" in k for k in stores), (name, stores)

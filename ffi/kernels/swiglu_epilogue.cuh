@@ -178,11 +178,26 @@ class SwigluEpilogue {
 
  private:
   CUTLASS_DEVICE static float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+  // Two floats rounded to bf16, `a` in the low half, by the hardware's
+  // round-to-nearest-even conversion: one instruction for both, where
+  // float_to_bf16 takes ~8 integer instructions a value (the epilogue rounds three
+  // values an output). The bits are float_to_bf16's for every non-NaN value; a NaN
+  // becomes the canonical 0x7FFF, which is also float_to_bf16's result for the only
+  // NaN that reaches here (the GPU's arithmetic, tensor cores included, produces
+  // the canonical 0x7FFFFFFF). tests/test_gpu.py checks the bits against the
+  // unfused path with NaN, infinite, subnormal and halfway inputs.
   CUTLASS_DEVICE static uint32_t pack(float a, float b) {
-    return uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
+    uint32_t packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(b), "f"(a));  // b: high half
+    return packed;
   }
+  // One 16-byte store, written as PTX: nvcc compiled a uint4 store here (plain or
+  // through memcpy) to four 4-byte stores (tests/test_ptx.py checks the instances'
+  // PTX). No "memory" clobber: nothing in the kernel reads h or gate_up, so the
+  // compiler may keep scheduling other work around the stores.
   CUTLASS_DEVICE static void store16(bf16* p, const uint32_t (&w)[4]) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]),
+                 "r"(w[2]), "r"(w[3]));
   }
   // On entry lane q of each quad holds row q of a 4x4 matrix of words, M[q][0..3];
   // on exit it holds column q: w[s] = M[s][q]. Two butterfly stages (lane ^ 2, then

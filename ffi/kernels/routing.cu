@@ -43,6 +43,26 @@ constexpr int kMaxExpertsPerThread = 16;
 static_assert(kMaxRoutedExperts <= kScanThreads * kMaxExpertsPerThread,
               "scan_plan keeps each thread's experts in registers");
 
+// Replaces expert e's counts over chunks [c0, c1) (column e of chunk_hist) by their
+// exclusive prefix sums, starting at `running`; returns the sum after the last.
+// Loads go out kBatch at a time before the stores that follow them.
+__device__ __forceinline__ int64_t scan_chunk_counts(int32_t* chunk_hist, int64_t experts,
+                                                     int64_t e, int64_t c0, int64_t c1,
+                                                     int64_t running) {
+  constexpr int kBatch = 8;
+  for (int64_t c = c0; c < c1; c += kBatch) {
+    int32_t v[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) v[j] = c + j < c1 ? chunk_hist[(c + j) * experts + e] : 0;
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (c + j < c1) chunk_hist[(c + j) * experts + e] = static_cast<int32_t>(running);
+      running += v[j];
+    }
+  }
+  return running;
+}
+
 // 2. One block: per-expert exclusive offsets over chunks, capacity, prefix sums.
 __global__ void __launch_bounds__(kScanThreads)
 scan_plan(int64_t chunks, int64_t experts, int64_t capacity, int32_t* __restrict__ chunk_hist,
@@ -57,21 +77,46 @@ scan_plan(int64_t chunks, int64_t experts, int64_t capacity, int32_t* __restrict
   } tmp;
   __shared__ int64_t carry_rows, carry_tiles;
 
-  // Each thread owns a contiguous run of at most kMaxExpertsPerThread experts, so
-  // one block scan serves any E; its counts stay in registers (no other thread
-  // reads or writes them before the scan).
-  const int64_t per_thread = (experts + kScanThreads - 1) / kScanThreads;
-  const int64_t e0 = min(experts, int64_t(threadIdx.x) * per_thread);
-  const int64_t e1 = min(experts, e0 + per_thread);
+  // Which experts' counts this thread scans over the chunks, and which experts it
+  // then owns (in thread order = expert order, for the block scans below). With
+  // few experts, `lanes` consecutive threads of a warp (a power of two) share one
+  // expert: each scans a contiguous run of chunks and a shuffle scan orders the
+  // runs; the last of them owns the expert. Otherwise each thread scans and owns a
+  // contiguous run of at most kMaxExpertsPerThread experts (their counts stay in
+  // registers: no other thread reads or writes them before the scan).
+  int lanes = 1;
+  while (lanes < 32 && experts * lanes * 2 <= kScanThreads) lanes *= 2;
+  int64_t e0, e1, total = 0;
+  if (lanes > 1) {
+    const int lane = threadIdx.x % lanes;
+    const int64_t e = threadIdx.x / lanes;  // lanes divides 32: an expert's threads share a warp
+    const bool scans = e < experts;
+    const int64_t per = (chunks + lanes - 1) / lanes;
+    const int64_t c0 = min(chunks, lane * per), c1 = min(chunks, c0 + per);
+    int64_t sum = 0;
+    if (scans) {
+      for (int64_t c = c0; c < c1; ++c) sum += chunk_hist[c * experts + e];
+    }
+    int64_t inclusive = sum;  // over this expert's runs up to this one (every thread takes part)
+    for (int d = 1; d < lanes; d *= 2) {
+      const int64_t before = __shfl_up_sync(0xffffffffu, inclusive, d, lanes);
+      if (lane >= d) inclusive += before;
+    }
+    if (scans) scan_chunk_counts(chunk_hist, experts, e, c0, c1, inclusive - sum);
+    const bool owns = scans && lane == lanes - 1;
+    e0 = owns ? e : experts;
+    e1 = owns ? e + 1 : experts;
+    total = inclusive;
+  } else {
+    const int64_t per_thread = (experts + kScanThreads - 1) / kScanThreads;
+    e0 = min(experts, int64_t(threadIdx.x) * per_thread);
+    e1 = min(experts, e0 + per_thread);
+  }
   int64_t kept_of[kMaxExpertsPerThread], tiles_of[kMaxExpertsPerThread];
   int64_t kept_sum = 0, tiles_sum = 0, dropped_sum = 0;
   for (int64_t e = e0; e < e1; ++e) {
-    int64_t running = 0;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int32_t v = chunk_hist[c * experts + e];
-      chunk_hist[c * experts + e] = static_cast<int32_t>(running);  // offset within expert
-      running += v;
-    }
+    const int64_t running =
+        lanes > 1 ? total : scan_chunk_counts(chunk_hist, experts, e, 0, chunks, 0);
     const int64_t kept = capacity < 0 ? running : min(running, capacity);
     if (tokens_per_expert != nullptr) tokens_per_expert[e] = static_cast<int32_t>(running);
     dropped_sum += running - kept;
@@ -109,11 +154,16 @@ scan_plan(int64_t chunks, int64_t experts, int64_t capacity, int32_t* __restrict
   }
 }
 
-// 3. One warp per chunk walks its pairs in order, 32 at a time.
-__global__ void place_rows(const int32_t* __restrict__ ids, int64_t pairs, int64_t experts,
-                           const int32_t* __restrict__ chunk_offset,
-                           const int64_t* __restrict__ expert_begin,
-                           int32_t* __restrict__ pair_row, int32_t* __restrict__ row_pair) {
+// 3. One warp per chunk walks its pairs in order, 32 at a time. The pairs' expert
+// ids and their experts' offsets are loaded first, kPlaceBatch steps at a time,
+// so that the ordered walk waits on shared memory only.
+constexpr int kPlaceBatch = 16;
+static_assert(kRoutingChunk % (32 * kPlaceBatch) == 0, "whole batches of steps per chunk");
+
+__global__ void __launch_bounds__(32)
+place_rows(const int32_t* __restrict__ ids, int64_t pairs, int64_t experts,
+           const int32_t* __restrict__ chunk_offset, const int64_t* __restrict__ expert_begin,
+           int32_t* __restrict__ pair_row, int32_t* __restrict__ row_pair) {
   extern __shared__ int32_t seen[];  // pairs of each expert placed so far in this chunk
   const int lane = threadIdx.x;
   for (int64_t e = lane; e < experts; e += 32) seen[e] = 0;
@@ -122,29 +172,44 @@ __global__ void place_rows(const int32_t* __restrict__ ids, int64_t pairs, int64
   const int64_t end = min(pairs, begin + kRoutingChunk);
   const int32_t* offset = chunk_offset + int64_t(blockIdx.x) * experts;
   const unsigned lanes_below = (1u << lane) - 1u;
-  for (int64_t base = begin; base < end; base += 32) {
-    const int64_t p = base + lane;
-    const int32_t e = p < end ? ids[p] : -1;
-    const bool valid = p < end && valid_expert(e, experts);
-    // Lanes with the same valid expert; invalid lanes and lanes past the end form
-    // their own groups and are ignored.
-    const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
-    int32_t local = 0;
-    if (valid) local = seen[e] + __popc(peers & lanes_below);
-    __syncwarp();
-    if (valid && (peers & lanes_below) == 0) seen[e] += __popc(peers);
-    __syncwarp();
-    if (p >= end) continue;
-    int32_t row = -1;
-    if (valid) {
-      const int64_t n = int64_t(offset[e]) + local;
-      const int64_t first = expert_begin[e];
-      if (first + n < expert_begin[e + 1]) {
-        row = static_cast<int32_t>(first + n);
+  for (int64_t base = begin; base < end; base += 32 * kPlaceBatch) {
+    int32_t e_of[kPlaceBatch];
+    int64_t first_of[kPlaceBatch], stop_of[kPlaceBatch];
+#pragma unroll
+    for (int s = 0; s < kPlaceBatch; ++s) {
+      const int64_t p = base + s * 32 + lane;
+      e_of[s] = p < end ? ids[p] : -1;
+    }
+#pragma unroll
+    for (int s = 0; s < kPlaceBatch; ++s) {
+      // The expert's first row for this chunk and its end; -1 past the end or invalid.
+      const int32_t e = e_of[s];
+      const bool valid = base + s * 32 + lane < end && valid_expert(e, experts);
+      e_of[s] = valid ? e : -1;
+      first_of[s] = valid ? expert_begin[e] + offset[e] : 0;
+      stop_of[s] = valid ? expert_begin[e + 1] : 0;
+    }
+#pragma unroll
+    for (int s = 0; s < kPlaceBatch; ++s) {
+      const int64_t p = base + s * 32 + lane;
+      const int32_t e = e_of[s];
+      const bool valid = e >= 0;
+      // Lanes with the same valid expert; invalid lanes and lanes past the end form
+      // their own groups and are ignored.
+      const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
+      int32_t local = 0;
+      if (valid) local = seen[e] + __popc(peers & lanes_below);
+      __syncwarp();
+      if (valid && (peers & lanes_below) == 0) seen[e] += __popc(peers);
+      __syncwarp();
+      if (p >= end) continue;
+      int32_t row = -1;
+      if (valid && first_of[s] + local < stop_of[s]) {
+        row = static_cast<int32_t>(first_of[s] + local);
         row_pair[row] = static_cast<int32_t>(p);
       }
+      pair_row[p] = row;
     }
-    pair_row[p] = row;
   }
 }
 

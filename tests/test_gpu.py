@@ -256,6 +256,40 @@ def test_bitwise_deterministic_over_20_runs(dtype):
             np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@pytest.mark.parametrize("experts,capacity_factor", [(3, None), (32, 0.8), (300, 1.0)])
+def test_routing_plan_matches_the_cpu_plan_over_many_chunks(experts, capacity_factor):
+    """The CUDA routing plan (per-chunk histograms, the scan over chunks, the ordered
+    placement: ffi/kernels/routing.cu) puts every kept pair in the CPU plan's row:
+    an expert's rows in token order, then k, the first `capacity` of them kept. Seen
+    through the forward's x_rows residual, whose row r is x of row r's token (x rows
+    are distinct), at 40 chunks of pairs with invalid ids: few experts (lanes share
+    an expert's scan over chunks, some with no chunks) and many (a thread each)."""
+    from mok_jax import primitives as prim
+    T, K, H, F = 10000, 4, 16, 16
+    rng = np.random.default_rng(experts)
+    ids = rng.integers(0, experts, (T, K)).astype(np.int32)
+    ids[rng.random((T, K)) < 0.02] = experts + 1
+    x = np.zeros((T, H), np.float32)
+    x[:, 0], x[:, 1] = np.arange(T) % 256, np.arange(T) // 256  # exact in bf16
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids),
+            jnp.asarray(rng.random((T, K)), jnp.float32),
+            jnp.asarray(rng.standard_normal((experts, H, 2 * F)) * 0.25, jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((experts, F, H)) * 0.25, jnp.bfloat16))
+    cap = mok_jax.capacity(capacity_factor, T, K, experts)
+    cap = prim.NO_CAPACITY if cap is None else cap
+    fwd = jax.jit(lambda *a: prim.moe_fwd_p.bind(*a, capacity=cap, save_gate_up=True)[2:])
+    plans = [fwd(*jax.device_put(args, device))
+             for device in (jax.devices("gpu")[0], jax.devices("cpu")[0])]
+    (x_rows, per_expert, dropped, invalid), (x_rows_cpu, per_expert_cpu, dropped_cpu,
+                                             invalid_cpu) = plans
+    assert (int(dropped), int(invalid)) == (int(dropped_cpu), int(invalid_cpu))
+    np.testing.assert_array_equal(np.asarray(per_expert), np.asarray(per_expert_cpu))
+    assert int(invalid) > 0 and (int(dropped) > 0) == (capacity_factor is not None)
+    kept = T * K - int(dropped) - int(invalid)  # rows past these: untouched on the GPU
+    np.testing.assert_array_equal(np.asarray(x_rows[:kept]).view(np.uint16),
+                                  np.asarray(x_rows_cpu[:kept]).view(np.uint16))
+
+
 def test_invalid_ids_and_all_on_one_expert():
     T, K, E, H, F = 130, 2, 4, 64, 32
     x, ids, w, wgu, wd = _problem(T, K, E, H, F, jnp.bfloat16, seed=2)

@@ -1,0 +1,126 @@
+"""Kernel times of one `mok_jax.moe` layer, forward and forward+backward, from a trace.
+
+    python scripts/layer_kernels.py --shape preset=32768,4,32,1024,1024 [--dtype bf16]
+    python scripts/layer_kernels.py --shapes small-experts --calls 10
+
+Each pass is jitted, run a few times, then traced over `--calls` calls with
+``jax.profiler``. Printed per pass: the kernels' summed time per call, each
+kernel's time and launches per call (kernels of one name added), and the launch
+order of the last call (where a layer's time goes, kernel by kernel: how session
+10 found GEMM1's epilogue; docs/perf.md). CUTLASS's GEMM kernels get short labels
+(schedule, SwiGLU epilogue, output type) and a number; the legend at the end maps
+the numbers to the kernels' full names. On a CPU the runtime's thunks stand in for
+kernels: each of the layer's FFI calls is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+import zlib
+
+import jax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import step_profile  # noqa: E402  (examples/step_profile.py: the trace reader)
+
+import mok_jax  # noqa: E402
+from mok_jax import bench  # noqa: E402
+
+DTYPES = {"bf16": jax.numpy.bfloat16, "f32": jax.numpy.float32}
+
+
+def label(kernel: str) -> str:
+    """A short name: CUTLASS GEMMs by their traits and a stable number, others cut."""
+    if "GemmUniversal" not in kernel:
+        return kernel[:100]
+    traits = [name for key, name in (("Pingpong", "ping-pong"), ("Cooperative", "cooperative"),
+                                     ("Swiglu", "SwiGLU epilogue"))
+              if key in kernel]
+    return f"CUTLASS GEMM #{zlib.crc32(kernel.encode()) % 10000:04d} ({', '.join(traits)})"
+
+
+def kernel_table(ops, calls: int) -> tuple[str, dict[str, str]]:
+    """The per-pass text for `ops` (start_ns, end_ns, kernel, hlo_op, device) of
+    `calls` calls, and the labels used ({label: full name})."""
+    ops = sorted(ops)
+    total = collections.Counter()
+    launches = collections.Counter()
+    names = {}
+    for start, end, kernel, _, _ in ops:
+        name = label(kernel)
+        names[name] = kernel
+        total[name] += (end - start) / 1e6 / calls
+        launches[name] += 1
+    whole = sum(total.values())
+    lines = [f"kernels: {whole:.3f} ms per call ({len(ops) / calls:g} launches)",
+             "| ms per call | share | launches per call | kernel |", "| --- | --- | --- | --- |"]
+    for name, ms in total.most_common():
+        lines.append(f"| {ms:.3f} | {ms / whole:.1%} | {launches[name] / calls:g} | {name} |")
+    per_call = len(ops) // calls
+    lines.append(f"launch order of the last call ({per_call} launches):")
+    for start, end, kernel, op, _ in ops[len(ops) - per_call:]:
+        lines.append(f"{(end - start) / 1e3:10.1f} us  {op[:28]:28s} {label(kernel)}")
+    return "\n".join(lines), names
+
+
+def profile_pass(shape, pass_name: str, dtype, *, calls: int, warmup: int, trace_dir: str):
+    """Trace `calls` calls of one pass of `mok_jax.moe` at `shape`; the trace's ops."""
+    inputs = bench.make_inputs(shape, dtype)
+    step, arg_names = bench.build_step(mok_jax.moe, pass_name)
+    args = [inputs[n] for n in arg_names]
+    for _ in range(warmup):
+        jax.block_until_ready(step(*args))
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(calls):
+        jax.block_until_ready(step(*args))
+    jax.profiler.stop_trace()
+    return step_profile.device_ops(trace_dir, module="")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", action="append", type=bench.custom_shape, default=[],
+                        help="[NAME=]T,K,E,H,F (repeatable)")
+    parser.add_argument("--shapes", type=lambda s: [x for x in s.split(",") if x], default=[],
+                        help=f"bench shapes by name: {', '.join(bench.FULL_SHAPES)}")
+    parser.add_argument("--passes", default="fwd,fwdbwd", help="fwd, fwdbwd or both")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--calls", type=int, default=5, help="traced calls per pass")
+    parser.add_argument("--warmup", type=int, default=3, help="untraced calls first")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.shapes if s not in bench.FULL_SHAPES]
+    if unknown:
+        parser.error(f"unknown bench shape(s) {unknown}: pick from {list(bench.FULL_SHAPES)}")
+    passes = [p for p in args.passes.split(",") if p]
+    if not passes or any(p not in ("fwd", "fwdbwd") for p in passes):
+        parser.error(f"--passes {args.passes!r}: fwd, fwdbwd or both")
+    if args.calls < 1 or args.warmup < 1:
+        parser.error("--calls and --warmup must be at least 1 (the first call compiles)")
+    shapes = args.shape + [bench.FULL_SHAPES[s] for s in args.shapes]
+    if not shapes:
+        parser.error("give --shape T,K,E,H,F or --shapes NAME[,NAME]")
+    legend = {}
+    for shape in shapes:
+        for pass_name in passes:
+            with tempfile.TemporaryDirectory() as trace_dir:
+                ops = profile_pass(shape, pass_name, DTYPES[args.dtype], calls=args.calls,
+                                   warmup=args.warmup, trace_dir=trace_dir)
+            text, names = kernel_table(ops, args.calls)
+            legend.update(names)
+            print(f"## {shape.name} (T {shape.tokens}, K {shape.top_k}, E {shape.experts}, "
+                  f"H {shape.hidden}, F {shape.ffn}), {args.dtype}, {pass_name} on "
+                  f"{jax.devices()[0].device_kind}\n{text}\n", flush=True)
+    for name, kernel in legend.items():
+        if name != kernel:
+            print(f"{name} = {kernel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

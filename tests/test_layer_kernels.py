@@ -1,0 +1,55 @@
+"""scripts/layer_kernels.py: a layer's kernels from a trace, per pass (on a CPU the
+runtime's thunks stand in for kernels: each of the layer's FFI calls is one)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import mok_jax
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "layer_kernels.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+
+import layer_kernels  # noqa: E402
+
+
+def _run(*argv):
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
+                          timeout=600, env=env, check=False)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_both_passes_list_the_layers_calls_in_order():
+    code, out = _run("--shape", "tiny=64,2,4,32,16", "--calls", "2", "--warmup", "1")
+    assert code == 0, out[-3000:]
+    fwd, fwdbwd = out.split("## tiny")[1:]
+    assert ", fwd on " in fwd and ", fwdbwd on " in fwdbwd
+    if "on cpu" in fwd:  # one thunk per FFI call: the forward, then the backward
+        assert re.search(r"\| 100\.0% \| 1 \| mok_moe_fwd", fwd), fwd
+        lines = fwdbwd.split("launch order of the last call (2 launches):")[1].split("\n")
+        ops = [line.split()[2].split(".")[0] for line in lines if " us " in line]
+        assert ops == ["mok_moe_fwd", "mok_moe_bwd"], fwdbwd
+    shares = [float(s) for s in re.findall(r"\| [\d.]+ \| ([\d.]+)% \|", fwdbwd)]
+    assert abs(sum(shares) - 100.0) < 0.5, shares
+
+
+def test_bad_arguments_are_refused_by_name():
+    code, out = _run("--shapes", "nope")
+    assert code == 2 and "unknown bench shape" in out
+    code, out = _run("--shape", "tiny=64,2,4,32,16", "--passes", "bwd")
+    assert code == 2 and "--passes" in out
+
+
+def test_cutlass_kernels_get_short_stable_labels():
+    coop = "void cutlass::device_kernel<GemmUniversal<...KernelPtrArrayTmaWarpSpecializedCooperative" \
+           "...SwigluEpilogue>>(Params)"
+    pp = coop.replace("Cooperative", "Pingpong").replace("SwigluEpilogue", "Sm90Epilogue")
+    a, b = layer_kernels.label(coop), layer_kernels.label(pp)
+    assert a.startswith("CUTLASS GEMM #") and a.endswith("(cooperative, SwiGLU epilogue)")
+    assert b.endswith("(ping-pong)") and a.split()[2] != b.split()[2]
+    assert layer_kernels.label(coop) == a  # the number depends on the name only
+    assert layer_kernels.label("gather_rows_kernel<bf16, 8>") == "gather_rows_kernel<bf16, 8>"

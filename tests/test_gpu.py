@@ -129,12 +129,14 @@ def test_swiglu_epilogue_gives_the_unfused_bits(monkeypatch, shape, skew, capaci
 
 
 # Finite bf16 bit patterns the rounding must get right beside ordinary values:
-# zeros, the largest values (sums of two overflow f32 to infinity, or round up to
-# it in bf16), subnormals, powers of two that make halfway cases (1 + 2^-8 lies
-# halfway between two bf16 values), 1 + one ulp. (No infinities or NaNs among the
-# weights: an x entry of 0 times one would make the whole accumulator NaN.)
+# zeros, the largest values (the sum of two overflows f32 to infinity; the largest
+# plus 2^119 (0x7B00) lies halfway between it and infinity in bf16 and rounds to
+# infinity, plus 1.5 * 2^119 (0x7B40) rounds up, plus 2^118 (0x7A80) rounds down),
+# subnormals, powers of two that make halfway cases (1 + 2^-8 lies halfway between
+# two bf16 values), 1 + one ulp. (No infinities or NaNs among the weights: an x
+# entry of 0 times one would make the whole accumulator NaN.)
 SPECIAL_BF16 = [0x0000, 0x8000, 0x7F7F, 0xFF7F, 0x7F70, 0x0001, 0x807F, 0x0080, 0x3F80,
-                0xBF80, 0x3B80, 0x3B40, 0x3F81, 0x7F00, 0x0100]
+                0xBF80, 0x3B80, 0x3B40, 0x3F81, 0x7F00, 0x0100, 0x7B00, 0x7B40, 0x7A80]
 # NaNs with a sign and a payload, and infinities, for x.
 NONFINITE_BF16 = [0x7FC1, 0xFFC5, 0x7F80, 0xFF80]
 
@@ -148,7 +150,8 @@ def test_swiglu_epilogue_rounds_special_values_like_unfused(monkeypatch, schedul
     SPECIAL_BF16 and random values; (1) sums of finite values from subnormal to 2^30
     and halfway makers, so that h is finite and seen exactly through y with
     W_down = I; (2) a NaN or an infinity in x. The saved residual (g and u) and y
-    must have the same bits in both paths."""
+    must have the same bits in both paths. (h's rounding is seen on finite rows
+    only: a row whose h holds an infinity or a NaN is NaN in y through 0 * inf.)"""
     from mok_jax import _mok, primitives as prim
     T, E, H, F = 1536, 2, 128, 128
     assert _mok.swiglu_epilogue_shape(E, H, F, T)
@@ -256,16 +259,25 @@ def test_bitwise_deterministic_over_20_runs(dtype):
             np.testing.assert_array_equal(np.asarray(a), b)
 
 
-@pytest.mark.parametrize("experts,capacity_factor", [(3, None), (32, 0.8), (300, 1.0)])
+# (experts, capacity factor): scan_plan's lanes per expert are 32, 16, 8, 4, 2 and 1
+# (one thread an expert), and two experts a thread past 512 experts.
+ROUTING_CASES = [(3, None), (32, 0.8), (40, 0.9), (100, None), (200, 1.0), (300, 1.0),
+                 (1000, 1.0)]
+
+
+@pytest.mark.parametrize("experts,capacity_factor", ROUTING_CASES)
 def test_routing_plan_matches_the_cpu_plan_over_many_chunks(experts, capacity_factor):
     """The CUDA routing plan (per-chunk histograms, the scan over chunks, the ordered
     placement: ffi/kernels/routing.cu) puts every kept pair in the CPU plan's row:
     an expert's rows in token order, then k, the first `capacity` of them kept. Seen
     through the forward's x_rows residual, whose row r is x of row r's token (x rows
-    are distinct), at 40 chunks of pairs with invalid ids: few experts (lanes share
-    an expert's scan over chunks, some with no chunks) and many (a thread each)."""
+    are distinct), at 42 chunks of pairs (the last one partial) with invalid ids:
+    few experts (lanes share an expert's scan over chunks, some with no chunks) and
+    many (a thread each, or two). (x_rows cannot tell two pairs of one token apart:
+    random ids can send a token twice to one expert, and a swap of those two rows
+    would pass.)"""
     from mok_jax import primitives as prim
-    T, K, H, F = 10000, 4, 16, 16
+    T, K, H, F = 10750, 4, 16, 16
     rng = np.random.default_rng(experts)
     ids = rng.integers(0, experts, (T, K)).astype(np.int32)
     ids[rng.random((T, K)) < 0.02] = experts + 1

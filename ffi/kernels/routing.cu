@@ -82,8 +82,8 @@ scan_plan(int64_t chunks, int64_t experts, int64_t capacity, int32_t* __restrict
   // few experts, `lanes` consecutive threads of a warp (a power of two) share one
   // expert: each scans a contiguous run of chunks and a shuffle scan orders the
   // runs; the last of them owns the expert. Otherwise each thread scans and owns a
-  // contiguous run of at most kMaxExpertsPerThread experts (their counts stay in
-  // registers: no other thread reads or writes them before the scan).
+  // contiguous run of at most kMaxExpertsPerThread experts (their counts are this
+  // thread's alone: no other thread reads or writes them before the scan).
   int lanes = 1;
   while (lanes < 32 && experts * lanes * 2 <= kScanThreads) lanes *= 2;
   int64_t e0, e1, total = 0;

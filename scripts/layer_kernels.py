@@ -11,6 +11,12 @@ order of the last call (where a layer's time goes, kernel by kernel: how session
 (schedule, SwiGLU epilogue, output type) and a number; the legend at the end maps
 the numbers to the kernels' full names. On a CPU the runtime's thunks stand in for
 kernels: each of the layer's FFI calls is one.
+
+`--load-max L` routes like a training run whose router has not balanced yet: expert
+0 gets L times the mean load (a share L*K/E of the tokens pick it; at most E/K,
+every token), the other experts share the rest evenly. The default is the bench's
+routing (top-K of random logits: about even). In the h200 preset's first hundred
+steps the busiest expert's load falls from E/K = 8 times the mean to ~3.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import tempfile
 import zlib
 
 import jax
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -69,9 +76,26 @@ def kernel_table(ops, calls: int) -> tuple[str, dict[str, str]]:
     return "\n".join(lines), names
 
 
-def profile_pass(shape, pass_name: str, dtype, *, calls: int, warmup: int, trace_dir: str):
+def skewed_ids(shape, load_max: float, seed: int = 0) -> np.ndarray:
+    """expert_ids [T, K] int32, K distinct experts a token, expert 0 picked by a
+    share load_max * K / E of the tokens (load_max times the mean load)."""
+    t, k, e = shape.tokens, shape.top_k, shape.experts
+    share = load_max * k / e
+    if not 0.0 <= share <= 1.0 or k >= e:
+        raise ValueError(f"--load-max {load_max}: between 0 and E/K = {e / k:g} (and K < E)")
+    rng = np.random.default_rng(seed)
+    others = 1 + np.argsort(rng.random((t, e - 1)), axis=1)[:, :k]  # K distinct of 1..E-1
+    picks = rng.random(t) < share
+    with_zero = np.concatenate([np.zeros((t, 1), others.dtype), others[:, :k - 1]], axis=1)
+    return np.where(picks[:, None], with_zero, others).astype(np.int32)
+
+
+def profile_pass(shape, pass_name: str, dtype, *, calls: int, warmup: int, trace_dir: str,
+                 load_max: float | None = None):
     """Trace `calls` calls of one pass of `mok_jax.moe` at `shape`; the trace's ops."""
     inputs = bench.make_inputs(shape, dtype)
+    if load_max is not None:
+        inputs["expert_ids"] = jax.numpy.asarray(skewed_ids(shape, load_max))
     step, arg_names = bench.build_step(mok_jax.moe, pass_name)
     args = [inputs[n] for n in arg_names]
     for _ in range(warmup):
@@ -93,6 +117,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--calls", type=int, default=5, help="traced calls per pass")
     parser.add_argument("--warmup", type=int, default=3, help="untraced calls first")
+    parser.add_argument("--load-max", type=float, default=None,
+                        help="expert 0's load as a multiple of the mean (at most E/K); "
+                             "default: the bench's routing, about even")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes if s not in bench.FULL_SHAPES]
     if unknown:
@@ -106,15 +133,23 @@ def main(argv=None) -> int:
     if not shapes:
         parser.error("give --shape T,K,E,H,F or --shapes NAME[,NAME]")
     legend = {}
+    if args.load_max is not None:
+        for shape in shapes:
+            try:
+                skewed_ids(shape, args.load_max)
+            except ValueError as err:
+                parser.error(f"{shape.name}: {err}")
     for shape in shapes:
         for pass_name in passes:
             with tempfile.TemporaryDirectory() as trace_dir:
                 ops = profile_pass(shape, pass_name, DTYPES[args.dtype], calls=args.calls,
-                                   warmup=args.warmup, trace_dir=trace_dir)
+                                   warmup=args.warmup, trace_dir=trace_dir,
+                                   load_max=args.load_max)
             text, names = kernel_table(ops, args.calls)
             legend.update(names)
+            routing = "" if args.load_max is None else f", expert 0 at {args.load_max:g}x the mean"
             print(f"## {shape.name} (T {shape.tokens}, K {shape.top_k}, E {shape.experts}, "
-                  f"H {shape.hidden}, F {shape.ffn}), {args.dtype}, {pass_name} on "
+                  f"H {shape.hidden}, F {shape.ffn}){routing}, {args.dtype}, {pass_name} on "
                   f"{jax.devices()[0].device_kind}\n{text}\n", flush=True)
     for name, kernel in legend.items():
         if name != kernel:

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import numpy as np
+
 import mok_jax
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "layer_kernels.py")
@@ -53,3 +55,29 @@ def test_cutlass_kernels_get_short_stable_labels():
     assert b.endswith("(ping-pong)") and a.split()[2] != b.split()[2]
     assert layer_kernels.label(coop) == a  # the number depends on the name only
     assert layer_kernels.label("gather_rows_kernel<bf16, 8>") == "gather_rows_kernel<bf16, 8>"
+
+
+def test_load_max_gives_expert_0_that_multiple_of_the_mean_load():
+    from mok_jax import bench
+    shape = bench.Shape("s", 20000, 4, 32, 8, 8)
+    for load in (1.0, 3.0, 8.0):
+        ids = layer_kernels.skewed_ids(shape, load)
+        assert ids.shape == (20000, 4) and ids.dtype == np.int32
+        assert all(len(set(row)) == 4 for row in ids[:500])  # K distinct experts a token
+        counts = np.bincount(ids.ravel(), minlength=32)
+        mean = ids.size / 32
+        assert abs(counts[0] / mean - load) < 0.1, (load, counts[0] / mean)
+        others = counts[1:] / mean
+        assert others.max() - others.min() < 0.25  # the rest about even
+    try:
+        layer_kernels.skewed_ids(shape, 9.0)  # more than E/K: not every token can pick it
+    except ValueError as err:
+        assert "between 0 and E/K = 8" in str(err)
+    else:
+        raise AssertionError("--load-max past E/K accepted")
+    code, out = _run("--shape", "tiny=64,2,4,32,16", "--load-max", "3", "--calls", "1",
+                     "--passes", "fwd")
+    assert code == 2 and "between 0 and E/K = 2" in out
+    code, out = _run("--shape", "tiny=64,2,4,32,16", "--load-max", "1.5", "--calls", "1",
+                     "--warmup", "1", "--passes", "fwd")
+    assert code == 0 and "expert 0 at 1.5x the mean" in out, out[-2000:]

@@ -39,10 +39,12 @@ enum class Family {
   kWeightGrad,     // A [K, M] row-major as A^T, B [K, N] row-major    (wgrad)
 };
 
-// Kernel schedules: kCooperative (two consumer warp groups share a 128x256 tile)
-// and kPingpong (each consumer warp group owns a 128x128 tile; one group's
-// epilogue overlaps the other's main loop: better for short K and f32 results).
-enum class Schedule { kCooperative, kPingpong };
+// Kernel schedules: kCooperative (two consumer warp groups share a 128x256 tile),
+// kCooperativeNarrow (the same on 128x128 tiles: twice the tiles, for problems
+// with few tiles per SM) and kPingpong (each consumer warp group owns a 128x128
+// tile; one group's epilogue overlaps the other's main loop: better for short K
+// and f32 results).
+enum class Schedule { kCooperative, kCooperativeNarrow, kPingpong };
 
 // The TMA + wgmma main loop of every grouped GEMM here: bf16 operands, f32
 // accumulators, as many stages as shared memory holds beside the epilogue's.
@@ -77,7 +79,8 @@ struct GroupedGemm {
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
   static constexpr bool kPp = kSchedule == Schedule::kPingpong;
-  using TileShape = std::conditional_t<kPp, cute::Shape<cute::_128, cute::_128, cute::_64>,
+  static constexpr bool kNarrow = kPp || kSchedule == Schedule::kCooperativeNarrow;
+  using TileShape = std::conditional_t<kNarrow, cute::Shape<cute::_128, cute::_128, cute::_64>,
                                        cute::Shape<cute::_128, cute::_256, cute::_64>>;
   using ClusterShape = Sm90ClusterShape;
   using KernelSchedule = Sm90KernelSchedule<kSchedule>;

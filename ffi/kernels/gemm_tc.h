@@ -36,6 +36,7 @@ MOK_GROUPED_GEMM_DECLARE(rows_f32_pp)
 MOK_GROUPED_GEMM_DECLARE(rows_t_bf16_pp)
 MOK_GROUPED_GEMM_DECLARE(rows_t_f32_pp)
 MOK_GROUPED_GEMM_DECLARE(wgrad_bf16)   // A_e^T @ B_e, ragged K -> bf16 (weight gradients)
+MOK_GROUPED_GEMM_DECLARE(wgrad_bf16_narrow)  // the same on 128x128 tiles
 
 #undef MOK_GROUPED_GEMM_DECLARE
 

@@ -62,6 +62,18 @@ bool pingpong(const char* instance) {
   return false;
 }
 
+// The weight gradients' tiles: MOK_JAX_GEMM_WGRAD_TILE=128x128 picks the narrow
+// instance (twice the tiles of the default 128x256), read at every call. A
+// measurement knob: every expert has the same tiles, each as long as the
+// expert's rows, and the persistent schedule deals them round-robin, so under
+// uneven routing the SMs that draw the busiest expert's tiles finish last; more
+// tiles an expert spread those over more SMs (docs/perf.md, session 10). Each
+// output element is still reduced over the rows in the same order.
+bool wgrad_narrow_tiles() {
+  const char* tile = std::getenv("MOK_JAX_GEMM_WGRAD_TILE");
+  return tile != nullptr && std::strcmp(tile, "128x128") == 0;
+}
+
 }  // namespace
 
 bool rows_gemm_uses_tensor_cores(const RowsGemm& p, int cc) {
@@ -90,7 +102,8 @@ size_t grouped_gemm_workspace_bytes(int64_t experts) {
                    tc::rows_t_bf16_pp_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_f32_pp_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_swiglu_workspace_bytes(experts, info.device, info.sm_count),
-                   tc::wgrad_bf16_workspace_bytes(experts, info.device, info.sm_count)});
+                   tc::wgrad_bf16_workspace_bytes(experts, info.device, info.sm_count),
+                   tc::wgrad_bf16_narrow_workspace_bytes(experts, info.device, info.sm_count)});
 #else
   (void)experts;
   return 0;
@@ -175,7 +188,11 @@ std::string run_weight_grad_gemm(const WeightGradGemm& p, void* workspace,
 #ifdef MOK_HAVE_SM90A
   const tc::Operands op{p.experts, p.expert_begin, p.n, p.m, p.a, p.b, p.d};
   MOK_RETURN_IF_MESSAGE(
-      tc::wgrad_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream));
+      wgrad_narrow_tiles()
+          ? tc::wgrad_bf16_narrow_run(op, info.device, info.sm_count, workspace,
+                                      workspace_bytes, stream)
+          : tc::wgrad_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes,
+                               stream));
   // The tensor-core kernel gives experts without rows no tiles: zero them here.
   return zero_empty_experts(p.dtype, p.expert_begin, p.experts, p.m * p.n, p.d, stream);
 #else

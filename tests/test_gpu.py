@@ -259,6 +259,37 @@ def test_bitwise_deterministic_over_20_runs(dtype):
             np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@pytest.mark.parametrize("busiest", [1.0, 8.0])
+def test_narrow_weight_gradient_tiles_give_the_same_bits(monkeypatch, busiest):
+    """MOK_JAX_GEMM_WGRAD_TILE=128x128 runs the weight gradients on 128x128 tiles
+    instead of 128x256 (ffi/kernels/gemm_tc_wgrad_bf16_narrow.cu): each output
+    element is still reduced by one CTA over the expert's rows in order, so every
+    gradient has the default's bits, with even routing and with one expert taking
+    8x the mean load (every token: E/K) as in a training run's first steps."""
+    from mok_jax import _mok
+    assert _mok.HAS_SM90A_KERNELS and jax.devices()[0].compute_capability == "9.0"
+    T, K, E, H, F = 2048, 4, 32, 256, 256
+    x, ids, w, wgu, wd = _problem(T, K, E, H, F, jnp.bfloat16, seed=9)
+    if busiest > 1.0:  # expert 0 in every token's choice, the rest shared evenly
+        rng = np.random.default_rng(9)
+        others = 1 + np.argsort(rng.random((T, E - 1)), axis=1)[:, :K - 1]
+        ids = jnp.asarray(np.concatenate([np.zeros((T, 1), np.int64), others], axis=1),
+                          jnp.int32)
+    counts = np.bincount(np.asarray(ids).ravel(), minlength=E)
+    assert counts[0] == pytest.approx(busiest * T * K / E, rel=0.1)
+    cot = jnp.cos(jnp.arange(H, dtype=jnp.float32))
+    grad = jax.jit(jax.grad(_loss_fn(mok_jax.moe, ids, cot), argnums=(0, 1, 2, 3)))
+    wide = jax.block_until_ready(grad(x, w, wgu, wd))
+    monkeypatch.setenv("MOK_JAX_GEMM_WGRAD_TILE", "128x128")
+    narrow = jax.block_until_ready(grad(x, w, wgu, wd))
+    for name, a, b in zip(("dx", "dw", "dwgu", "dwd"), narrow, wide):
+        np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint16 if a.dtype == jnp.bfloat16 else np.uint32),
+            np.asarray(b).view(np.uint16 if b.dtype == jnp.bfloat16 else np.uint32),
+            err_msg=name)
+    assert np.abs(np.asarray(wide[3], np.float32)).max() > 0  # the gradients are not empty
+
+
 # (experts, capacity factor): scan_plan's lanes per expert are 32, 16, 8, 4, 2 and 1
 # (one thread an expert), and two experts a thread past 512 experts.
 ROUTING_CASES = [(3, None), (32, 0.8), (40, 0.9), (100, None), (200, 1.0), (300, 1.0),

@@ -228,6 +228,21 @@ def make_routing(shape: Shape, seed: int = 0) -> tuple[jax.Array, jax.Array]:
     return expert_ids.astype(jnp.int32), jax.nn.softmax(top_logits, axis=-1)
 
 
+def skewed_expert_ids(shape: Shape, load_max: float, seed: int = 0) -> np.ndarray:
+    """expert_ids [T, K] int32 routed like an unbalanced router: K distinct experts a
+    token, expert 0 picked by a share load_max * K / E of the tokens (load_max times
+    the mean load; at most E/K, every token), the other experts about even."""
+    t, k, e = shape.tokens, shape.top_k, shape.experts
+    share = load_max * k / e
+    if not 0.0 <= share <= 1.0 or k >= e:
+        raise ValueError(f"load_max {load_max}: between 0 and E/K = {e / k:g} (and K < E)")
+    rng = np.random.default_rng(seed)
+    others = 1 + np.argsort(rng.random((t, e - 1)), axis=1)[:, :k]  # K distinct of 1..E-1
+    picks = rng.random(t) < share
+    with_zero = np.concatenate([np.zeros((t, 1), others.dtype), others[:, :k - 1]], axis=1)
+    return np.where(picks[:, None], with_zero, others).astype(np.int32)
+
+
 def make_tokens(shape: Shape, dtype, seed: int = 0) -> jax.Array:
     """x [T, H]: the tokens of make_inputs(shape, dtype, seed), made alone."""
     return jax.random.normal(_input_keys(seed)[1], (shape.tokens, shape.hidden),

@@ -29,7 +29,6 @@ import tempfile
 import zlib
 
 import jax
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -76,26 +75,12 @@ def kernel_table(ops, calls: int) -> tuple[str, dict[str, str]]:
     return "\n".join(lines), names
 
 
-def skewed_ids(shape, load_max: float, seed: int = 0) -> np.ndarray:
-    """expert_ids [T, K] int32, K distinct experts a token, expert 0 picked by a
-    share load_max * K / E of the tokens (load_max times the mean load)."""
-    t, k, e = shape.tokens, shape.top_k, shape.experts
-    share = load_max * k / e
-    if not 0.0 <= share <= 1.0 or k >= e:
-        raise ValueError(f"--load-max {load_max}: between 0 and E/K = {e / k:g} (and K < E)")
-    rng = np.random.default_rng(seed)
-    others = 1 + np.argsort(rng.random((t, e - 1)), axis=1)[:, :k]  # K distinct of 1..E-1
-    picks = rng.random(t) < share
-    with_zero = np.concatenate([np.zeros((t, 1), others.dtype), others[:, :k - 1]], axis=1)
-    return np.where(picks[:, None], with_zero, others).astype(np.int32)
-
-
 def profile_pass(shape, pass_name: str, dtype, *, calls: int, warmup: int, trace_dir: str,
                  load_max: float | None = None):
     """Trace `calls` calls of one pass of `mok_jax.moe` at `shape`; the trace's ops."""
     inputs = bench.make_inputs(shape, dtype)
     if load_max is not None:
-        inputs["expert_ids"] = jax.numpy.asarray(skewed_ids(shape, load_max))
+        inputs["expert_ids"] = jax.numpy.asarray(bench.skewed_expert_ids(shape, load_max))
     step, arg_names = bench.build_step(mok_jax.moe, pass_name)
     args = [inputs[n] for n in arg_names]
     for _ in range(warmup):
@@ -136,7 +121,7 @@ def main(argv=None) -> int:
     if args.load_max is not None:
         for shape in shapes:
             try:
-                skewed_ids(shape, args.load_max)
+                bench.skewed_expert_ids(shape, args.load_max)
             except ValueError as err:
                 parser.error(f"{shape.name}: {err}")
     for shape in shapes:

@@ -271,10 +271,9 @@ def test_narrow_weight_gradient_tiles_give_the_same_bits(monkeypatch, busiest):
     T, K, E, H, F = 2048, 4, 32, 256, 256
     x, ids, w, wgu, wd = _problem(T, K, E, H, F, jnp.bfloat16, seed=9)
     if busiest > 1.0:  # expert 0 in every token's choice, the rest shared evenly
-        rng = np.random.default_rng(9)
-        others = 1 + np.argsort(rng.random((T, E - 1)), axis=1)[:, :K - 1]
-        ids = jnp.asarray(np.concatenate([np.zeros((T, 1), np.int64), others], axis=1),
-                          jnp.int32)
+        from mok_jax import bench
+        ids = jnp.asarray(bench.skewed_expert_ids(bench.Shape("skewed", T, K, E, H, F),
+                                                  busiest, seed=9))
     counts = np.bincount(np.asarray(ids).ravel(), minlength=E)
     assert counts[0] == pytest.approx(busiest * T * K / E, rel=0.1)
     cot = jnp.cos(jnp.arange(H, dtype=jnp.float32))

@@ -61,7 +61,7 @@ def test_load_max_gives_expert_0_that_multiple_of_the_mean_load():
     from mok_jax import bench
     shape = bench.Shape("s", 20000, 4, 32, 8, 8)
     for load in (1.0, 3.0, 8.0):
-        ids = layer_kernels.skewed_ids(shape, load)
+        ids = bench.skewed_expert_ids(shape, load)
         assert ids.shape == (20000, 4) and ids.dtype == np.int32
         assert all(len(set(row)) == 4 for row in ids[:500])  # K distinct experts a token
         counts = np.bincount(ids.ravel(), minlength=32)
@@ -70,7 +70,7 @@ def test_load_max_gives_expert_0_that_multiple_of_the_mean_load():
         others = counts[1:] / mean
         assert others.max() - others.min() < 0.25  # the rest about even
     try:
-        layer_kernels.skewed_ids(shape, 9.0)  # more than E/K: not every token can pick it
+        bench.skewed_expert_ids(shape, 9.0)  # more than E/K: not every token can pick it
     except ValueError as err:
         assert "between 0 and E/K = 8" in str(err)
     else:

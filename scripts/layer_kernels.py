@@ -75,12 +75,9 @@ def kernel_table(ops, calls: int) -> tuple[str, dict[str, str]]:
     return "\n".join(lines), names
 
 
-def profile_pass(shape, pass_name: str, dtype, *, calls: int, warmup: int, trace_dir: str,
-                 load_max: float | None = None):
-    """Trace `calls` calls of one pass of `mok_jax.moe` at `shape`; the trace's ops."""
-    inputs = bench.make_inputs(shape, dtype)
-    if load_max is not None:
-        inputs["expert_ids"] = jax.numpy.asarray(bench.skewed_expert_ids(shape, load_max))
+def profile_pass(inputs: dict, pass_name: str, *, calls: int, warmup: int, trace_dir: str):
+    """Trace `calls` calls of one pass of `mok_jax.moe` on `inputs` (bench.make_inputs'
+    names); the trace's ops."""
     step, arg_names = bench.build_step(mok_jax.moe, pass_name)
     args = [inputs[n] for n in arg_names]
     for _ in range(warmup):
@@ -118,18 +115,21 @@ def main(argv=None) -> int:
     if not shapes:
         parser.error("give --shape T,K,E,H,F or --shapes NAME[,NAME]")
     legend = {}
+    skewed = {}  # routing per shape with --load-max, made (and refused) before any run
     if args.load_max is not None:
         for shape in shapes:
             try:
-                bench.skewed_expert_ids(shape, args.load_max)
+                skewed[shape.name] = bench.skewed_expert_ids(shape, args.load_max)
             except ValueError as err:
                 parser.error(f"{shape.name}: {err}")
     for shape in shapes:
+        inputs = bench.make_inputs(shape, DTYPES[args.dtype])
+        if shape.name in skewed:
+            inputs["expert_ids"] = jax.numpy.asarray(skewed[shape.name])
         for pass_name in passes:
             with tempfile.TemporaryDirectory() as trace_dir:
-                ops = profile_pass(shape, pass_name, DTYPES[args.dtype], calls=args.calls,
-                                   warmup=args.warmup, trace_dir=trace_dir,
-                                   load_max=args.load_max)
+                ops = profile_pass(inputs, pass_name, calls=args.calls, warmup=args.warmup,
+                                   trace_dir=trace_dir)
             text, names = kernel_table(ops, args.calls)
             legend.update(names)
             routing = "" if args.load_max is None else f", expert 0 at {args.load_max:g}x the mean"

@@ -9,6 +9,7 @@ kernels):
 
     mok_jax -> MoE layer (dispatch, expert GEMMs, combine)   router -> routing + aux losses
     attention -> attention (QKV, scores, output projection)  norm -> RMSNorms
+    residual -> the blocks' residual adds
     embed_and_loss -> embedding, unembedding, cross-entropy  optimizer -> optax update
     collectives -> all-reduce / all-to-all / ... not inside a part above
 
@@ -27,22 +28,55 @@ PARTS = (  # (label, name-scope keyword), the first match wins
     ("router + aux losses", "router"),
     ("attention", "attention"),
     ("norms", "norm"),
+    ("residual adds", "residual"),
     ("embedding + loss", "embed_and_loss"),
     ("optimizer", "optimizer"),
 )
 _COLLECTIVE = re.compile(r"all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute|"
                          r"nccl", re.IGNORECASE)
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=.*?op_name=\"([^\"]*)\"")
-PER_LAYER = {"MoE layer (mok_jax)", "router + aux losses", "attention", "norms"}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=")
+_OP_NAME = re.compile(r"op_name=\"([^\"]*)\"")
+_CALLS = re.compile(r"calls=%?([^\s,)}]+)")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+PER_LAYER = {"MoE layer (mok_jax)", "router + aux losses", "attention", "norms",
+             "residual adds"}
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> the op_name (JAX name stack) in its metadata."""
-    out = {}
+    """HLO instruction name -> the op_name (JAX name stack) in its metadata.
+
+    A fusion whose own line has no metadata (XLA:CPU's YNNPACK fusions, for
+    one) takes the op_name of the computation it calls: that of its ROOT
+    instruction, or else the most common among the computation's
+    instructions."""
+    out, calls = {}, {}
+    computation, comp_names, comp_root = None, {}, {}
     for line in hlo_text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            computation = head.group(1)
+            continue
         m = _INSTR.match(line)
-        if m:
-            out[m.group(1)] = m.group(2)
+        if not m:
+            continue
+        name = m.group(1)
+        op = _OP_NAME.search(line)
+        if op:
+            out[name] = op.group(1)
+            if computation is not None:
+                comp_names.setdefault(computation, []).append(op.group(1))
+                if line.lstrip().startswith("ROOT"):
+                    comp_root[computation] = op.group(1)
+        else:
+            called = _CALLS.search(line)
+            if called:
+                calls[name] = called.group(1)
+    for name, comp in calls.items():
+        if comp in comp_root:
+            out[name] = comp_root[comp]
+        elif comp_names.get(comp):
+            seen = comp_names[comp]
+            out[name] = max(seen, key=seen.count)
     return out
 
 

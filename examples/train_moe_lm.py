@@ -267,11 +267,14 @@ class Block(nnx.Module):
         with jax.named_scope("norm"):
             a = self.attn_norm(x)
         with jax.named_scope("attention"):
-            x = x + self.attn(a)
+            o = self.attn(a)
+        with jax.named_scope("residual"):
+            x = x + o
         with jax.named_scope("norm"):
             m = self.ffn_norm(x)
         h, aux = self.moe(m)
-        return x + h, aux
+        with jax.named_scope("residual"):
+            return x + h, aux
 
 
 @jax.custom_vjp

@@ -533,8 +533,8 @@ def test_profile_attributes_the_step_to_the_parts_of_the_model(tmp_path, monkeyp
     result = json.loads((prof / "breakdown.json").read_text())
     assert log["profile"] == result and result["steps"] == 4 and result["kernels"] > 0
     rows = {r["part"]: r for r in result["rows"]}
-    parts = (("MoE layer (mok_jax)", "attention", "norms", "optimizer", "embedding + loss",
-              "router + aux losses") if jax.default_backend() == "cpu"
+    parts = (("MoE layer (mok_jax)", "attention", "norms", "residual adds", "optimizer",
+              "embedding + loss", "router + aux losses") if jax.default_backend() == "cpu"
              else ("MoE layer (mok_jax)",))  # FFI calls never run inside CUDA graphs
     for part in parts:
         assert rows[part]["ms_per_step"] > 0, part
@@ -550,6 +550,46 @@ def test_profile_attributes_the_step_to_the_parts_of_the_model(tmp_path, monkeyp
     # and the next interval times only the steps after them (8, 9, 10).
     timed = {r["step"]: r["steps"] for r in log["throughput"]}
     assert 5 not in timed and timed[10] == 3, timed
+
+
+def test_profile_names_a_fusion_without_metadata_by_the_computation_it_calls():
+    """XLA:CPU's YNNPACK fusions carry no metadata on their own line: the profile
+    takes the op_name of the fused computation's ROOT, or else its most common
+    one, so that their time goes to the model's part and not to "other"."""
+    import step_profile
+
+    hlo = """HloModule jit_train_step
+%fused_computation.17 (param_0.32: f32[], param_1.32: f32[128,384]) -> f32[4,12] {
+  %param_1.32 = f32[128,384]{1,0} parameter(1)
+  %square.8 = f32[128,384]{1,0} multiply(%param_1.32, %param_1.32), metadata={op_name="jit(train_step)/optimizer/square"}
+  %param_0.32 = f32[] parameter(0)
+  ROOT %reduce-window.33 = f32[4,12]{1,0} reduce-window(%square.8, %param_0.32), window={size=32x32 stride=32x32}, to_apply=%region_60.74
+}
+
+%fused_computation.3 (p0: f32[8,128], p1: f32[8,128]) -> f32[8,128] {
+  %p0 = f32[8,128]{1,0} parameter(0)
+  %p1 = f32[8,128]{1,0} parameter(1)
+  %m = f32[8,128]{1,0} multiply(%p0, %p1), metadata={op_name="jit(train_step)/norm/mul"}
+  ROOT %a = f32[8,128]{1,0} add(%m, %p1), metadata={op_name="jit(train_step)/residual/add"}
+}
+
+ENTRY %main.9 (x: f32[128,384], y: f32[8,128]) -> (f32[4,12], f32[8,128]) {
+  %x = f32[128,384]{1,0} parameter(0)
+  %y = f32[8,128]{1,0} parameter(1)
+  %constant.166 = f32[] constant(0)
+  %ynn_fusion.17 = f32[4,12]{1,0} fusion(%constant.166, %x), kind=kCustom, calls=%fused_computation.17, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+  %add_fusion = f32[8,128]{1,0} fusion(%y, %y), kind=kLoop, calls=%fused_computation.3
+  %dot.1 = f32[8,128]{1,0} dot(%y, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/attention/dot_general"}
+  ROOT %tuple = (f32[4,12]{1,0}, f32[8,128]{1,0}) tuple(%ynn_fusion.17, %add_fusion)
+}
+"""
+    names = step_profile.op_names(hlo)
+    assert names["ynn_fusion.17"] == "jit(train_step)/optimizer/square"  # the only one inside
+    assert names["add_fusion"] == "jit(train_step)/residual/add"  # its ROOT's
+    assert names["dot.1"] == "jit(train_step)/attention/dot_general"  # its own
+    assert "constant.166" not in names and "tuple" not in names
+    assert step_profile.part_of("ynn_fusion.17", names["ynn_fusion.17"], "") == "optimizer"
+    assert step_profile.part_of("add_fusion", names["add_fusion"], "") == "residual adds"
 
 
 def test_profile_times_are_per_device():

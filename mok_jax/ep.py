@@ -131,7 +131,7 @@ def plan(expert_ids, cfg: Config, experts_local: int) -> Plan:
         stats = tuple(jax.lax.pmax(v, cfg.token_axes) for v in stats)
     my_kept = kept.reshape(G, C)[g_me]
     return Plan(my_kept.reshape(T, K).astype(_I32), expert_ids.reshape(-1), counts, me,
-                mine.sum(axis=0), stats, group_ids)
+                mine.sum(axis=0, dtype=_I32), stats, group_ids)
 
 
 class Residuals(NamedTuple):

@@ -71,7 +71,7 @@ def _check_one_expert_axis(expert_axes) -> None:
             "over one mesh axis, the EP axis")
 
 
-def _layout(mesh, x_sharding, w_sharding, num_experts):
+def _layout(mesh, x_sharding, w_sharding, num_experts, num_tokens):
     """(token_axes, ep_axis) from the shardings of x and w_gate_up."""
     token_axes = _axes(x_sharding.spec, 0) if isinstance(x_sharding, NamedSharding) else ()
     expert_axes = _axes(w_sharding.spec, 0) if isinstance(w_sharding, NamedSharding) else ()
@@ -84,6 +84,14 @@ def _layout(mesh, x_sharding, w_sharding, num_experts):
             f"{ep_axis!r} of size {mesh.shape[ep_axis]} (E % P != 0)")
     if ep_axis is not None and ep_axis not in token_axes:
         token_axes = token_axes + (ep_axis,)
+    shards = int(np.prod([mesh.shape[a] for a in token_axes], dtype=np.int64))
+    if num_tokens % shards:
+        # XLA would pad the last shard, and its padding rows would be routed (and
+        # counted in the statistics, hence in a router's balance loss) like tokens.
+        raise ValueError(
+            f"mok_jax.moe: T={num_tokens} tokens do not split evenly over mesh axes "
+            f"{token_axes} ({shards} shards, T % {shards} != 0); make the token count a "
+            f"multiple of {shards} or split the tokens over fewer axes")
     return token_axes, ep_axis
 
 
@@ -159,7 +167,7 @@ def _placement(cap, mesh, arg_shapes):
     config, and the shardings of token-major arrays, expert weights and replicated
     arrays."""
     token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
-                                  arg_shapes[3].shape[0])
+                                  arg_shapes[3].shape[0], arg_shapes[0].shape[0])
     cfg = ep.Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
                      capacity=cap, token_axes=token_axes)
     tok = NamedSharding(mesh, P(token_axes or None, None))

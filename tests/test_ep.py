@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import mok_jax
 
 from conftest import np_stats
-from ep_harness import (EP_BACKENDS, SHAPE, assert_same_bits,
+from ep_harness import (EP_BACKENDS, SHAPE, assert_same_bits, assert_same_results,
                         gathered_types, jit_on_mesh, problem, shard_map_ep, single_device)
 
 T, K, E, H, F = SHAPE
@@ -229,7 +229,39 @@ def test_experts_not_divisible_by_the_ep_axis_is_an_error():
     # Under plain jit, mok_jax's partitioner refuses a padded experts dimension.
     with pytest.raises(ValueError, match=r"E % P != 0"):
         mok_jax.sharding._layout(mesh, NamedSharding(mesh, P("ep")),
-                                 NamedSharding(mesh, P("ep")), num_experts=6)
+                                 NamedSharding(mesh, P("ep")), num_experts=6, num_tokens=T)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("experts", ["split", "replicated"])
+def test_tokens_not_divisible_by_their_mesh_axes_is_an_error(experts, capacity_factor):
+    """With Auto axes XLA may split T tokens unevenly (a with_sharding_constraint of
+    30 tokens over 4 devices) and pad the last shard. The padding would be routed
+    like tokens: y and the gradients stay right, but the statistics (and with them a
+    router's balance loss) would count it. The partitioner refuses the layout."""
+    mesh = jax.make_mesh((4,), ("ep",), devices=CPUS[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    full = jax.device_put(problem(jnp.float32, seed=4), NamedSharding(mesh, P()))
+    x, ids, w, wgu, wd = (a[:30] if i < 3 else a for i, a in enumerate(full))
+
+    def f(x, ids, w, wgu, wd):
+        c = lambda v: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, P("ep")))
+        if experts == "split":
+            wgu, wd = c(wgu), c(wd)
+        return mok_jax.moe(c(x), c(ids), c(w), wgu, wd, capacity_factor=capacity_factor,
+                           return_stats=True)
+
+    with pytest.raises(Exception, match=r"T=30 tokens do not split evenly over mesh axes "
+                                        r"\('ep',\) \(4 shards"):
+        jax.block_until_ready(jax.jit(f)(x, ids, w, wgu, wd))
+    # An even count on the same mesh runs, with the single-device statistics.
+    x, ids, w, wgu, wd = full
+    y, s = jax.jit(f)(x, ids, w, wgu, wd)
+    y1, s1 = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=capacity_factor,
+                         return_stats=True)
+    assert_same_bits(y, y1, "y")
+    np.testing.assert_array_equal(s.tokens_per_expert, s1.tokens_per_expert)
+    assert int(s.dropped) == int(s1.dropped) and int(s.invalid) == int(s1.invalid)
 
 
 def test_unknown_axis_name_is_an_error():
@@ -265,3 +297,32 @@ def test_plain_jit_backward_uses_the_forward_residuals(axis_type, mesh_shape):
     if names == ("ep",):  # no data axis: the weight gradients have one device's bits too
         assert_same_bits(g[2], g1[2], "d_w_gate_up")
         assert_same_bits(g[3], g1[3], "d_w_down")
+
+
+@pytest.mark.parametrize("where", ["one device", "one device xla", "shard_map ep4",
+                                   "plain jit ep8"])
+def test_x64_mode_gives_the_same_bits_and_int32_statistics(where):
+    """With ``jax_enable_x64`` on, JAX's integer reductions default to int64; every
+    path must still hand its kernels int32 and give the bits of an x64-off run (the
+    plan's group sizes were once int64 there, which the kernels refused at run
+    time)."""
+    x, ids, w, wgu, wd = problem(jnp.float32, seed=3)
+    mesh4 = jax.make_mesh((4,), ("ep",), devices=CPUS[:4])
+    mesh8 = jax.make_mesh((8,), ("ep",), devices=CPUS[:8])
+    runs = {
+        "one device": lambda: single_device(x, ids, w, wgu, wd, 0.6),
+        "one device xla": lambda: single_device(x, ids, w, wgu, wd, 0.6, backend="xla"),
+        "shard_map ep4": lambda: shard_map_ep(mesh4, P("ep"), x, ids, w, wgu, wd, 0.6),
+        "plain jit ep8": lambda: jit_on_mesh(mesh8, P("ep"), P("ep"), x, ids, w, wgu, wd,
+                                             0.6)[:3],
+    }
+    y1, s1, g1 = runs[where]()
+    with jax.enable_x64(True):
+        y, s, g = runs[where]()
+        jax.block_until_ready((y, s, g))
+    assert_same_results((y, *g), (y1, *g1))
+    for name in ("tokens_per_expert", "dropped", "invalid"):
+        got, want = getattr(s, name), getattr(s1, name)
+        assert got.dtype == want.dtype == jnp.int32, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    assert int(s.dropped) > 0

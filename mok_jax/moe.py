@@ -116,7 +116,9 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
                          f"E={num_experts} (got expert_ids {tuple(expert_ids.shape)}, "
                          f"w_gate_up {tuple(w_gate_up.shape)})")
     cap = capacity(capacity_factor, tokens * ep_size, top_k, num_experts)
-    cap = primitives.NO_CAPACITY if cap is None else cap
+    # An expert can receive at most T_global * K pairs, so a larger limit drops
+    # nothing: clamp it there, where it fits the kernels' integers whatever the factor.
+    cap = primitives.NO_CAPACITY if cap is None else min(cap, tokens * ep_size * top_k)
     path = _choose_path(backend, axis_name, ep_size, cap, operands)
     with jax.named_scope("mok_jax"):
         if axis_name is not None:
@@ -291,6 +293,8 @@ def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
     for name, a, rank in (("x", x, 2), ("expert_ids", expert_ids, 2),
                           ("expert_weights", expert_weights, 2), ("w_gate_up", w_gate_up, 3),
                           ("w_down", w_down, 3)):
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            fail(f"{name} must be an array (jax or numpy), got {type(a).__name__}")
         if np.ndim(a) != rank:
             fail(f"{name} must have rank {rank}, got rank {np.ndim(a)}")
 

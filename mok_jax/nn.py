@@ -110,6 +110,8 @@ class MoEAux(NamedTuple):
         balanced routing, whatever K; E / K when every token puts all of its
         probability on one expert and that expert among its K choices.
       z_loss: ``[]`` f32 router z-loss ``mean_t logsumexp(logits_t) ** 2``.
+        Both losses are 0 for a call with no tokens (rather than a mean over
+        nothing, NaN, which would poison the sum it is added to).
       tokens_per_expert: ``[E]`` int32 pairs routed to each expert (before
         capacity drops), from `mok_jax.MoEStats`.
       dropped: ``[]`` int32 pairs dropped by the capacity limit.
@@ -642,6 +644,10 @@ class MoE(nnx.Module):
             tokens_per_expert = jax.lax.psum(tokens_per_expert, other_axes)
             dropped = jax.lax.psum(dropped, other_axes)
 
+        if tokens_local == 0:  # static: every shard has no tokens
+            zero = jnp.zeros((), jnp.float32)
+            return MoEAux(aux_loss=zero, z_loss=zero, tokens_per_expert=tokens_per_expert,
+                          dropped=dropped)
         routed_fraction = tokens_per_expert.astype(jnp.float32) / (
             tokens_local * shards * self.top_k)
         mean_prob = jnp.mean(probs, axis=0)

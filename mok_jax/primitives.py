@@ -42,7 +42,10 @@ def _jit_impl(prim: Primitive):
         return jax.jit(lambda *args: prim.bind(*args, **params))
 
     def impl(*args, **params):
-        return compiled(**params)(*args)
+        # Under jax.disable_jit the jitted function would run eagerly and bind the
+        # primitive again, i.e. come back here: compile it regardless.
+        with jax.disable_jit(False):
+            return compiled(**params)(*args)
 
     return impl
 

@@ -152,3 +152,16 @@ def test_zero_hidden_size_is_rejected():
     w = jnp.ones((4, 1), jnp.float32)
     with pytest.raises(ValueError, match="hidden dimension H >= 1"):
         mok_jax.moe(x, ids, w, jnp.ones((2, 0, 6)), jnp.ones((2, 3, 0)))
+
+
+@pytest.mark.parametrize("which", [0, 1, 3])
+def test_a_python_list_is_refused_by_name(which):
+    """Arrays only (jax or numpy): a nested list gets mok_jax's ValueError naming the
+    argument, not an AttributeError from inside."""
+    args = _concrete(_args())
+    name = ("x", "expert_ids", "expert_weights", "w_gate_up", "w_down")[which]
+    args[which] = np.asarray(args[which]).tolist()
+    with pytest.raises(ValueError, match=rf"mok_jax.moe: {name} must be an array"):
+        mok_jax.moe(*args)
+    args[which] = np.asarray(args[which], np.float32 if which != 1 else np.int32)
+    assert mok_jax.moe(*args).shape == (T, H)  # numpy arrays are fine

@@ -545,3 +545,54 @@ def test_f32_weights_are_not_rounded_to_x_dtype():
             jnp.asarray([[1 + 3 * 2.0**-10, 3 * 2.0**-10]], jnp.float32), wgu, wd)
     y = float(np.asarray(mok_jax.moe(*args), np.float32)[0, 0])
     assert y == 1 + 2.0**-7, y
+
+
+@pytest.mark.parametrize("backend", ["auto", "xla"])
+@pytest.mark.parametrize("factor", [1e9, 1e19, 1e300])
+def test_a_huge_capacity_factor_drops_nothing(backend, factor):
+    """Any positive finite factor is allowed; one whose limit passes T*K rows (past
+    int32 and int64 here) can drop nothing and gives the bits of no limit, while a
+    limit of T*K - 1 still drops one pair (every pair goes to expert 0)."""
+    T, K, E, H, F = 16, 2, 4, 8, 12
+    x, ids, w, wgu, wd = make_problem(0, T, K, E, H, F, routing="one")
+
+    def run(cf):
+        def loss(x, w, wgu, wd):
+            y, s = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=cf, backend=backend,
+                               return_stats=True)
+            return jnp.sum(y * y), (y, s)
+        (_, (y, s)), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+            x, w, wgu, wd)
+        return y, s, g
+
+    y, s, g = run(factor)
+    y0, s0, g0 = run(None)
+    for name, a, b in zip(("y", "dx", "dw", "dwgu", "dwd"), (y, *g), (y0, *g0)):
+        assert_bitwise(a, b, name)
+    assert int(s.dropped) == 0 and int(s.tokens_per_expert[0]) == T * K
+    y_ref, s_ref = moe_reference(x, ids, w, wgu, wd, capacity_factor=factor, return_stats=True)
+    assert int(s_ref.dropped) == 0
+    assert_close(y, y_ref, jnp.float32)
+    # Just below T*K rows the limit bites.
+    _, s1, _ = run((T * K - 1) * E / (T * K))
+    assert int(s1.dropped) == 1
+
+
+@pytest.mark.parametrize("backend", ["auto", "xla"])
+def test_disable_jit_gives_the_jitted_bits(backend):
+    """Under ``jax.disable_jit()`` (debugging) the layer still runs its kernels, forward
+    and backward, with the bits of a jitted call."""
+    T, K, E, H, F = 12, 2, 4, 8, 12
+    x, ids, w, wgu, wd = make_problem(1, T, K, E, H, F)
+
+    def value_and_grad(x, w, wgu, wd):
+        def loss(x, w, wgu, wd):
+            y = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=1.0, backend=backend)
+            return jnp.sum(y * y), y
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, w, wgu, wd)
+
+    (_, y0), g0 = jax.jit(value_and_grad)(x, w, wgu, wd)
+    with jax.disable_jit():
+        (_, y), g = value_and_grad(x, w, wgu, wd)
+    for name, a, b in zip(("y", "dx", "dw", "dwgu", "dwd"), (y, *g), (y0, *g0)):
+        assert_bitwise(a, b, name)

@@ -755,3 +755,24 @@ def test_check_mesh_is_validated_and_passed_to_moe(monkeypatch):
     monkeypatch.setattr(mok_jax, "moe", spy)
     y, _ = layer(jnp.ones((3, 8)))
     assert seen["check_mesh"] is False and y.shape == (3, 8)
+
+
+@pytest.mark.parametrize("shape", [(0, H), (3, 0, H)])
+def test_a_call_with_no_tokens_has_zero_losses_and_gradients(shape):
+    """No tokens: an empty y, no routed pairs, and aux and z losses of 0 (not the NaN
+    of a mean over nothing, which would poison a training loss), with zero
+    gradients."""
+    layer = make_layer(capacity_factor=1.0)
+    x = jnp.zeros(shape, jnp.float32)
+    y, aux = layer(x)
+    assert y.shape == shape
+    assert float(aux.aux_loss) == 0.0 and float(aux.z_loss) == 0.0
+    assert not np.any(np.asarray(aux.tokens_per_expert)) and int(aux.dropped) == 0
+
+    def loss(layer, x):
+        y, aux = layer(x)
+        return jnp.sum(y) + aux.aux_loss + aux.z_loss
+
+    grads = nnx.grad(loss)(layer, x)
+    for leaf in jax.tree.leaves(grads):
+        assert np.all(np.asarray(leaf) == 0), leaf

@@ -36,22 +36,25 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_args import positive_int  # noqa: E402  (examples/)
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[2:4]))
-    parser.add_argument("--host-devices", type=int, metavar="N",
+    parser.add_argument("--host-devices", type=positive_int, metavar="N",
                         help="use N CPU devices (sets XLA_FLAGS before JAX is imported)")
-    parser.add_argument("--devices", type=int, metavar="N",
+    parser.add_argument("--devices", type=positive_int, metavar="N",
                         help="use the first N visible devices (default: all)")
     parser.add_argument("--mode", choices=["jit", "shard_map", "both"], default="both")
     parser.add_argument("--preset", default="tiny", help="train_moe_lm.py preset for the model")
-    parser.add_argument("--batch", type=int, help="sequences (default: the preset's, rounded "
+    parser.add_argument("--batch", type=positive_int, help="sequences (default: the preset's, rounded "
                                                   "up to a multiple of the device count)")
-    parser.add_argument("--seq", type=int, help="bytes per sequence")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per mesh")
+    parser.add_argument("--seq", type=positive_int, help="bytes per sequence")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed steps per mesh")
     parser.add_argument("--out", default=os.path.join("runs", "mesh"), help="output directory")
     parser.add_argument("--strict", action="store_true",
                         help="require every gradient to be bitwise equal too (by default "
@@ -118,6 +121,8 @@ def run(args) -> dict:
 
     if args.preset not in lm.PRESETS:
         raise SystemExit(f"--preset must be one of {sorted(lm.PRESETS)}, got {args.preset!r}")
+    if args.devices and args.devices > len(jax.devices()):
+        raise SystemExit(f"--devices {args.devices}: only {len(jax.devices())} visible")
     devices = jax.devices()[:args.devices] if args.devices else jax.devices()
     n = len(devices)
     cfg = lm.PRESETS[args.preset]

@@ -8,6 +8,8 @@ gradient.
 """
 
 import argparse
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,17 +18,23 @@ import numpy as np
 import mok_jax
 from mok_jax.reference import moe_reference
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_args import positive_int  # noqa: E402  (examples/)
 
-def main():
+
+def main(argv=None) -> dict:
+    """Runs the check; returns the relative errors by name ("y", "dx", ...)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--ffn", type=int, default=256)
+    parser.add_argument("--tokens", type=positive_int, default=256)
+    parser.add_argument("--top-k", type=positive_int, default=2)
+    parser.add_argument("--experts", type=positive_int, default=8)
+    parser.add_argument("--hidden", type=positive_int, default=128)
+    parser.add_argument("--ffn", type=positive_int, default=256)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--capacity-factor", type=float, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.top_k > args.experts:
+        parser.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")
 
     T, K, E, H, F = args.tokens, args.top_k, args.experts, args.hidden, args.ffn
     dtype = jnp.dtype(args.dtype)
@@ -63,9 +71,12 @@ def main():
           f"T={T} K={K} E={E} H={H} F={F} {dtype.name}")
     print(f"y {y.shape} {y.dtype}; tokens per expert {np.asarray(stats.tokens_per_expert)}, "
           f"dropped {int(stats.dropped)}, invalid {int(stats.invalid)}")
-    print(f"max |y - reference| / max |reference|: {max_err(y, y_ref):.3e}")
+    errors = {"y": max_err(y, y_ref)}
+    print(f"max |y - reference| / max |reference|: {errors['y']:.3e}")
     for name, g, g_ref in zip(("x", "expert_weights", "w_gate_up", "w_down"), grads, grads_ref):
-        print(f"max |d{name} - reference| / max |reference|: {max_err(g, g_ref):.3e}")
+        errors[f"d{name}"] = max_err(g, g_ref)
+        print(f"max |d{name} - reference| / max |reference|: {errors[f'd{name}']:.3e}")
+    return errors
 
 
 if __name__ == "__main__":

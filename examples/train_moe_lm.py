@@ -1,6 +1,6 @@
 """Train a byte-level MoE transformer on the Python standard library's source.
 
-    python examples/train_moe_lm.py                     # tiny preset: CPU, a few minutes
+    python examples/train_moe_lm.py                     # tiny preset: CPU, ~1.5 min
     python examples/train_moe_lm.py --preset h200       # sized for one H200 (bf16)
     python examples/train_moe_lm.py --dp 4 --ep 2       # over 8 devices (tokens on all)
     python examples/train_moe_lm.py --host-devices 8 --dp 8    # 8 CPU devices
@@ -43,6 +43,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax import nn as mnn
+
+from cli_args import positive_int  # examples/, on sys.path when run as a script
 
 VOCAB = 256  # bytes
 
@@ -89,7 +91,7 @@ class Config:
 
 
 PRESETS: dict[str, Config] = {
-    # 1.8M parameters (0.6M active per token), 2k tokens per step: ~2 minutes on 2 CPU cores.
+    # 1.8M parameters (0.6M active per token), 2k tokens per step: ~1.5 minutes on 2 CPU cores.
     "tiny": Config(),
     # One H200: 1.26B parameters (0.2B active per token), 32k tokens per step.
     "h200": Config(d_model=1024, n_layers=12, n_heads=16, n_experts=32, top_k=4,
@@ -682,9 +684,9 @@ def parse_args(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[2:8]))
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--steps", type=int, help="total optimizer steps (the schedule's length)")
-    parser.add_argument("--batch", type=int, help="sequences per step (global)")
-    parser.add_argument("--seq", type=int, help="bytes per sequence")
+    parser.add_argument("--steps", type=positive_int, help="total optimizer steps (the schedule's length)")
+    parser.add_argument("--batch", type=positive_int, help="sequences per step (global)")
+    parser.add_argument("--seq", type=positive_int, help="bytes per sequence")
     parser.add_argument("--lr", type=float, help="peak learning rate")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--balance", choices=["aux", "bias", "none"],
@@ -710,10 +712,10 @@ def parse_args(argv=None):
                         help="profile-guided latency estimation: JAX profiles the first steps "
                              "and XLA recompiles the step with the measured costs (with "
                              "--grad-reduce-lag, how dp overlaps its gradient all-reduces)")
-    parser.add_argument("--eval-every", type=int)
-    parser.add_argument("--eval-batches", type=int)
-    parser.add_argument("--log-every", type=int)
-    parser.add_argument("--ckpt-every", type=int)
+    parser.add_argument("--eval-every", type=positive_int)
+    parser.add_argument("--eval-batches", type=positive_int)
+    parser.add_argument("--log-every", type=positive_int)
+    parser.add_argument("--ckpt-every", type=positive_int)
     parser.add_argument("--out", help="output directory (default runs/<preset>)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in OUT/ckpt")
@@ -722,16 +724,16 @@ def parse_args(argv=None):
     parser.add_argument("--no-checkpoint", action="store_true",
                         help="save no checkpoint (throughput runs; the h200 preset's state "
                              "is ~15 GB)")
-    parser.add_argument("--stop-after", type=int, metavar="N",
+    parser.add_argument("--stop-after", type=positive_int, metavar="N",
                         help="stop (with a checkpoint) after N steps of this invocation, as if "
                              "interrupted; the schedule still runs to --steps")
-    parser.add_argument("--dp", type=int, help="data-parallel mesh axis (default: devices / ep)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel mesh axis")
+    parser.add_argument("--dp", type=positive_int, help="data-parallel mesh axis (default: devices / ep)")
+    parser.add_argument("--ep", type=positive_int, default=1, help="expert-parallel mesh axis")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="split the optimizer state and update over dp (ZeRO stage 1): "
                         "1/dp of the moments per GPU; slower on the h200 preset (the "
                         "parameters' all-gather is not overlapped, docs/training.md)")
-    parser.add_argument("--host-devices", type=int, metavar="N",
+    parser.add_argument("--host-devices", type=positive_int, metavar="N",
                         help="run on N CPU devices (sets jax_num_cpu_devices; CPU only)")
     parser.add_argument("--peak-tflops", type=float,
                         help="per-device peak for MFU (default 989 on GPU, H200 bf16 dense)")
@@ -746,8 +748,11 @@ def parse_args(argv=None):
                              "into DIR and write the step-time breakdown by part of the model "
                              "to DIR/breakdown.json (GPU kernels; see examples/step_profile.py); "
                              "turns XLA's CUDA graphs off for the run")
-    parser.add_argument("--profile-steps", type=int, default=5, metavar="N")
+    parser.add_argument("--profile-steps", type=positive_int, default=5, metavar="N")
     args = parser.parse_args(argv)
+    if args.trace_only and (args.dp is not None or args.ep != 1 or args.host_devices):
+        parser.error("--trace-only traces the one-device step (jax.eval_shape, no mesh): "
+                     "--dp, --ep and --host-devices are not used there")
     if args.no_checkpoint and (args.resume or args.stop_after):
         parser.error("--no-checkpoint cannot be combined with --resume or --stop-after")
     if args.profile and (args.pgle or jax.config.jax_enable_pgle):
@@ -817,6 +822,8 @@ def train(args) -> dict:
     mesh = make_mesh(dp, ep, devices)
     if cfg.batch % (dp * ep):
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of dp*ep = {dp * ep}")
+    if cfg.n_experts % ep:
+        raise SystemExit(f"--ep {ep} must divide the preset's {cfg.n_experts} experts")
     if args.grad_reduce_lag is None and dp > 1 and ep == 1 and not args.shard_optimizer:
         cfg = dataclasses.replace(cfg, grad_reduce_lag=1)  # measured there (docs/perf.md)
     platform = devices[0].platform

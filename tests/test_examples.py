@@ -472,6 +472,57 @@ def test_help(script):
         assert flag in proc.stdout
 
 
+@pytest.mark.parametrize("flag", ["--steps", "--batch", "--seq", "--ep", "--dp", "--log-every",
+                                  "--eval-every", "--eval-batches", "--host-devices",
+                                  "--profile-steps"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_train_refuses_a_count_below_one_as_a_usage_error(flag, value, capsys):
+    """A count below 1 is a usage error naming the flag (was a ZeroDivisionError for
+    --ep 0, a numpy traceback for --batch 0)."""
+    with pytest.raises(SystemExit) as exit_info:
+        lm.parse_args([flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and f"must be a positive integer, got {value}" in err
+
+
+def test_train_mesh_mistakes_are_messages_not_tracebacks(tmp_path, capsys):
+    """--ep that does not divide the experts, and --trace-only (one device, no mesh)
+    with mesh flags: a message before anything is built."""
+    with pytest.raises(SystemExit, match=r"--ep 3 must divide the preset's 8 experts"):
+        lm.main(["--ep", "3", "--dp", "1", "--batch", "3", "--out", str(tmp_path / "a"),
+                 *SMALL[4:-3], "--no-progress"])
+    for flags in (["--dp", "2"], ["--ep", "2"], ["--host-devices", "4"]):
+        with pytest.raises(SystemExit):
+            lm.parse_args(["--trace-only", *flags])
+        assert "--trace-only traces the one-device step" in capsys.readouterr().err
+
+
+def test_mesh_experiments_refuses_more_devices_than_visible(tmp_path):
+    proc = _run_script("mesh_experiments.py", "--host-devices", "2", "--devices", "3",
+                       "--out", str(tmp_path), timeout=120)
+    assert proc.returncode != 0 and "--devices 3: only 2 visible" in proc.stderr, proc.stderr
+    proc = _run_script("mesh_experiments.py", "--repeats", "0", timeout=120)
+    assert proc.returncode == 2 and "must be a positive integer, got 0" in proc.stderr
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_quickstart_agrees_with_the_reference(dtype, tol, capsys):
+    """examples/quickstart.py as the README lists it: every relative error against
+    the reference within the contract's tolerance of its dtype."""
+    import quickstart
+
+    errors = quickstart.main(["--tokens", "64", "--experts", "4", "--hidden", "32", "--ffn",
+                              "48", "--dtype", dtype, "--capacity-factor", "1.0"])
+    assert set(errors) == {"y", "dx", "dexpert_weights", "dw_gate_up", "dw_down"}
+    assert all(0 <= e < tol for e in errors.values()), errors
+    for bad, message in ((["--top-k", "5", "--experts", "4"], "--top-k 5 exceeds --experts 4"),
+                         (["--tokens", "0"], "must be a positive integer, got 0")):
+        with pytest.raises(SystemExit):
+            quickstart.main(bad)
+        assert message in capsys.readouterr().err
+
+
 def test_train_smoke_command_line(tmp_path):
     proc = _run_script("train_moe_lm.py", "--host-devices", "2", "--dp", "2", "--steps", "4",
                        "--batch", "4", "--seq", "32", "--eval-every", "4", "--eval-batches", "1",

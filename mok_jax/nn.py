@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 import mok_jax
+from mok_jax import primitives
 from mok_jax.moe import _vary_alike, check_option_values
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -564,6 +565,7 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: x's last dimension must be hidden_size={self.hidden_size}, "
                              f"got shape {x.shape}")
         self._check_expert_placement()
+        self._check_token_axes(x)
         lead = x.shape[:-1]
         tokens = x.reshape(-1, self.hidden_size)
         with jax.named_scope("router"):  # profiles group the routing under this name
@@ -582,6 +584,22 @@ class MoE(nnx.Module):
         with jax.named_scope("router"):
             aux = self._aux(logits, probs, stats)
         return y.reshape(*lead, self.hidden_size), aux
+
+    def _check_token_axes(self, x) -> None:
+        """Inside ``shard_map`` with JAX's tracking of varying axes (``check_vma``),
+        ``x`` must vary over every axis in ``batch_axis_names``: `MoEAux` is summed
+        over them, and copies of the same tokens would be counted once per copy."""
+        vma = primitives.varying_axes(jax.typeof(x))
+        if not vma:  # outside shard_map, or check_vma=False: nothing to compare
+            return
+        missing = tuple(a for a in self.batch_axis_names if a not in vma)
+        if missing:
+            raise ValueError(
+                f"MoE: batch_axis_names={self.batch_axis_names} includes {missing}, but x is "
+                f"not split over {'it' if len(missing) == 1 else 'them'} (it varies over "
+                f"{tuple(sorted(vma))} only): the statistics and losses would count the same "
+                "tokens once per copy. Split the tokens over those axes in shard_map's "
+                "in_specs, or leave them out of batch_axis_names")
 
     def _check_expert_placement(self) -> None:
         """The experts this call holds must add up to ``num_experts``: all of them

@@ -576,6 +576,26 @@ def test_inside_shard_map_matches_jit(dp, ep):
     np.testing.assert_allclose(float(aux.z_loss), float(aux0.z_loss), rtol=1e-6)
 
 
+def test_batch_axis_not_splitting_the_tokens_is_an_error():
+    """Tokens split over ep only, but batch_axis_names also names dp: the layer would
+    add up its statistics over two copies of the same tokens. It says so (it was
+    JAX's message about psum and varying axes)."""
+    mesh = mesh_of(2, 2)
+    layer = make_layer(axis_name="ep", batch_axis_names=("dp", "ep"))
+    graphdef, state = nnx.split(layer)
+    specs = jax.tree.map(lambda s: s.spec, mnn.named_shardings(state, mesh),
+                         is_leaf=lambda a: isinstance(a, NamedSharding))
+    f = jax.shard_map(lambda state, x: nnx.merge(graphdef, state)(x), mesh=mesh,
+                      in_specs=(specs, P("ep")),
+                      out_specs=(P("ep"), mnn.MoEAux(P(), P(), P(), P())), check_vma=True)
+    with pytest.raises(ValueError, match=r"includes \('dp',\), but x is not split over it "
+                                         r"\(it varies over \('ep',\) only\)"):
+        jax.jit(f)(state, tokens(64))
+    # The same tokens split over both axes run.
+    y, aux = _shard_map_layer_step(layer, tokens(64), mesh)
+    assert y.shape == (64, H) and int(np.sum(aux.tokens_per_expert)) == 64 * K
+
+
 @pytest.mark.parametrize("dp, ep", [(8, 1), (2, 4)])
 def test_bf16_gradients_inside_shard_map_match_jit(dp, ep):
     # The bf16 router's custom VJP inside shard_map (check_vma): its kernel is

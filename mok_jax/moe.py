@@ -37,13 +37,20 @@ class MoEStats(NamedTuple):
 
 def capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
              num_experts: int) -> int | None:
-    """Rows each expert keeps: ``ceil(capacity_factor * T * K / E)``, or None.
+    """Rows each expert keeps: ``min(ceil(capacity_factor * T * K / E), T * K)``,
+    or None.
 
-    ``num_tokens`` is the global token count (all EP ranks together).
+    ``num_tokens`` is the global token count (all EP ranks together). An expert
+    can receive at most ``T * K`` pairs, so a larger limit would drop nothing; the
+    clamp keeps the limit an integer the kernels hold for any finite factor.
     """
     if capacity_factor is None:
         return None
-    return int(math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+    pairs = num_tokens * top_k
+    limit = capacity_factor * num_tokens * top_k / num_experts
+    if not math.isfinite(limit) or limit >= pairs:
+        return pairs
+    return int(math.ceil(limit))
 
 
 def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
@@ -116,9 +123,7 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
                          f"E={num_experts} (got expert_ids {tuple(expert_ids.shape)}, "
                          f"w_gate_up {tuple(w_gate_up.shape)})")
     cap = capacity(capacity_factor, tokens * ep_size, top_k, num_experts)
-    # An expert can receive at most T_global * K pairs, so a larger limit drops
-    # nothing: clamp it there, where it fits the kernels' integers whatever the factor.
-    cap = primitives.NO_CAPACITY if cap is None else min(cap, tokens * ep_size * top_k)
+    cap = primitives.NO_CAPACITY if cap is None else cap
     path = _choose_path(backend, axis_name, ep_size, cap, operands)
     with jax.named_scope("mok_jax"):
         if axis_name is not None:

@@ -590,9 +590,11 @@ class MoE(nnx.Module):
         ``x`` must vary over every axis in ``batch_axis_names``: `MoEAux` is summed
         over them, and copies of the same tokens would be counted once per copy."""
         vma = primitives.varying_axes(jax.typeof(x))
-        if not vma:  # outside shard_map, or check_vma=False: nothing to compare
-            return
-        missing = tuple(a for a in self.batch_axis_names if a not in vma)
+        # An axis index varies over its axis exactly when JAX tracks varying axes
+        # there (check_vma=True); with check_vma=False nothing can be compared.
+        tracked = [a for a in self.batch_axis_names
+                   if a in primitives.varying_axes(jax.typeof(jax.lax.axis_index(a)))]
+        missing = tuple(a for a in tracked if a not in vma)
         if missing:
             raise ValueError(
                 f"MoE: batch_axis_names={self.batch_axis_names} includes {missing}, but x is "

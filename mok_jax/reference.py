@@ -30,7 +30,6 @@ def routing_masks(expert_ids: jax.Array, num_experts: int, capacity_factor: floa
     earlier = jnp.cumsum(onehot, axis=0) - onehot                   # pairs before, same expert
     position = jnp.sum(earlier * onehot, axis=1).reshape(tokens, top_k)
     cap = capacity(capacity_factor, tokens, top_k, num_experts)
-    cap = None if cap is None else min(cap, tokens * top_k)  # more never drops a pair
     kept = valid if cap is None else valid & (position < cap)
     routed = jnp.sum(onehot, axis=0).astype(jnp.int32)
     stats = MoEStats(

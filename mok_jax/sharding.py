@@ -71,7 +71,7 @@ def _check_one_expert_axis(expert_axes) -> None:
             "over one mesh axis, the EP axis")
 
 
-def _layout(mesh, x_sharding, w_sharding, num_experts, num_tokens):
+def _layout(mesh, x_sharding, w_sharding, num_experts):
     """(token_axes, ep_axis) from the shardings of x and w_gate_up."""
     token_axes = _axes(x_sharding.spec, 0) if isinstance(x_sharding, NamedSharding) else ()
     expert_axes = _axes(w_sharding.spec, 0) if isinstance(w_sharding, NamedSharding) else ()
@@ -84,14 +84,6 @@ def _layout(mesh, x_sharding, w_sharding, num_experts, num_tokens):
             f"{ep_axis!r} of size {mesh.shape[ep_axis]} (E % P != 0)")
     if ep_axis is not None and ep_axis not in token_axes:
         token_axes = token_axes + (ep_axis,)
-    shards = int(np.prod([mesh.shape[a] for a in token_axes], dtype=np.int64))
-    if num_tokens % shards:
-        # XLA would pad the last shard, and its padding rows would be routed (and
-        # counted in the statistics, hence in a router's balance loss) like tokens.
-        raise ValueError(
-            f"mok_jax.moe: T={num_tokens} tokens do not split evenly over mesh axes "
-            f"{token_axes} ({shards} shards, T % {shards} != 0); make the token count a "
-            f"multiple of {shards} or split the tokens over fewer axes")
     return token_axes, ep_axis
 
 
@@ -157,9 +149,33 @@ def check_layout(x, expert_ids, expert_weights, w_gate_up, w_down):
                 "axes, e.g. jax.sharding.reshard(a, P(<tokens or experts>, None, ...)).")
 
 
-def _pack_stats(stats):
+def _pack_stats(stats, padding_pairs=0):
+    """The statistics as one ``[E + 2]`` array, less the padding's pairs (which
+    `_without_padding` made invalid ids) in the invalid count."""
     routed, dropped, invalid = stats
-    return jnp.concatenate([routed, dropped[None], invalid[None]])
+    return jnp.concatenate([routed, dropped[None], invalid[None] - padding_pairs])
+
+
+def _padding_pairs(mesh, cfg, num_tokens, local_tokens, top_k) -> int:
+    """Pairs of the rows XLA adds when ``num_tokens`` do not split evenly over the
+    token axes (it pads the token dim at its end to ``shards * local_tokens``)."""
+    shards = int(np.prod([mesh.shape[a] for a in cfg.token_axes], dtype=np.int64))
+    return (shards * local_tokens - num_tokens) * top_k
+
+
+def _without_padding(mesh, cfg, num_tokens, expert_ids):
+    """``expert_ids`` with the padding rows' ids -1: an uneven split of the tokens
+    (30 over 4 devices, or 2 decode tokens replicated while the experts split over
+    4) leaves rows past ``num_tokens`` in the last shards, which must be neither
+    routed nor counted. Invalid ids take no capacity and contribute nothing; the
+    statistics take their pairs back out (`_pack_stats`). Nothing changes when the
+    split is even."""
+    local = expert_ids.shape[0]
+    if _padding_pairs(mesh, cfg, num_tokens, local, 1) == 0:
+        return expert_ids
+    shard = jax.lax.axis_index(cfg.token_axes)  # linear, major to minor, as ep.plan's
+    row = shard * local + jnp.arange(local, dtype=jnp.int32)
+    return jnp.where((row < num_tokens)[:, None], expert_ids, jnp.int32(-1))
 
 
 def _placement(cap, mesh, arg_shapes):
@@ -167,7 +183,7 @@ def _placement(cap, mesh, arg_shapes):
     config, and the shardings of token-major arrays, expert weights and replicated
     arrays."""
     token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
-                                  arg_shapes[3].shape[0], arg_shapes[0].shape[0])
+                                  arg_shapes[3].shape[0])
     cfg = ep.Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
                      capacity=cap, token_axes=token_axes)
     tok = NamedSharding(mesh, P(token_axes or None, None))
@@ -267,14 +283,18 @@ def _forward_partition(cap, backend, mesh, arg_shapes, result_shape):
     path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh, arg_shapes[0]))
     local = _runs_local(cfg, cap, backend)
 
+    num_tokens = arg_shapes[0].shape[0]
+
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
+        pad = _padding_pairs(mesh, cfg, num_tokens, *expert_ids.shape)
+        expert_ids = _without_padding(mesh, cfg, num_tokens, expert_ids)
         if local:
             y, stats, _ = _local_forward(cfg, cap, x, expert_ids, expert_weights, w_gate_up,
                                          w_down, save=False)
-            return y, _pack_stats(stats)
+            return y, _pack_stats(stats, pad)
         y, stats, _ = path.forward(
             x, expert_ids, expert_weights, w_gate_up, w_down, save=False)
-        return y, _pack_stats(stats)
+        return y, _pack_stats(stats, pad)
 
     return mesh, _per_device(lower_fn), (tok, rep), (tok, tok, tok, wts, wts)
 
@@ -324,17 +344,21 @@ def _forward_saving_partition(cap, backend, bound, mesh, arg_shapes, result_shap
     transport = _transport(backend, cfg, mesh, arg_shapes[0])
     local = _runs_local(cfg, cap, backend)
 
+    num_tokens = arg_shapes[0].shape[0]
+
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
         T = x.shape[0]
+        pad = _padding_pairs(mesh, cfg, num_tokens, *expert_ids.shape)
+        expert_ids = _without_padding(mesh, cfg, num_tokens, expert_ids)
         if local:  # the single-device layer's residuals, T*K rows of T*r
             y, stats, (gate_up, x_rows) = _local_forward(
                 cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down, save=True)
-            return (y, _pack_stats(stats), _to_residual(x_rows, T, r),
+            return (y, _pack_stats(stats, pad), _to_residual(x_rows, T, r),
                     _to_residual(gate_up, T, r))
         path = ep.ExchangePath(cfg, transport, rows=T * r)
         y, stats, res = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down,
                                      save=True)
-        return (y, _pack_stats(stats), res.x_rows.reshape(T, r, -1),
+        return (y, _pack_stats(stats, pad), res.x_rows.reshape(T, r, -1),
                 res.gate_up.reshape(T, r, -1))
 
     res = _residual_sharding(tok)
@@ -371,8 +395,11 @@ def _backward_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
     transport = _transport(backend, cfg, mesh, arg_shapes[0])
     local = _runs_local(cfg, cap, backend)
 
+    num_tokens = arg_shapes[0].shape[0]
+
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up):
         T = x.shape[0]
+        expert_ids = _without_padding(mesh, cfg, num_tokens, expert_ids)  # as the forward's
         if local:
             K = expert_ids.shape[1]
             return _local_backward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down,

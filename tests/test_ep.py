@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import mok_jax
 
 from conftest import np_stats
-from ep_harness import (EP_BACKENDS, SHAPE, assert_same_bits, assert_same_results,
+from ep_harness import (EP_BACKENDS, SHAPE, assert_same_bits, assert_same_results, cot,
                         gathered_types, jit_on_mesh, problem, shard_map_ep, single_device)
 
 T, K, E, H, F = SHAPE
@@ -229,37 +229,50 @@ def test_experts_not_divisible_by_the_ep_axis_is_an_error():
     # Under plain jit, mok_jax's partitioner refuses a padded experts dimension.
     with pytest.raises(ValueError, match=r"E % P != 0"):
         mok_jax.sharding._layout(mesh, NamedSharding(mesh, P("ep")),
-                                 NamedSharding(mesh, P("ep")), num_experts=6, num_tokens=T)
+                                 NamedSharding(mesh, P("ep")), num_experts=6)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
-@pytest.mark.parametrize("experts", ["split", "replicated"])
-def test_tokens_not_divisible_by_their_mesh_axes_is_an_error(experts, capacity_factor):
-    """With Auto axes XLA may split T tokens unevenly (a with_sharding_constraint of
-    30 tokens over 4 devices) and pad the last shard. The padding would be routed
-    like tokens: y and the gradients stay right, but the statistics (and with them a
-    router's balance loss) would count it. The partitioner refuses the layout."""
-    mesh = jax.make_mesh((4,), ("ep",), devices=CPUS[:4],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+@pytest.mark.parametrize("experts", ["split", "replicated", "split, tokens replicated",
+                                     "split, dp2 x ep2"])
+def test_tokens_not_dividing_their_mesh_axes_give_the_single_device_results(
+        experts, capacity_factor):
+    """XLA may split T tokens unevenly (a with_sharding_constraint of 30 tokens over 4
+    devices; or tokens left replicated while the experts split over 4, which mok_jax
+    then splits along the EP axis) and pads the last shard. The padding rows are
+    neither routed nor counted: y, the gradients and the statistics are the
+    single-device call's (the statistics once counted the padding, and with them a
+    router's balance loss). Replicated experts are data parallelism: their gradients
+    are sums over the devices, equal up to summation order."""
+    two_axes = experts.endswith("dp2 x ep2")
+    mesh = jax.make_mesh((2, 2) if two_axes else (4,), ("dp", "ep") if two_axes else ("ep",),
+                         devices=CPUS[:4], axis_types=(jax.sharding.AxisType.Auto,) * (
+                             2 if two_axes else 1))
     full = jax.device_put(problem(jnp.float32, seed=4), NamedSharding(mesh, P()))
     x, ids, w, wgu, wd = (a[:30] if i < 3 else a for i, a in enumerate(full))
+    y1, s1, g1 = single_device(x, ids, w, wgu, wd, capacity_factor)
+    if capacity_factor is not None:
+        assert int(s1.dropped) > 0  # the limit bites
+    c = lambda v, spec=P("ep"): jax.lax.with_sharding_constraint(v, NamedSharding(mesh, spec))
 
-    def f(x, ids, w, wgu, wd):
-        c = lambda v: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, P("ep")))
-        if experts == "split":
+    def loss(x, w, wgu, wd, ids):
+        if experts.startswith("split"):
             wgu, wd = c(wgu), c(wd)
-        return mok_jax.moe(c(x), c(ids), c(w), wgu, wd, capacity_factor=capacity_factor,
+        if experts != "split, tokens replicated":
+            spec = P(("dp", "ep")) if two_axes else P("ep")
+            x, ids, w = c(x, spec), c(ids, spec), c(w, spec)
+        y, s = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=capacity_factor,
                            return_stats=True)
+        return jnp.sum(y.astype(jnp.float32) * cot(x.shape[1])), (y, s)
 
-    with pytest.raises(Exception, match=r"T=30 tokens do not split evenly over mesh axes "
-                                        r"\('ep',\) \(4 shards"):
-        jax.block_until_ready(jax.jit(f)(x, ids, w, wgu, wd))
-    # An even count on the same mesh runs, with the single-device statistics.
-    x, ids, w, wgu, wd = full
-    y, s = jax.jit(f)(x, ids, w, wgu, wd)
-    y1, s1 = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=capacity_factor,
-                         return_stats=True)
-    assert_same_bits(y, y1, "y")
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    (_, (y, s)), g = step(x, w, wgu, wd, ids)
+    if experts == "replicated" or two_axes:  # a data-parallel axis sums the weights' grads
+        assert_same_results((y, *g[:2]), (y1, *g1[:2]))
+        for name, a, b in zip(("d_w_gate_up", "d_w_down"), g[2:], g1[2:]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+    else:
+        assert_same_results((y, *g), (y1, *g1))
     np.testing.assert_array_equal(s.tokens_per_expert, s1.tokens_per_expert)
     assert int(s.dropped) == int(s1.dropped) and int(s.invalid) == int(s1.invalid)
 

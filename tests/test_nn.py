@@ -591,6 +591,21 @@ def test_batch_axis_not_splitting_the_tokens_is_an_error():
     with pytest.raises(ValueError, match=r"includes \('dp',\), but x is not split over it "
                                          r"\(it varies over \('ep',\) only\)"):
         jax.jit(f)(state, tokens(64))
+    # Tokens replicated over both axes, experts replicated too (no EP): both named
+    # axes are missing.
+    dp_layer = make_layer(batch_axis_names=("dp", "ep"))
+    graphdef, state = nnx.split(dp_layer)
+    f = jax.shard_map(lambda state, x: nnx.merge(graphdef, state)(x), mesh=mesh,
+                      in_specs=(P(), P()), out_specs=(P(), mnn.MoEAux(P(), P(), P(), P())),
+                      check_vma=True)
+    with pytest.raises(ValueError, match=r"includes \('dp', 'ep'\), but x is not split "
+                                         r"over them \(it varies over \(\) only\)"):
+        jax.jit(f)(state, tokens(64))
+    # With check_vma=False JAX tracks nothing: the layer cannot tell, and runs.
+    f = jax.shard_map(lambda state, x: nnx.merge(graphdef, state)(x), mesh=mesh,
+                      in_specs=(P(), P()), out_specs=(P(), mnn.MoEAux(P(), P(), P(), P())),
+                      check_vma=False)
+    assert jax.jit(f)(state, tokens(64))[0].shape == (64, H)
     # The same tokens split over both axes run.
     y, aux = _shard_map_layer_step(layer, tokens(64), mesh)
     assert y.shape == (64, H) and int(np.sum(aux.tokens_per_expert)) == 64 * K

@@ -18,7 +18,8 @@ block), trained with AdamW, linear warm-up and cosine decay under one
 Writes to ``--out`` (default ``runs/<preset>``): ``log.json`` (config, every
 step's losses, eval losses, tokens/s, MFU), ``loss.png`` and orbax checkpoints
 under ``ckpt/``. A run continued with ``--resume`` is bitwise identical to an
-uninterrupted one (batches depend only on the seed and the step).
+uninterrupted one (batches depend only on the seed and the step); it must be the
+same run (``ckpt/run.json``: model, data and schedule), or it is refused.
 """
 
 from __future__ import annotations
@@ -591,6 +592,35 @@ def make_eval_step(graphdef):
 # --------------------------------------------------------------------------------------
 
 
+# Config fields a resumed run may change: how it runs and reports, not what it
+# computes (the attention implementations and MoE backends compute the same
+# function; weight copies and the gradient-reduce lag give the same bits).
+RESUMABLE_CHANGES = frozenset({"attention", "moe_backend", "grad_reduce_lag", "weight_copies",
+                               "eval_every", "eval_batches", "log_every", "ckpt_every"})
+
+
+def run_identity(cfg: Config, corpus: Corpus) -> dict:
+    """What a run resuming a checkpoint must share with the run that wrote it: every
+    Config field that changes the model, the data or the schedule, and the corpus.
+    Written next to the checkpoints (``ckpt/run.json``) when a run starts."""
+    return {"config": {k: v for k, v in dataclasses.asdict(cfg).items()
+                       if k not in RESUMABLE_CHANGES},
+            "corpus": {"root": corpus.root, "train_bytes": int(corpus.train.size),
+                       "eval_bytes": int(corpus.eval.size)}}
+
+
+def identity_differences(want: dict, got: dict) -> list[str]:
+    """The fields where ``got`` (e.g. a log's config and corpus) differs from the
+    identity ``want``, as "section.field: want -> got"."""
+    out = []
+    for section, fields in want.items():
+        other = got.get(section) or {}
+        for key, value in fields.items():
+            if other.get(key, value) != value:
+                out.append(f"{section}.{key}: {value!r} -> {other.get(key)!r}")
+    return out
+
+
 def checkpoint_manager(directory: str):
     import orbax.checkpoint as ocp
 
@@ -753,6 +783,9 @@ def parse_args(argv=None):
     if args.trace_only and (args.dp is not None or args.ep != 1 or args.host_devices):
         parser.error("--trace-only traces the one-device step (jax.eval_shape, no mesh): "
                      "--dp, --ep and --host-devices are not used there")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out and --overwrite starts it over: "
+                     "give one")
     if args.no_checkpoint and (args.resume or args.stop_after):
         parser.error("--no-checkpoint cannot be combined with --resume or --stop-after")
     if args.profile and (args.pgle or jax.config.jax_enable_pgle):
@@ -851,6 +884,15 @@ def profile_step(args, cfg: Config, train_step, state, batch, wall_s: float) -> 
     return result
 
 
+def check_finite(log: dict, step: int) -> None:
+    """Stops the run when the loss of the newest logged step is not finite: nothing
+    after it (in particular no checkpoint) is worth keeping."""
+    last = log["train"][-1] if log["train"] else None
+    if last is not None and not math.isfinite(last["loss"]):
+        raise SystemExit(f"step {step}: the train loss is {last['loss']} (step "
+                         f"{last['step']}); stopping without saving a checkpoint")
+
+
 def untimed_steps() -> int:
     """Steps at the start of a run that throughput leaves out: the first (it
     compiles) and, with PGLE on (`--pgle` or JAX_ENABLE_PGLE), the rest of JAX's
@@ -871,12 +913,33 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     # --no-checkpoint: no manager, so existing checkpoints are neither read nor removed.
     manager = None if args.no_checkpoint else checkpoint_manager(ckpt_dir)
     latest = None if manager is None else manager.latest_step()
+    identity = run_identity(cfg, corpus)
+    identity_path = os.path.join(ckpt_dir, "run.json")
     log = None
     if args.resume and latest is not None:
+        log = json.load(open(log_path)) if os.path.exists(log_path) else None
+        # Checked before anything is restored: another model would fail deep inside
+        # orbax, another schedule, batch or corpus would not fail at all.
+        if os.path.exists(identity_path):
+            with open(identity_path) as f:
+                saved = json.load(f)
+            diffs = identity_differences(saved, identity)
+            if diffs:
+                raise SystemExit(
+                    f"--resume: this command line differs from the run that wrote "
+                    f"{ckpt_dir} in {'; '.join(diffs)}. A resumed run continues that run "
+                    "(same model, data and schedule): repeat its flags, or start a new run "
+                    "in another --out")
+            if log is not None and identity_differences(saved, log):
+                raise SystemExit(
+                    f"--resume: {log_path} is not the log of the run that wrote {ckpt_dir} "
+                    f"({'; '.join(identity_differences(saved, log))}); move it away to "
+                    "start a new log from the checkpoint")
+        else:
+            print(f"warning: {identity_path} is missing (a checkpoint of an older version): "
+                  "cannot check that this command line continues the same run")
         state = restore_checkpoint(manager, latest, state, shardings)
-        if os.path.exists(log_path):
-            with open(log_path) as f:
-                log = json.load(f)
+        if log is not None:
             for key in ("train", "eval", "throughput"):
                 log[key] = [r for r in log[key] if r["step"] <= latest]
         print(f"resumed from {ckpt_dir} at step {latest}")
@@ -889,6 +952,8 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
         manager = checkpoint_manager(ckpt_dir)
     elif args.resume:
         print(f"no checkpoint in {ckpt_dir}: starting from step 0")
+    if manager is not None and not (args.resume and latest is not None):
+        write_json(identity_path, identity)
 
     mesh_desc = f"dp={dp} ep={ep} on {dp * ep} {platform} device(s)"
     if log is None:
@@ -979,6 +1044,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             if peak:
                 row["mfu"] = row["tokens_per_s"] * flops_per_token(cfg) / (peak * 1e12 * dp * ep)
             log["throughput"].append(row)
+        check_finite(log, upto)
         last = log["train"][-1]
         tps = log["throughput"][-1]["tokens_per_s"] if log["throughput"] else float("nan")
         if progress is not None:
@@ -1038,6 +1104,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             mark(done)  # evaluating is not training
         if saving:
             flush()
+            check_finite(log, done)  # a diverged state must not replace a good checkpoint
             save_checkpoint(manager, state)
             write_json(log_path, log)
             mark(done)  # nor is saving

@@ -1375,6 +1375,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.torch and args.dtype != "bf16":
         fail(f"--torch times its PyTorch baselines in bf16 only, so they would not compare "
              f"with --dtype {args.dtype}; drop one of the two")
+    if args.json:  # checked now: the file is first written after the first measurement
+        path = os.path.abspath(args.json)
+        if os.path.isdir(path):
+            fail(f"--json {args.json} is a directory; give the path of a file")
+        parent = os.path.dirname(path)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            fail(f"--json {args.json} cannot be written: {parent} is not a writable directory")
 
     for entry in args.skip:  # a typo would silently run what it meant to skip
         parts = entry.split("/")

@@ -678,6 +678,22 @@ def test_single_device_table_has_no_ep_column():
     assert "EP/compute" not in text and "EP=" not in text
 
 
+def test_a_json_path_that_cannot_be_written_is_refused_before_timing(tmp_path, capsys):
+    """The JSON is written after each record, the first one after a measurement that
+    can take minutes: a path it cannot write is a usage error up front."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    for path, why in ((tmp_path, "is a directory"),
+                      (a_file / "out.json", "is not a writable directory"),
+                      (a_file / "deeper" / "out.json", "is not a writable directory")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.parse_args(["--json", str(path)])
+        assert exit_info.value.code == 2
+        assert why in capsys.readouterr().err
+    args = bench.parse_args(["--json", str(tmp_path / "new" / "dir" / "out.json")])
+    assert args.json.endswith("out.json")  # a directory to be made is fine
+
+
 @pytest.mark.parametrize("argv, why", [
     # EP runs only on --ep-shapes (default: ep and the --shape ones) within the shapes.
     (["--ep", "2", "--shapes", "small-experts"], "would time nothing"),

@@ -417,6 +417,45 @@ def test_dp_default_lag_only_where_measured(tmp_path, extra):
     assert log["config"]["grad_reduce_lag"] == -1 and log["mesh"]["dp"] == 2
 
 
+def test_resume_refuses_another_run_and_a_foreign_log(tmp_path):
+    """--resume continues the run that wrote the checkpoints: a command line that
+    changes its model, data or schedule is refused before anything is restored (it
+    used to continue silently, with the log's config rewritten), and so is a
+    log.json of another run; how the run reports may change."""
+    out = tmp_path / "run"
+    common = ["--steps", "4", "--eval-every", "4", "--out", str(out), *SMALL]
+    lm.main([*common, "--stop-after", "2"])
+    identity = json.loads((out / "ckpt" / "run.json").read_text())
+    assert identity["config"]["lr"] == lm.PRESETS["tiny"].lr
+    assert "log_every" not in identity["config"] and identity["corpus"]["train_bytes"] > 0
+    for flag, value, field in (("--lr", "1e-2", "config.lr"), ("--steps", "8", "config.steps"),
+                               ("--seed", "3", "config.seed"), ("--seq", "32", "config.seq"),
+                               ("--balance", "bias", "config.balance")):
+        with pytest.raises(SystemExit, match=rf"differs from the run that wrote .* in "
+                                             rf"{re.escape(field)}: "):
+            lm.main([*common, "--resume", flag, value])
+    log = json.loads((out / "log.json").read_text())
+    (out / "log.json").write_text(json.dumps(dict(log, config=dict(log["config"], seed=7))))
+    with pytest.raises(SystemExit, match=r"is not the log of the run .*config\.seed: 0 -> 7"):
+        lm.main([*common, "--resume"])
+    (out / "log.json").write_text(json.dumps(log))
+    resumed = lm.main([*common, "--resume", "--log-every", "1"])
+    assert resumed["summary"]["steps"] == 4
+    assert [r["step"] for r in resumed["train"]] == [1, 2, 3, 4]
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--resume", "--overwrite"])
+
+
+def test_a_diverged_run_stops_without_a_checkpoint(tmp_path):
+    """A non-finite train loss ends the run before the next checkpoint: a diverged
+    state would otherwise push the good checkpoints out (two are kept)."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"the train loss is (nan|inf|-inf) .*without saving"):
+        lm.main(["--steps", "8", "--eval-every", "8", "--out", str(out), *SMALL,
+                 "--lr", "1e30", "--log-every", "1", "--ckpt-every", "8"])
+    assert not (out / "ckpt" / "8").exists()
+
+
 def test_refuses_to_overwrite_checkpoints_without_flag(straight_run):
     out, _ = straight_run
     with pytest.raises(SystemExit, match="--resume"):

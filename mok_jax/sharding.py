@@ -25,6 +25,10 @@ other device's ids, so nothing is gathered, and the results are the same bits
 summed over the data axes as above). With a capacity the plan is global (the
 lowest token indices over all devices are kept first), so the EP layer runs.
 
+A token count that does not split evenly over the token axes is padded by XLA
+at the end of the last shard; the padding rows get invalid ids (`_without_padding`)
+and are taken back out of the statistics, so nothing about them is visible.
+
 Under differentiation the forward also returns each device's expert-grouped
 inputs and saved projections (the EP layer's residuals), so the backward does
 not run the forward again; it recomputes only the routing plan (the ids'
@@ -165,8 +169,8 @@ def _padding_pairs(mesh, cfg, num_tokens, local_tokens, top_k) -> int:
 
 def _without_padding(mesh, cfg, num_tokens, expert_ids):
     """``expert_ids`` with the padding rows' ids -1: an uneven split of the tokens
-    (30 over 4 devices, or 2 decode tokens replicated while the experts split over
-    4) leaves rows past ``num_tokens`` in the last shards, which must be neither
+    (30 over 4 devices, or 30 tokens left replicated while the experts split over
+    4) leaves rows past ``num_tokens`` in the last shard, which must be neither
     routed nor counted. Invalid ids take no capacity and contribute nothing; the
     statistics take their pairs back out (`_pack_stats`). Nothing changes when the
     split is even."""

@@ -994,7 +994,9 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
 
     start = int(state.step)
     stop = cfg.steps if args.stop_after is None else min(cfg.steps, start + args.stop_after)
-    if not any(r["step"] == start for r in log["eval"]):
+    # The first eval: at step 0, or where a resumed run's log has none (a resume at
+    # a step the schedule does not evaluate adds nothing a straight run lacks).
+    if not log["eval"] or (start == 0 and not any(r["step"] == 0 for r in log["eval"])):
         log["eval"].append({"step": start, "loss": evaluate(state)})
         print(f"step {start}: eval loss {log['eval'][-1]['loss']:.4f}")
 

@@ -442,6 +442,7 @@ def test_resume_refuses_another_run_and_a_foreign_log(tmp_path):
     resumed = lm.main([*common, "--resume", "--log-every", "1"])
     assert resumed["summary"]["steps"] == 4
     assert [r["step"] for r in resumed["train"]] == [1, 2, 3, 4]
+    assert [r["step"] for r in resumed["eval"]] == [0, 4]  # as a straight run's: none at 2
     with pytest.raises(SystemExit):
         lm.parse_args(["--resume", "--overwrite"])
 

@@ -51,8 +51,9 @@ def parse_args(argv=None):
                         help="use the first N visible devices (default: all)")
     parser.add_argument("--mode", choices=["jit", "shard_map", "both"], default="both")
     parser.add_argument("--preset", default="tiny", help="train_moe_lm.py preset for the model")
-    parser.add_argument("--batch", type=positive_int, help="sequences (default: the preset's, rounded "
-                                                  "up to a multiple of the device count)")
+    parser.add_argument("--batch", type=positive_int,
+                        help="sequences (default: the preset's, rounded up to a multiple of "
+                             "the device count)")
     parser.add_argument("--seq", type=positive_int, help="bytes per sequence")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed steps per mesh")
     parser.add_argument("--out", default=os.path.join("runs", "mesh"), help="output directory")

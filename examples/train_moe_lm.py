@@ -714,7 +714,8 @@ def parse_args(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[2:8]))
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--steps", type=positive_int, help="total optimizer steps (the schedule's length)")
+    parser.add_argument("--steps", type=positive_int,
+                        help="total optimizer steps (the schedule's length)")
     parser.add_argument("--batch", type=positive_int, help="sequences per step (global)")
     parser.add_argument("--seq", type=positive_int, help="bytes per sequence")
     parser.add_argument("--lr", type=float, help="peak learning rate")
@@ -757,7 +758,8 @@ def parse_args(argv=None):
     parser.add_argument("--stop-after", type=positive_int, metavar="N",
                         help="stop (with a checkpoint) after N steps of this invocation, as if "
                              "interrupted; the schedule still runs to --steps")
-    parser.add_argument("--dp", type=positive_int, help="data-parallel mesh axis (default: devices / ep)")
+    parser.add_argument("--dp", type=positive_int,
+                        help="data-parallel mesh axis (default: devices / ep)")
     parser.add_argument("--ep", type=positive_int, default=1, help="expert-parallel mesh axis")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="split the optimizer state and update over dp (ZeRO stage 1): "
@@ -917,7 +919,9 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     identity_path = os.path.join(ckpt_dir, "run.json")
     log = None
     if args.resume and latest is not None:
-        log = json.load(open(log_path)) if os.path.exists(log_path) else None
+        if os.path.exists(log_path):
+            with open(log_path) as f:
+                log = json.load(f)
         # Checked before anything is restored: another model would fail deep inside
         # orbax, another schedule, batch or corpus would not fail at all.
         if os.path.exists(identity_path):
@@ -930,11 +934,12 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
                     f"{ckpt_dir} in {'; '.join(diffs)}. A resumed run continues that run "
                     "(same model, data and schedule): repeat its flags, or start a new run "
                     "in another --out")
-            if log is not None and identity_differences(saved, log):
+            foreign = [] if log is None else identity_differences(saved, log)
+            if foreign:
                 raise SystemExit(
                     f"--resume: {log_path} is not the log of the run that wrote {ckpt_dir} "
-                    f"({'; '.join(identity_differences(saved, log))}); move it away to "
-                    "start a new log from the checkpoint")
+                    f"({'; '.join(foreign)}); move it away to start a new log from the "
+                    "checkpoint")
         else:
             print(f"warning: {identity_path} is missing (a checkpoint of an older version): "
                   "cannot check that this command line continues the same run")
@@ -994,9 +999,10 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
 
     start = int(state.step)
     stop = cfg.steps if args.stop_after is None else min(cfg.steps, start + args.stop_after)
-    # The first eval: at step 0, or where a resumed run's log has none (a resume at
-    # a step the schedule does not evaluate adds nothing a straight run lacks).
-    if not log["eval"] or (start == 0 and not any(r["step"] == 0 for r in log["eval"])):
+    # The first eval: a fresh run's at step 0, or a resumed run's whose log is lost
+    # (a resume at a step the schedule does not evaluate adds nothing a straight run
+    # lacks).
+    if not log["eval"]:
         log["eval"].append({"step": start, "loss": evaluate(state)})
         print(f"step {start}: eval loss {log['eval'][-1]['loss']:.4f}")
 

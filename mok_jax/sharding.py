@@ -168,18 +168,19 @@ def _padding_pairs(mesh, cfg, num_tokens, local_tokens, top_k) -> int:
 
 
 def _without_padding(mesh, cfg, num_tokens, expert_ids):
-    """``expert_ids`` with the padding rows' ids -1: an uneven split of the tokens
-    (30 over 4 devices, or 30 tokens left replicated while the experts split over
-    4) leaves rows past ``num_tokens`` in the last shard, which must be neither
-    routed nor counted. Invalid ids take no capacity and contribute nothing; the
-    statistics take their pairs back out (`_pack_stats`). Nothing changes when the
-    split is even."""
+    """``(expert_ids with the padding rows' ids -1, the padding's pairs)``: an uneven
+    split of the tokens (30 over 4 devices, or 30 tokens left replicated while the
+    experts split over 4) leaves rows past ``num_tokens`` in the last shard, which
+    must be neither routed nor counted. Invalid ids take no capacity and contribute
+    nothing; the statistics take their pairs back out (`_pack_stats`). Nothing
+    changes when the split is even."""
     local = expert_ids.shape[0]
-    if _padding_pairs(mesh, cfg, num_tokens, local, 1) == 0:
-        return expert_ids
+    pad = _padding_pairs(mesh, cfg, num_tokens, *expert_ids.shape)
+    if pad == 0:
+        return expert_ids, 0
     shard = jax.lax.axis_index(cfg.token_axes)  # linear, major to minor, as ep.plan's
     row = shard * local + jnp.arange(local, dtype=jnp.int32)
-    return jnp.where((row < num_tokens)[:, None], expert_ids, jnp.int32(-1))
+    return jnp.where((row < num_tokens)[:, None], expert_ids, jnp.int32(-1)), pad
 
 
 def _placement(cap, mesh, arg_shapes):
@@ -290,8 +291,7 @@ def _forward_partition(cap, backend, mesh, arg_shapes, result_shape):
     num_tokens = arg_shapes[0].shape[0]
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
-        pad = _padding_pairs(mesh, cfg, num_tokens, *expert_ids.shape)
-        expert_ids = _without_padding(mesh, cfg, num_tokens, expert_ids)
+        expert_ids, pad = _without_padding(mesh, cfg, num_tokens, expert_ids)
         if local:
             y, stats, _ = _local_forward(cfg, cap, x, expert_ids, expert_weights, w_gate_up,
                                          w_down, save=False)
@@ -352,8 +352,7 @@ def _forward_saving_partition(cap, backend, bound, mesh, arg_shapes, result_shap
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
         T = x.shape[0]
-        pad = _padding_pairs(mesh, cfg, num_tokens, *expert_ids.shape)
-        expert_ids = _without_padding(mesh, cfg, num_tokens, expert_ids)
+        expert_ids, pad = _without_padding(mesh, cfg, num_tokens, expert_ids)
         if local:  # the single-device layer's residuals, T*K rows of T*r
             y, stats, (gate_up, x_rows) = _local_forward(
                 cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down, save=True)
@@ -403,7 +402,7 @@ def _backward_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up):
         T = x.shape[0]
-        expert_ids = _without_padding(mesh, cfg, num_tokens, expert_ids)  # as the forward's
+        expert_ids, _ = _without_padding(mesh, cfg, num_tokens, expert_ids)  # as the forward's
         if local:
             K = expert_ids.shape[1]
             return _local_backward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down,

@@ -338,3 +338,38 @@ def test_backward_reads_the_forwards_x_rows(dtype):
             assert_bitwise(a, b * 2, "d_w_gate_up of doubled x rows")
         else:
             assert_bitwise(a, b, f"{name} of doubled x rows")
+
+
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+def test_w_down_gradient_takes_the_weighted_h_rounded_once(w_dtype):
+    """dW_down = sum_r round_x(w h_r)^T dy_r (docs/architecture.md's rounding points):
+    the combine weight is applied to h and rounded once, and dy is used as it is.
+
+    Each token goes to its own expert (one row an expert: no sum), and dy_t is c times
+    a unit vector, so column j_t of dW_down[t] is round_x(round_x(w_t h_t) c) exactly
+    (a product of two bf16 values is exact in f32). h_t itself is read from a run with
+    w = 1 and c = 1, so the check needs no SwiGLU of its own. The former rounding
+    point, h round_x(w dy), gives other bits here."""
+    T, H, F = 4, 16, 8
+    x, _, _, wgu, wd = make_problem(21, T, 1, T, H, F, jnp.bfloat16)
+    ids = jnp.arange(T, dtype=jnp.int32)[:, None]
+    rows, cols = np.arange(T), np.array([3, 0, 15, 7])
+
+    def d_w_down(w, c):
+        dy = np.zeros((T, H), np.float32)
+        dy[rows, cols] = c
+        _, vjp = jax.vjp(lambda wd: mok_jax.moe(x, ids, w, wgu, wd), wd)
+        return np.asarray(vjp(jnp.asarray(dy, jnp.bfloat16))[0], np.float32)[rows, :, cols]
+
+    def bf16(v):
+        return np.asarray(v, np.float32).astype(jnp.bfloat16).astype(np.float32)
+
+    h = d_w_down(jnp.ones((T, 1), w_dtype), 1.0)  # [T, F]: h_t (round_x(1 h) = h)
+    assert np.all(np.isfinite(h)) and np.count_nonzero(h) > T * F // 2
+    w, c = jnp.full((T, 1), 0.3, w_dtype), bf16(1.3)
+    w32 = np.asarray(w.astype(jnp.float32))[0, 0]
+    got = d_w_down(w, c)
+    want = bf16(bf16(w32 * h) * c)
+    np.testing.assert_array_equal(got, want)
+    former = bf16(h * bf16(w32 * c))
+    assert np.any(former != want), "the case must tell the two rounding points apart"

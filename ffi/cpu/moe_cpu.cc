@@ -97,7 +97,7 @@ void expert_ffn_backward(const X* x, const X* x_rows, const X* dy, const W* w, c
                          const X* wgu, const X* wd, const X* gate_up, X* dx_out, W* dw_out,
                          X* dwgu, X* dwd) {
   struct Scratch {
-    std::vector<float> w_gu, w_gu_t, w_d, w_d_t, xe, xe_t, dye, dh, gu, hr, hr_t, dgu, dout, dxe,
+    std::vector<float> w_gu, w_gu_t, w_d, w_d_t, xe, xe_t, dye, dh, gu, hr, hr_t, dgu, dxe,
         acc_gu, acc_d;
   };
   const int workers = cpu_threads();
@@ -127,7 +127,6 @@ void expert_ffn_backward(const X* x, const X* x_rows, const X* dy, const W* w, c
     s.hr.resize(n * F);
     s.hr_t.resize(n * F);
     s.dgu.resize(n * 2 * F);
-    s.dout.resize(n * H);
     s.dxe.resize(n * H);
     load_f32(wgu + e * H * 2 * F, s.w_gu.data(), H * 2 * F);
     load_f32(wd + e * F * H, s.w_d.data(), F * H);
@@ -154,14 +153,13 @@ void expert_ffn_backward(const X* x, const X* x_rows, const X* dy, const W* w, c
         const float sg = sigmoid(g[f]);
         const float silu = g[f] * sg;
         const float hv = round_to<X>(silu * u[f]);
-        s.hr[r * F + f] = hv;
+        s.hr[r * F + f] = round_to<X>(wv * hv);  // dW_down's operand: round_x(w h)
         dw += dhr[f] * hv;  // <dy, o> = <dy @ Wd^T, h>
         const float dhv = wv * dhr[f];
         s.dgu[r * 2 * F + f] = round_to<X>(dhv * u[f] * (sg * (1.0f + g[f] * (1.0f - sg))));
         s.dgu[r * 2 * F + F + f] = round_to<X>(dhv * silu);
       }
       dw_out[p] = from_float<W>(dw);
-      for (int64_t j = 0; j < H; ++j) s.dout[r * H + j] = round_to<X>(wv * s.dye[r * H + j]);
     }
 
     // dx rows = dgu @ Wgu^T, rounded to x.dtype like the forward's expert outputs.
@@ -173,7 +171,7 @@ void expert_ffn_backward(const X* x, const X* x_rows, const X* dy, const W* w, c
 
     // Weight gradients reduce over the expert's rows in canonical (token, k) order.
     transpose_f32(s.hr.data(), s.hr_t.data(), n, F);
-    gemm_f32(s.hr_t.data(), s.dout.data(), s.acc_d.data(), F, H, n);
+    gemm_f32(s.hr_t.data(), s.dye.data(), s.acc_d.data(), F, H, n);
     transpose_f32(s.xe.data(), s.xe_t.data(), n, H);
     gemm_f32(s.xe_t.data(), s.dgu.data(), s.acc_gu.data(), H, 2 * F, n);
     for (int64_t i = 0; i < H * 2 * F; ++i) dwgu_e[i] = from_float<X>(s.acc_gu[i]);

@@ -118,9 +118,8 @@ size_t expert_ffn_backward_workspace_bytes(const ExpertFfnShape& s, DType dtype)
   Carver c(nullptr);
   carve_groups(c, s.experts);
   c.take(s.rows * sizeof(int32_t));            // identity row -> pair map
-  c.take(s.rows * s.hidden * eb);              // dout rows
   c.take(s.rows * s.ffn * sizeof(float));      // dh_raw
-  c.take(s.rows * s.ffn * eb);                 // h rows
+  c.take(s.rows * s.ffn * eb);                 // round_x(w h) rows
   c.take(s.rows * 2 * s.ffn * eb);             // d gate_up
   c.take(grouped_gemm_workspace_bytes(s.experts));
   return c.used();
@@ -139,9 +138,8 @@ std::string expert_ffn_backward(const ExpertFfnShape& s, DType dtype, DType weig
   Carver c(workspace);
   const Groups g = carve_groups(c, s.experts);
   auto* identity = static_cast<int32_t*>(c.take(s.rows * sizeof(int32_t)));
-  void* dout = c.take(s.rows * s.hidden * eb);
   auto* dh_raw = static_cast<float*>(c.take(s.rows * s.ffn * sizeof(float)));
-  void* h_rows = c.take(s.rows * s.ffn * eb);
+  void* wh_rows = c.take(s.rows * s.ffn * eb);
   void* d_gate_up = c.take(s.rows * 2 * s.ffn * eb);
   const size_t gemm_bytes = grouped_gemm_workspace_bytes(s.experts);
   void* gemm_ws = c.take(gemm_bytes);
@@ -152,21 +150,18 @@ std::string expert_ffn_backward(const ExpertFfnShape& s, DType dtype, DType weig
     iota<<<blocks_for(s.rows), kThreads, 0, stream>>>(identity, s.rows);
     MOK_CUDA_RETURN_IF_LAUNCH_FAILED("iota");
   }
-  // Rows are their own pairs here: gather with K = 1 through the identity map
-  // gives dout = round_x(w * dy) (and a copy of dy we do not need).
-  MOK_RETURN_IF_MESSAGE(gather_dy_rows(dtype, weight_dtype, dy_rows, w_rows, identity, num_rows,
-                                       s.rows, 1, s.hidden, dx_rows, dout, stream));
+  // Rows are their own pairs here (the identity map): dy_rows are already by row.
   RowsGemm dgrad2{s.experts, g.expert_begin, s.rows, s.ffn, s.hidden, true, dtype, DType::kF32,
                   dy_rows, w_down, dh_raw};
   MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad2, g.tile_begin, gemm_ws, gemm_bytes, stream));
   MOK_RETURN_IF_MESSAGE(swiglu_backward(dtype, weight_dtype, gate_up, dh_raw, w_rows, identity,
-                                        identity, num_rows, s.rows, s.rows, s.ffn, h_rows,
+                                        identity, num_rows, s.rows, s.rows, s.ffn, wh_rows,
                                         d_gate_up, dw_rows, stream));
   RowsGemm dgrad1{s.experts, g.expert_begin, s.rows, s.hidden, 2 * s.ffn, true, dtype, dtype,
                   d_gate_up, w_gate_up, dx_rows};
   MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad1, g.tile_begin, gemm_ws, gemm_bytes, stream));
-  WeightGradGemm wgrad_down{s.experts, g.expert_begin, s.rows, s.ffn, s.hidden, dtype, h_rows,
-                            dout, d_w_down};
+  WeightGradGemm wgrad_down{s.experts, g.expert_begin, s.rows, s.ffn, s.hidden, dtype, wh_rows,
+                            dy_rows, d_w_down};
   MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(wgrad_down, gemm_ws, gemm_bytes, stream));
   WeightGradGemm wgrad_gate_up{s.experts, g.expert_begin, s.rows, s.hidden, 2 * s.ffn, dtype,
                                x_rows, d_gate_up, d_w_gate_up};

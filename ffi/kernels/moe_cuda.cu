@@ -48,10 +48,9 @@ ForwardBuffers carve_forward(void* ws, const MoeShape& s, DType dt, bool save_ga
 
 struct BackwardBuffers {
   RoutingPlanDevice plan;
-  void* dy_rows;    // [R, H], reused for dx rows once dh is computed
-  void* dout_rows;  // [R, H] round(w * dy)
+  void* dy_rows;    // [R, H], reused for dx rows once dh and dW_down are computed
   float* dh_raw;    // [R, F] f32
-  void* h_rows;     // [R, F]
+  void* wh_rows;    // [R, F] round_x(w h), dW_down's operand
   void* d_gate_up;  // [R, 2F]
   void* gemm_ws;
   size_t gemm_ws_bytes;
@@ -65,9 +64,8 @@ BackwardBuffers carve_backward(void* ws, const MoeShape& s, DType dt, size_t* to
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
   b.dy_rows = c.take(pairs * s.hidden * eb);
-  b.dout_rows = c.take(pairs * s.hidden * eb);
   b.dh_raw = static_cast<float*>(c.take(pairs * s.ffn * sizeof(float)));
-  b.h_rows = c.take(pairs * s.ffn * eb);
+  b.wh_rows = c.take(pairs * s.ffn * eb);
   b.d_gate_up = c.take(pairs * 2 * s.ffn * eb);
   b.gemm_ws_bytes = grouped_gemm_workspace_bytes(s.experts);
   b.gemm_ws = c.take(b.gemm_ws_bytes);
@@ -137,27 +135,28 @@ std::string moe_backward(const MoeBackwardArgs& a, const void* x_rows, void* wor
 
   MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan, nullptr,
                                            nullptr, nullptr, stream));
-  // x rows: the forward's (x_rows), not gathered again.
-  MOK_RETURN_IF_MESSAGE(gather_dy_rows(a.x_dtype, a.weight_dtype, a.dy, a.expert_weights,
-                                       b.plan.row_pair, num_rows, pairs, K, H, b.dy_rows,
-                                       b.dout_rows, stream));
+  // x rows: the forward's (x_rows), not gathered again. dy rows: a plain gather
+  // (the combine weight goes into SwiGLU's backward and into dW_down's h operand).
+  MOK_RETURN_IF_MESSAGE(gather_token_rows(a.x_dtype, a.dy, b.plan.row_pair, num_rows, pairs, K,
+                                          H, b.dy_rows, stream));
   // dh_raw = dy @ Wd^T (f32), then SwiGLU backward and d expert_weights.
   RowsGemm dgrad2{E, b.plan.expert_begin, pairs, F, H, true, a.x_dtype, DType::kF32,
                   b.dy_rows, a.w_down, b.dh_raw};
   MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad2, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));
   MOK_RETURN_IF_MESSAGE(swiglu_backward(a.x_dtype, a.weight_dtype, a.gate_up, b.dh_raw,
                                         a.expert_weights, b.plan.row_pair, b.plan.pair_row,
-                                        num_rows, pairs, pairs, F, b.h_rows, b.d_gate_up,
+                                        num_rows, pairs, pairs, F, b.wh_rows, b.d_gate_up,
                                         a.d_expert_weights, stream));
+  // Weight gradients over each expert's rows in canonical order; dW_down reads
+  // the dy rows, so it runs before dgrad1 overwrites them.
+  WeightGradGemm wgrad_down{E, b.plan.expert_begin, pairs, F, H, a.x_dtype, b.wh_rows,
+                            b.dy_rows, a.d_w_down};
+  MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(wgrad_down, b.gemm_ws, b.gemm_ws_bytes, stream));
   // dx rows = dgu @ Wgu^T (into the dy rows' buffer, no longer needed).
   void* dx_rows = b.dy_rows;
   RowsGemm dgrad1{E, b.plan.expert_begin, pairs, H, 2 * F, true, a.x_dtype, a.x_dtype,
                   b.d_gate_up, a.w_gate_up, dx_rows};
   MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad1, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));
-  // Weight gradients over each expert's rows in canonical order.
-  WeightGradGemm wgrad_down{E, b.plan.expert_begin, pairs, F, H, a.x_dtype, b.h_rows,
-                            b.dout_rows, a.d_w_down};
-  MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(wgrad_down, b.gemm_ws, b.gemm_ws_bytes, stream));
   WeightGradGemm wgrad_gate_up{E, b.plan.expert_begin, pairs, H, 2 * F, a.x_dtype, x_rows,
                                b.d_gate_up, a.d_w_gate_up};
   MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(wgrad_gate_up, b.gemm_ws, b.gemm_ws_bytes, stream));

@@ -28,16 +28,6 @@ template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, V>& v) {
   *reinterpret_cast<Vec<T, V>*>(p) = v;
 }
-// Stores a vector that was only loaded, not computed, as its raw bytes: nvcc has
-// stored such copies one element at a time in loops (see gather_rows_kernel).
-template <typename T, int V>
-__device__ __forceinline__ void store_vec_raw(T* p, const Vec<T, V>& v) {
-  using Raw = typename RawOf<sizeof(T) * V>::type;
-  Raw raw;
-  __builtin_memcpy(&raw, &v, sizeof(Raw));
-  *reinterpret_cast<Raw*>(p) = raw;
-}
-
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 // Elements per thread: 16-byte vectors when the row length allows it.
@@ -107,35 +97,6 @@ gather_rows_kernel(const X* __restrict__ src, const int32_t* __restrict__ row_pa
   }
 }
 
-template <typename X, typename W, int V>
-__global__ void __launch_bounds__(kThreads)
-gather_dy_kernel(const X* __restrict__ dy, const W* __restrict__ weights,
-                 const int32_t* __restrict__ row_pair, const int64_t* __restrict__ num_rows,
-                 int64_t top_k, int64_t hidden, X* __restrict__ dy_rows,
-                 X* __restrict__ dout_rows) {
-  const int64_t n = *num_rows;
-  const int lane = lane_id();
-  for (int64_t r = first_warp(); r < n; r += warp_stride()) {
-    const int64_t p = row_pair[r];
-    const X* s = dy + (p / top_k) * hidden;
-    const float w = to_float(weights[p]);
-    for (int64_t c0 = int64_t(lane) * V; c0 < hidden; c0 += 32 * V * kUnroll) {
-      Vec<X, V> v[kUnroll];
-      load_lane_vectors<X, V>(s, c0, hidden, v);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t c = c0 + u * 32 * V;
-        if (c >= hidden) continue;
-        Vec<X, V> o;
-#pragma unroll
-        for (int i = 0; i < V; ++i) o.v[i] = from_float<X>(w * to_float(v[u].v[i]));
-        store_vec_raw<X, V>(dy_rows + r * hidden + c, v[u]);  // the copy of dy
-        store_vec<X, V>(dout_rows + r * hidden + c, o);
-      }
-    }
-  }
-}
-
 template <typename X, int V>
 __global__ void __launch_bounds__(kThreads)
 swiglu_forward_kernel(const float* __restrict__ gate_up, const int64_t* __restrict__ num_rows,
@@ -187,7 +148,7 @@ template <typename X, typename W, int V>
 __global__ void __launch_bounds__(kThreads)
 swiglu_backward_kernel(const X* __restrict__ gate_up, const float* __restrict__ dh_raw,
                        const W* __restrict__ weights, const int32_t* __restrict__ row_pair,
-                       const int64_t* __restrict__ num_rows, int64_t ffn, X* __restrict__ h_rows,
+                       const int64_t* __restrict__ num_rows, int64_t ffn, X* __restrict__ wh_rows,
                        X* __restrict__ d_gate_up, W* __restrict__ d_weights) {
   constexpr int kU = kUnroll / 2;
   const int64_t n = *num_rows;
@@ -224,14 +185,14 @@ swiglu_backward_kernel(const X* __restrict__ gate_up, const float* __restrict__ 
           const float s = sigmoid(gf);
           const float silu = gf * s;
           const float h = round_to<X>(silu * uf);
-          hv.v[i] = from_float<X>(h);
+          hv.v[i] = from_float<X>(w * h);  // dW_down's operand: round_x(w h)
           const float dhr = dv[j].v[i];
           dw += dhr * h;  // <dy, o> = <dy @ Wd^T, h>
           const float dhw = w * dhr;
           dgv.v[i] = from_float<X>(dhw * uf * (s * (1.0f + gf * (1.0f - s))));
           duv.v[i] = from_float<X>(dhw * silu);
         }
-        store_vec<X, V>(h_rows + r * ffn + f, hv);
+        store_vec<X, V>(wh_rows + r * ffn + f, hv);
         store_vec<X, V>(dg + f, dgv);
         store_vec<X, V>(du + f, duv);
       }
@@ -359,29 +320,6 @@ std::string gather_token_rows(DType dtype, const void* src, const int32_t* row_p
   });
 }
 
-std::string gather_dy_rows(DType dtype, DType weight_dtype, const void* dy,
-                           const void* expert_weights, const int32_t* row_pair,
-                           const int64_t* num_rows, int64_t max_rows, int64_t top_k,
-                           int64_t hidden, void* dy_rows, void* dout_rows, cudaStream_t stream) {
-  if (max_rows == 0 || hidden == 0) return {};
-  return with_dtypes(dtype, weight_dtype, [&]<typename X, typename W>() -> std::string {
-    auto args = std::make_tuple(static_cast<const X*>(dy), static_cast<const W*>(expert_weights),
-                                row_pair, num_rows, top_k, hidden, static_cast<X*>(dy_rows),
-                                static_cast<X*>(dout_rows));
-    if (vector_width<X>(hidden) > 1) {
-      std::apply([&](auto... a) {
-        gather_dy_kernel<X, W, 16 / sizeof(X)><<<grid_rows(max_rows), kThreads, 0, stream>>>(a...);
-      }, args);
-    } else {
-      std::apply([&](auto... a) {
-        gather_dy_kernel<X, W, 1><<<grid_rows(max_rows), kThreads, 0, stream>>>(a...);
-      }, args);
-    }
-    MOK_CUDA_RETURN_IF_LAUNCH_FAILED("gather_dy_kernel");
-    return {};
-  });
-}
-
 std::string swiglu_forward(DType dtype, const float* gate_up_f32, const int64_t* num_rows,
                            int64_t max_rows, int64_t ffn, void* h, void* gate_up_out,
                            cudaStream_t stream) {
@@ -406,7 +344,7 @@ std::string swiglu_backward(DType dtype, DType weight_dtype, const void* gate_up
                             const float* dh_raw, const void* expert_weights,
                             const int32_t* row_pair, const int32_t* pair_row,
                             const int64_t* num_rows, int64_t max_rows, int64_t pairs,
-                            int64_t ffn, void* h_rows, void* d_gate_up,
+                            int64_t ffn, void* wh_rows, void* d_gate_up,
                             void* d_expert_weights, cudaStream_t stream) {
   return with_dtypes(dtype, weight_dtype, [&]<typename X, typename W>() -> std::string {
     W* dw = static_cast<W*>(d_expert_weights);
@@ -418,7 +356,7 @@ std::string swiglu_backward(DType dtype, DType weight_dtype, const void* gate_up
     if (max_rows == 0) return {};
     auto args = std::make_tuple(static_cast<const X*>(gate_up), dh_raw,
                                 static_cast<const W*>(expert_weights), row_pair, num_rows, ffn,
-                                static_cast<X*>(h_rows), static_cast<X*>(d_gate_up), dw);
+                                static_cast<X*>(wh_rows), static_cast<X*>(d_gate_up), dw);
     // f32 dh_raw is read 4 elements at a time at most.
     if (ffn % 4 == 0) {
       std::apply([&](auto... a) {

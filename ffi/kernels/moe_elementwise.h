@@ -14,16 +14,11 @@
 
 namespace mok::cuda {
 
-// dst[r] = src[row_pair[r] / K] for kept rows r. [*, cols] of x.dtype.
+// dst[r] = src[row_pair[r] / K] for kept rows r. [*, cols] of x.dtype (x rows in
+// the forward, dy rows in the backward).
 std::string gather_token_rows(DType dtype, const void* src, const int32_t* row_pair,
                               const int64_t* num_rows, int64_t max_rows, int64_t top_k,
                               int64_t cols, void* dst, cudaStream_t stream);
-
-// Backward: dy_rows[r] = dy[t], dout_rows[r] = round_x(w[p] * dy[t]) for p = row_pair[r].
-std::string gather_dy_rows(DType dtype, DType weight_dtype, const void* dy,
-                           const void* expert_weights, const int32_t* row_pair,
-                           const int64_t* num_rows, int64_t max_rows, int64_t top_k,
-                           int64_t hidden, void* dy_rows, void* dout_rows, cudaStream_t stream);
 
 // From GEMM1's f32 accumulators gate_up_f32 [R, 2F]: h[r, f] = round_x(silu(g) * u)
 // computed in f32, and, when gate_up_out is not null, the residual
@@ -34,12 +29,13 @@ std::string swiglu_forward(DType dtype, const float* gate_up_f32, const int64_t*
 
 // Per kept row r (pair p): h = round_x(silu(g) u); d_expert_weights[p] = <dh_raw, h>
 // (each lane's elements in order, then a fixed xor tree over the warp); dh = w dh_raw; d_gate_up = round_x([dh u silu'(g),
-// dh silu(g)]); h_rows = h. Pairs without a row get d_expert_weights = 0.
+// dh silu(g)]); wh_rows = round_x(w h), dW_down's operand (w applied here, so
+// the dy rows stay unweighted). Pairs without a row get d_expert_weights = 0.
 std::string swiglu_backward(DType dtype, DType weight_dtype, const void* gate_up,
                             const float* dh_raw, const void* expert_weights,
                             const int32_t* row_pair, const int32_t* pair_row,
                             const int64_t* num_rows, int64_t max_rows, int64_t pairs,
-                            int64_t ffn, void* h_rows, void* d_gate_up,
+                            int64_t ffn, void* wh_rows, void* d_gate_up,
                             void* d_expert_weights, cudaStream_t stream);
 
 // out[t] = round_x(sum over k ascending of weight(t, k) * rows[pair_row[t * K + k]]),

@@ -340,8 +340,9 @@ def test_backward_reads_the_forwards_x_rows(dtype):
             assert_bitwise(a, b, f"{name} of doubled x rows")
 
 
+@pytest.mark.parametrize("backend", ["auto", "xla"])  # one-call backward, EP pieces' backward
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
-def test_w_down_gradient_takes_the_weighted_h_rounded_once(w_dtype):
+def test_w_down_gradient_takes_the_weighted_h_rounded_once(w_dtype, backend):
     """dW_down = sum_r round_x(w h_r)^T dy_r (docs/architecture.md's rounding points):
     the combine weight is applied to h and rounded once, and dy is used as it is.
 
@@ -358,7 +359,7 @@ def test_w_down_gradient_takes_the_weighted_h_rounded_once(w_dtype):
     def d_w_down(w, c):
         dy = np.zeros((T, H), np.float32)
         dy[rows, cols] = c
-        _, vjp = jax.vjp(lambda wd: mok_jax.moe(x, ids, w, wgu, wd), wd)
+        _, vjp = jax.vjp(lambda wd: mok_jax.moe(x, ids, w, wgu, wd, backend=backend), wd)
         return np.asarray(vjp(jnp.asarray(dy, jnp.bfloat16))[0], np.float32)[rows, :, cols]
 
     def bf16(v):

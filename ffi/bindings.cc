@@ -1,7 +1,6 @@
 // nanobind module mok_jax._mok: the FFI handler capsules per platform and the
 // enums Python must mirror. Python (mok_jax/_ext.py) registers the targets.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/string_view.h>
 
 #include <type_traits>
 
@@ -56,17 +55,6 @@ NB_MODULE(_mok, m) {
   m.attr("HAS_SM90A_KERNELS") = true;
 #else
   m.attr("HAS_SM90A_KERNELS") = false;
-#endif
-#ifdef MOK_WITH_CUDA
-  m.def("cuda_workspace_bytes", &mok::cuda_workspace_request, nb::arg("target"), nb::arg("rows"),
-        nb::arg("top_k"), nb::arg("experts"), nb::arg("hidden"), nb::arg("ffn"),
-        nb::arg("dtype"), nb::arg("save_gate_up"),
-        "Bytes of the uint8 workspace result a CUDA call of `target` takes on the current "
-        "GPU (rows: T for mok_moe_*/mok_combine, R for mok_expert_ffn_*); the maximum "
-        "size_t for an unknown target.");
-  m.def("cuda_handler_calls", &mok::cuda_handler_calls,
-        "How many times this process has run a mok_jax CUDA handler (calls XLA replays "
-        "from a CUDA graph do not run it).");
 #endif
   m.def("swiglu_epilogue_shape", &mok::swiglu_epilogue_shape, nb::arg("experts"),
         nb::arg("hidden"), nb::arg("ffn"), nb::arg("rows"),

@@ -21,32 +21,6 @@ EXPERT_FFN_FORWARD = "mok_expert_ffn_fwd"
 EXPERT_FFN_BACKWARD = "mok_expert_ffn_bwd"
 COMBINE = "mok_combine"
 
-DType = _mok.DType
-
-
-def cuda_workspace_bytes(target: str, rows: int, top_k: int, experts: int, hidden: int,
-                         ffn: int, dtype, save_gate_up: bool) -> int:
-    """Bytes of the workspace result of a CUDA call of `target` (see
-    `primitives._workspace_aval`); the extension asks the current GPU."""
-    return _cuda_workspace_bytes(target, rows, top_k, experts, hidden, ffn, dtype,
-                                 save_gate_up)
-
-
-@functools.cache
-def _cuda_workspace_bytes(*args) -> int:
-    nbytes = _mok.cuda_workspace_bytes(*args)
-    if nbytes >= 2**63:
-        raise ValueError(f"mok_jax: no CUDA workspace size for target {args[0]!r}")
-    return nbytes
-
-
-def cuda_handler_calls() -> int:
-    """How many times this process has run a mok_jax CUDA handler; XLA's replays of
-    a recorded CUDA graph do not run it (0 without the CUDA handlers)."""
-    calls = getattr(_mok, "cuda_handler_calls", None)
-    return calls() if calls is not None else 0
-
-
 # jax.ffi platform name -> the platform key used by _mok.registrations().
 _PLATFORM_KEYS = {"cpu": "cpu", "cuda": "CUDA"}
 

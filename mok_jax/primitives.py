@@ -50,51 +50,13 @@ def _jit_impl(prim: Primitive):
     return impl
 
 
-# Per target: the positions of (the operand whose dim 0 is `rows`, the one that
-# gives top_k as dim 1 or None, w_gate_up) among the operands (see the
-# primitives below and cuda_workspace_bytes in ffi/bindings.cc).
-_WORKSPACE_OPERANDS = {
-    _ext.MOE_FORWARD: (0, 1, 3),
-    _ext.MOE_BACKWARD: (0, 1, 3),
-    _ext.EXPERT_FFN_FORWARD: (0, None, 2),
-    _ext.EXPERT_FFN_BACKWARD: (0, None, 4),
-    _ext.COMBINE: (2, 2, None),
-}
-
-
-def _workspace_aval(target: str, avals_in, params) -> jax.core.ShapedArray:
-    """The CUDA handlers' workspace: a uint8 result of the custom call, sized here
-    from the static shapes by the extension (whose grouped GEMMs' part depends on
-    the current GPU), so that XLA owns it: XLA may capture the call into a CUDA
-    graph and replay it without calling the handler (ffi/handlers/moe_cuda.cc)."""
-    rows_at, top_k_at, w_at = _WORKSPACE_OPERANDS[target]
-    rows = avals_in[rows_at].shape[0]
-    top_k = avals_in[top_k_at].shape[1] if top_k_at is not None else 1
-    experts, hidden, ffn = 0, 0, 0
-    if w_at is not None:
-        experts, hidden, two_f = avals_in[w_at].shape
-        ffn = two_f // 2
-    dtype = avals_in[0].dtype
-    dt = _ext.DType.BF16 if dtype == np.dtype(jax.numpy.bfloat16) else _ext.DType.F32
-    nbytes = _ext.cuda_workspace_bytes(target, rows, top_k, experts, hidden, ffn, dt,
-                                       bool(params.get("save_gate_up", False)))
-    return jax.core.ShapedArray((nbytes,), np.uint8)
-
-
 def _lower_on(platform: str, target: str, attrs_of):
-    """Lowering rule for `platform`, or a clear error if no handler exists there.
-    On CUDA the custom call has one more result than the primitive, its workspace
-    (`_workspace_aval`), which nothing reads after the call."""
+    """Lowering rule for `platform`, or a clear error if no handler exists there."""
     ffi_rule = jax.ffi.ffi_lowering(target)
 
     def rule(ctx, *operands, **params):
         _ext.require_target(platform, target)
-        if platform != "cuda":
-            return ffi_rule(ctx, *operands, **attrs_of(params))
-        workspace = _workspace_aval(target, ctx.avals_in, params)
-        outs = ffi_rule(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *operands,
-                        **attrs_of(params))
-        return outs[:-1]
+        return ffi_rule(ctx, *operands, **attrs_of(params))
 
     return rule
 

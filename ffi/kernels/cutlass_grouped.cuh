@@ -173,9 +173,8 @@ size_t carve(void* ws, int64_t experts, GroupArrays<G>* out) {
   return c.used();
 }
 
-// Measurement knobs of the persistent tile scheduler, read at every run of a
-// handler (a benchmark can compare settings in one process; a CUDA graph replay
-// keeps those it was recorded with): MOK_JAX_GEMM_RASTER "m" (tiles
+// Measurement knobs of the persistent tile scheduler, read at every call (a
+// benchmark can compare settings in one process): MOK_JAX_GEMM_RASTER "m" (tiles
 // along M first, CUTLASS's grouped default) or "n", and MOK_JAX_GEMM_SWIZZLE 1, 2,
 // 4 or 8 (CUTLASS's default 1). Unset or other values: the defaults. Tile order
 // changes no result: every tile is still reduced by one CTA over K in order.

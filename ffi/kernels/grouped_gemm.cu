@@ -47,9 +47,8 @@ bool tensor_core_device(int cc) {
 
 // Which row-GEMM instances use the ping-pong schedule: MOK_JAX_GEMM_PINGPONG, a
 // comma list of rows_f32, rows_bf16, rows_t_f32, rows_t_bf16, rows_swiglu (or "all"),
-// read at every run of a handler (so that a test can compare both schedules in one
-// process; a call XLA replays from a CUDA graph keeps the knobs it was recorded
-// with). A tuning knob for benchmarks; the default is the cooperative schedule.
+// read at every call (so that a test can compare both schedules in one process).
+// A tuning knob for benchmarks; the default is the cooperative schedule.
 bool pingpong(const char* instance) {
   const char* list = std::getenv("MOK_JAX_GEMM_PINGPONG");
   if (list == nullptr) return false;
@@ -64,7 +63,7 @@ bool pingpong(const char* instance) {
 }
 
 // The weight gradients' tiles: MOK_JAX_GEMM_WGRAD_TILE=128x128 picks the narrow
-// instance (twice the tiles of the default 128x256), read like the one above. A
+// instance (twice the tiles of the default 128x256), read at every call. A
 // measurement knob: every expert has the same tiles, each as long as the
 // expert's rows, and the persistent schedule deals them round-robin, so under
 // uneven routing the SMs that draw the busiest expert's tiles finish last; more

@@ -18,7 +18,9 @@ six bf16 passes; X3 is close to it). Attention candidates: q, k, v from slices
 of the weight instead of slices of the projection (`sliced_weights`), RoPE
 written as x * cos + rotate_half(x) * sin with the sign folded into sin
 (`rotate_half`: the same products and sums, though the compiler may contract
-them into different fused multiply-adds).
+them into different fused multiply-adds). Norm candidates, a residual add and
+the RMSNorm after it: the example's `nnx.RMSNorm` (autodiff) against `rms_norm`,
+the same function with a backward of its own (`custom_vjp`).
 
 Times are the wall time of one jitted call each (dispatch included): a router
 layer's forward+backward is ~0.3 ms on an H200, so read its differences against
@@ -28,6 +30,7 @@ that. On a CPU, XLA ignores the dot algorithms (those candidates run in f32).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -92,10 +95,63 @@ def attention(name: str, heads: int, implementation: str, dtype):
     return f
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float = 1e-6) -> jax.Array:
+    """``nnx.RMSNorm(dtype=x.dtype)``'s function, with a backward of its own.
+
+    Forward as flax computes it: the scale cast to x's dtype, the mean of squares
+    in f32, ``y = round_x(f32(x) * (rsqrt(mean + eps) * f32(scale)))``. The
+    backward keeps x as it came and one f32 value a row, and computes the
+    gradients in f32 from them: dx = r g - x r^3 mean(g x) with g = dy scale and
+    r = rsqrt(mean + eps), and the scale's gradient sum(dy x r) over the tokens,
+    rounded to x's dtype first as autodiff rounds the cotangent of the cast
+    scale. Measured in session 13 on an H200: slower than autodiff of
+    nnx.RMSNorm (docs/perf.md), so the example keeps nnx.RMSNorm."""
+    return _rms_norm_fwd(x, scale, epsilon)[0]
+
+
+def _rms_norm_fwd(x, scale, epsilon):
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + epsilon)
+    s = scale.astype(x.dtype).astype(jnp.float32)
+    return (xf * (r * s)).astype(x.dtype), (x, r, scale)
+
+
+def _rms_norm_bwd(epsilon, residuals, dy):
+    del epsilon
+    x, r, scale = residuals
+    xf, dyf = x.astype(jnp.float32), dy.astype(jnp.float32)
+    g = dyf * scale.astype(x.dtype).astype(jnp.float32)
+    c = jnp.mean(g * xf, axis=-1, keepdims=True)
+    dx = (r * g - xf * (r * r * r * c)).astype(x.dtype)
+    ds = jnp.sum((dyf * xf) * r, axis=tuple(range(x.ndim - 1)))
+    return dx, ds.astype(x.dtype).astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+NORM = ("current", "custom_vjp")
+
+
+def norm_block(name: str, d: int, dtype):
+    """A residual add and the RMSNorm after it, as in a block: ``(x + o, norm(x + o))``;
+    `current` is the example's nnx.RMSNorm (autodiff), `custom_vjp` `rms_norm`."""
+    from flax import nnx  # pylint: disable=import-outside-toplevel
+    graphdef, state = nnx.split(nnx.RMSNorm(d, dtype=dtype, rngs=nnx.Rngs(0)))
+
+    def f(x, o, scale):
+        h = x + o
+        if name == "custom_vjp":
+            return h, rms_norm(h, scale)
+        return h, nnx.merge(graphdef, jax.tree.map(lambda _: scale, state))(h)
+    return f
+
+
 def fwd_bwd(f):
     def step(*args):
         y, pullback = jax.vjp(f, *args)
-        return y, pullback(jnp.ones_like(y))
+        return y, pullback(jax.tree.map(jnp.ones_like, y))
     return jax.jit(step)
 
 
@@ -104,7 +160,8 @@ def max_rel_diff(a, b) -> float:
     return max(float(_rel_fro(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def run(small: bool = False, warmup: int = 3, repeats: int = 20) -> list[dict]:
+def run(small: bool = False, warmup: int = 3, repeats: int = 20,
+        parts: tuple[str, ...] | None = None) -> list[dict]:
     cfg = lm.PRESETS["tiny" if small else "h200"]
     dtype = jnp.dtype(cfg.dtype)
     batch, seq, d, experts = cfg.batch, cfg.seq, cfg.d_model, cfg.n_experts
@@ -121,7 +178,11 @@ def run(small: bool = False, warmup: int = 3, repeats: int = 20) -> list[dict]:
         "attention": ({name: attention(name, cfg.n_heads, implementation, dtype)
                        for name in ATTENTION},
                       (x, w_qkv, w_out)),
+        "norm": ({name: norm_block(name, d, dtype) for name in NORM},
+                 (x, jax.random.normal(keys[4], x.shape, jnp.float32).astype(dtype),
+                  1.0 + 0.1 * jax.random.normal(keys[4], (d,), jnp.float32))),
     }
+    groups = {k: v for k, v in groups.items() if parts is None or k in parts}
     rows = []
     for part, (candidates, args) in groups.items():
         reference = None
@@ -150,8 +211,11 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="the tiny preset's shapes")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--parts", nargs="+", choices=("router", "attention", "norm"),
+                        help="the groups to time (default: all)")
     args = parser.parse_args(argv)
-    rows = run(small=args.small, repeats=args.repeats)
+    rows = run(small=args.small, repeats=args.repeats,
+               parts=tuple(args.parts) if args.parts else None)
     print(f"{'part':<10} {'candidate':<15} {'ms (fwd+bwd)':>12} {'vs current':>10} "
           f"{'max rel diff':>12}")
     for r in rows:

@@ -38,6 +38,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=")
 _OP_NAME = re.compile(r"op_name=\"([^\"]*)\"")
 _CALLS = re.compile(r"calls=%?([^\s,)}]+)")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+TOP_KERNELS = 60  # kernels listed in a breakdown's "top_kernels"
 PER_LAYER = {"MoE layer (mok_jax)", "router + aux losses", "attention", "norms",
              "residual adds"}
 
@@ -158,6 +159,7 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
                      ) or [""]
     index = {dev: i for i, dev in enumerate(devices)}
     per_part: dict[str, list[float]] = {}
+    per_kernel: dict[tuple[str, str], list[float]] = {}  # (part, kernel) -> [ns, launches]
     unmatched, sample = 0, {}
     for start, end, kernel, hlo_op, dev in kernels:
         op = hlo_op.split(":")[0].strip().lstrip("%")
@@ -167,6 +169,9 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
                 sample.setdefault(op, kernel[:120])
         label = part_of(op, names.get(op, ""), kernel)
         per_part.setdefault(label, [0.0] * len(devices))[index[dev]] += end - start
+        entry = per_kernel.setdefault((label, kernel), [0.0, 0])
+        entry[0] += end - start
+        entry[1] += 1
     busy_by_device = [busy_ns([(s, e) for s, e, _, _, d in kernels if d == dev]) / 1e6 / steps
                       for dev in devices]
     busy = sum(busy_by_device) / len(devices)
@@ -187,6 +192,14 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
             "busy_ms_per_step_by_device": busy_by_device, "device_names": devices,
             "devices": len(devices), "kernels": len(kernels), "kernels_without_op_name": unmatched,
             "unmatched_hlo_ops": sample, "rows": rows,
+            # The kernels that take the most time, by part (per step and per device):
+            # what a part's row is made of.
+            "top_kernels": [
+                {"part": label, "kernel": kernel[:160],
+                 "ms_per_step": ns / 1e6 / steps / len(devices),
+                 "launches_per_step": launches / steps / len(devices)}
+                for (label, kernel), (ns, launches)
+                in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
             "note": "kernel times of overlapping streams add up, so parts can sum past the "
                     "busy time"}
 
@@ -208,4 +221,13 @@ def table(result: dict) -> str:
             by_device = r["ms_per_step_by_device"]
             line += f" {min(by_device):.2f}-{max(by_device):.2f} |"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def top_table(result: dict, n: int = 25) -> str:
+    """Markdown: the `n` kernels that take the most time (`top_kernels`)."""
+    lines = ["| part | kernel | ms / step | launches / step |", "| --- | --- | --- | --- |"]
+    for k in result["top_kernels"][:n]:
+        lines.append(f"| {k['part']} | {k['kernel'][:90]} | {k['ms_per_step']:.3f} | "
+                     f"{k['launches_per_step']:g} |")
     return "\n".join(lines)

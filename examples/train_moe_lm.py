@@ -883,6 +883,7 @@ def profile_step(args, cfg: Config, train_step, state, batch, wall_s: float) -> 
                                     n_layers=cfg.n_layers)
     write_json(os.path.join(args.profile, "breakdown.json"), result)
     print(step_profile.table(result), flush=True)
+    print(step_profile.top_table(result), flush=True)
     return result
 
 

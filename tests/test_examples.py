@@ -310,16 +310,17 @@ def test_reduce_barrier_leaves_the_model_unchanged():
 
 
 def test_bench_model_parts_candidates_compute_the_same_function():
-    """examples/bench_model_parts.py: every candidate form of the router and of the
-    attention block gives the example's outputs and gradients (to f32 rounding; on
-    a CPU the router's dot algorithms run in f32, so only a GPU run checks their
-    bf16 passes), and each candidate is timed."""
+    """examples/bench_model_parts.py: every candidate form of the router, of the
+    attention block and of the norm gives the example's outputs and gradients (to
+    f32 rounding; on a CPU the router's dot algorithms run in f32, so only a GPU
+    run checks their bf16 passes), and each candidate is timed."""
     import bench_model_parts
 
     rows = bench_model_parts.run(small=True, warmup=0, repeats=1)
     names = {(r["part"], r["candidate"]) for r in rows}
     assert names == {("router", n) for n in bench_model_parts.ROUTER} | {
-        ("attention", n) for n in ("current", "sliced_weights", "rotate_half")}
+        ("attention", n) for n in ("current", "sliced_weights", "rotate_half")} | {
+        ("norm", n) for n in ("current", "custom_vjp")}
     for r in rows:
         assert "error" not in r and r["max_rel_diff"] < 1e-5, r
         assert r["median_ms"] > 0
@@ -730,6 +731,27 @@ def test_profile_shows_an_imbalance_between_devices():
     assert "| MoE layer (mok_jax) | 4.00 | 40.0% | 4.00 | 2.00-6.00 |" in step_profile.table(result)
     single = step_profile.aggregate(kernels[:2], names, steps=1, wall_s=0.010, n_layers=1)
     assert "min-max" not in step_profile.table(single)
+
+
+def test_profile_lists_the_kernels_that_take_the_most_time():
+    """`top_kernels` sums each kernel's launches by part, per step and per device,
+    longest first, and `top_table` prints them."""
+    import step_profile
+
+    names = {"fusion.1": "jit(train_step)/norm/mul", "cc.2": "jit(train_step)/mok_jax/moe"}
+    kernels = [(0.0, 1e6, "norm_k", "fusion.1", "/device:GPU:0"),
+               (1e6, 2e6, "norm_k", "fusion.1", "/device:GPU:0"),
+               (2e6, 5e6, "gemm_k", "cc.2", "/device:GPU:0"),
+               (5e6, 5.5e6, "plan_k", "cc.2", "/device:GPU:0")]
+    result = step_profile.aggregate(kernels, names, steps=2, wall_s=0.020, n_layers=1)
+    top = [(k["part"], k["kernel"], k["ms_per_step"], k["launches_per_step"])
+           for k in result["top_kernels"]]
+    assert top == [("MoE layer (mok_jax)", "gemm_k", pytest.approx(1.5), 0.5),
+                   ("norms", "norm_k", pytest.approx(1.0), 1.0),
+                   ("MoE layer (mok_jax)", "plan_k", pytest.approx(0.25), 0.5)]
+    table = step_profile.top_table(result, n=2)
+    assert "| MoE layer (mok_jax) | gemm_k | 1.500 | 0.5 |" in table
+    assert "plan_k" not in table
 
 
 def test_attention_auto_is_cudnn_only_on_a_gpu_in_16_bits():

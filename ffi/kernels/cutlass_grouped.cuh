@@ -124,28 +124,37 @@ struct GroupArrays {
 namespace mok::cuda::cutlass_grouped {
 
 
+// Groups of one launch: E, or 2E with a second weight-gradient problem.
+__host__ __device__ inline int64_t groups(const Operands& op) {
+  return op.d2 != nullptr ? 2 * op.experts : op.experts;
+}
+
 template <Family kFamily, class ElementD, Schedule kSchedule>
 __global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD, kSchedule>> g,
                              Operands op) {
   using G = GroupedGemm<kFamily, ElementD, kSchedule>;
-  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= op.experts) return;
+  const int64_t group = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (group >= groups(op)) return;
+  // Group `group` is expert e of the first problem, or of the second (weight
+  // gradient with d2 set) for groups E..2E-1.
+  const bool second = group >= op.experts;
+  const int64_t e = second ? group - op.experts : group;
   const int64_t begin = op.expert_begin[e];
   const int rows = static_cast<int>(op.expert_begin[e + 1] - begin);
-  const auto* a = static_cast<const typename G::ElementAB*>(op.a);
-  const auto* b = static_cast<const typename G::ElementAB*>(op.b);
-  auto* d = static_cast<ElementD*>(op.d);
-  const int n = static_cast<int>(op.n);
+  const auto* a = static_cast<const typename G::ElementAB*>(second ? op.a2 : op.a);
+  const auto* b = static_cast<const typename G::ElementAB*>(second ? op.b2 : op.b);
+  auto* d = static_cast<ElementD*>(second ? op.d2 : op.d);
+  const int n = static_cast<int>(second ? op.n2 : op.n);
   if constexpr (kFamily == Family::kWeightGrad) {
-    const int m = static_cast<int>(op.k_or_m);
+    const int m = static_cast<int>(second ? op.m2 : op.k_or_m);
     // An expert without rows gets no tiles (M = 0); the caller zeroes its D.
-    g.shapes[e] = ShapeMNK{rows > 0 ? m : 0, n, rows};
-    g.ptr_a[e] = a + begin * m;
-    g.ptr_b[e] = b + begin * n;
-    g.ptr_d[e] = d + e * int64_t(m) * n;
-    g.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, rows, 1});
-    g.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, rows, 1});
-    g.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
+    g.shapes[group] = ShapeMNK{rows > 0 ? m : 0, n, rows};
+    g.ptr_a[group] = a + begin * m;
+    g.ptr_b[group] = b + begin * n;
+    g.ptr_d[group] = d + e * int64_t(m) * n;
+    g.stride_a[group] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, rows, 1});
+    g.stride_b[group] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, rows, 1});
+    g.stride_d[group] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
   } else {
     const int k = static_cast<int>(op.k_or_m);
     g.shapes[e] = ShapeMNK{rows, n, k};
@@ -251,13 +260,17 @@ template <Family kFamily, class ElementD, Schedule kSchedule>
 std::string run(const Operands& op, int device, int sm_count, void* ws, size_t ws_bytes,
                 cudaStream_t stream) {
   using G = GroupedGemm<kFamily, ElementD, kSchedule>;
+  if (op.d2 != nullptr && kFamily != Family::kWeightGrad) {
+    return "grouped GEMM: a second problem is for weight gradients only";
+  }
+  const int64_t n_groups = groups(op);
   GroupArrays<G> g{};
-  const size_t arrays = carve<G>(ws, op.experts, &g);
-  auto args = make_arguments<G>(g, op.experts, device, sm_count);
+  const size_t arrays = carve<G>(ws, n_groups, &g);
+  auto args = make_arguments<G>(g, n_groups, device, sm_count);
   const size_t need = arrays + workspace_aligned(G::Device::get_workspace_size(args));
   if (need > ws_bytes) return "grouped GEMM workspace too small";
   constexpr int kThreads = 128;
-  setup_groups<kFamily, ElementD, kSchedule><<<(op.experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+  setup_groups<kFamily, ElementD, kSchedule><<<(n_groups + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
       g, op);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return std::string("grouped GEMM setup launch: ") + cudaGetErrorString(err);

@@ -160,12 +160,11 @@ std::string expert_ffn_backward(const ExpertFfnShape& s, DType dtype, DType weig
   RowsGemm dgrad1{s.experts, g.expert_begin, s.rows, s.hidden, 2 * s.ffn, true, dtype, dtype,
                   d_gate_up, w_gate_up, dx_rows};
   MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad1, g.tile_begin, gemm_ws, gemm_bytes, stream));
-  WeightGradGemm wgrad_down{s.experts, g.expert_begin, s.rows, s.ffn, s.hidden, dtype, wh_rows,
-                            dy_rows, d_w_down};
-  MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(wgrad_down, gemm_ws, gemm_bytes, stream));
   WeightGradGemm wgrad_gate_up{s.experts, g.expert_begin, s.rows, s.hidden, 2 * s.ffn, dtype,
                                x_rows, d_gate_up, d_w_gate_up};
-  return run_weight_grad_gemm(wgrad_gate_up, gemm_ws, gemm_bytes, stream);
+  WeightGradGemm wgrad_down{s.experts, g.expert_begin, s.rows, s.ffn, s.hidden, dtype, wh_rows,
+                            dy_rows, d_w_down};
+  return run_weight_grad_gemms(wgrad_gate_up, wgrad_down, gemm_ws, gemm_bytes, stream);
 }
 
 size_t combine_workspace_bytes(int64_t pairs) {

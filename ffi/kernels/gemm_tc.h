@@ -19,6 +19,14 @@ struct Operands {
   const void* a;
   const void* b;
   void* d;
+  // Weight gradient only: a second problem over the same experts' rows, whose E
+  // groups follow the first's in the same launch (d2 null: none). One launch
+  // deals both problems' tiles over the SMs: under uneven routing, the long K of
+  // the busiest expert's tiles spreads over more SMs than in two launches.
+  int64_t n2 = 0, m2 = 0;
+  const void* a2 = nullptr;
+  const void* b2 = nullptr;
+  void* d2 = nullptr;
 };
 
 #define MOK_GROUPED_GEMM_DECLARE(NAME)                                                   \

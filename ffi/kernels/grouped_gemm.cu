@@ -102,8 +102,10 @@ size_t grouped_gemm_workspace_bytes(int64_t experts) {
                    tc::rows_t_bf16_pp_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_f32_pp_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_swiglu_workspace_bytes(experts, info.device, info.sm_count),
-                   tc::wgrad_bf16_workspace_bytes(experts, info.device, info.sm_count),
-                   tc::wgrad_bf16_narrow_workspace_bytes(experts, info.device, info.sm_count)});
+                   // run_weight_grad_gemms: two problems' groups in one launch
+                   tc::wgrad_bf16_workspace_bytes(2 * experts, info.device, info.sm_count),
+                   tc::wgrad_bf16_narrow_workspace_bytes(2 * experts, info.device,
+                                                         info.sm_count)});
 #else
   (void)experts;
   return 0;
@@ -195,6 +197,39 @@ std::string run_weight_grad_gemm(const WeightGradGemm& p, void* workspace,
                                stream));
   // The tensor-core kernel gives experts without rows no tiles: zero them here.
   return zero_empty_experts(p.dtype, p.expert_begin, p.experts, p.m * p.n, p.d, stream);
+#else
+  return "unreachable: tensor-core path without sm_90a kernels";
+#endif
+}
+
+std::string run_weight_grad_gemms(const WeightGradGemm& p, const WeightGradGemm& q,
+                                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  DeviceInfo info;
+  MOK_RETURN_IF_MESSAGE(device_info(&info));
+  const bool together = p.experts == q.experts && p.expert_begin == q.expert_begin &&
+                        p.dtype == q.dtype && weight_grad_uses_tensor_cores(p, info.cc) &&
+                        weight_grad_uses_tensor_cores(q, info.cc);
+  if (!together) {
+    MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(p, workspace, workspace_bytes, stream));
+    return run_weight_grad_gemm(q, workspace, workspace_bytes, stream);
+  }
+#ifdef MOK_HAVE_SM90A
+  tc::Operands op{p.experts, p.expert_begin, p.n, p.m, p.a, p.b, p.d};
+  op.n2 = q.n;
+  op.m2 = q.m;
+  op.a2 = q.a;
+  op.b2 = q.b;
+  op.d2 = q.d;
+  MOK_RETURN_IF_MESSAGE(
+      wgrad_narrow_tiles()
+          ? tc::wgrad_bf16_narrow_run(op, info.device, info.sm_count, workspace,
+                                      workspace_bytes, stream)
+          : tc::wgrad_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes,
+                               stream));
+  // The tensor-core kernel gives experts without rows no tiles: zero them here.
+  MOK_RETURN_IF_MESSAGE(
+      zero_empty_experts(p.dtype, p.expert_begin, p.experts, p.m * p.n, p.d, stream));
+  return zero_empty_experts(q.dtype, q.expert_begin, q.experts, q.m * q.n, q.d, stream);
 #else
   return "unreachable: tensor-core path without sm_90a kernels";
 #endif

@@ -69,8 +69,9 @@ size_t swiglu_interleave_bytes(int64_t experts, int64_t hidden, int64_t ffn, int
 std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream, bool* ran);
 
-// Workspace every launcher here needs for `experts` groups on the current device
-// (pointer arrays, problem shapes, the tensor-core kernels' own workspace).
+// Workspace every launcher here needs for `experts` experts on the current device
+// (pointer arrays, problem shapes, the tensor-core kernels' own workspace; 2E
+// groups for run_weight_grad_gemms).
 size_t grouped_gemm_workspace_bytes(int64_t experts);
 
 // True when the tensor-core (TMA + wgmma) path serves this problem on a device
@@ -85,5 +86,12 @@ std::string run_rows_gemm(const RowsGemm& p, const int64_t* simt_tile_begin, voi
                           size_t workspace_bytes, cudaStream_t stream);
 std::string run_weight_grad_gemm(const WeightGradGemm& p, void* workspace,
                                  size_t workspace_bytes, cudaStream_t stream);
+// Both weight gradients of a layer, p and q over the same experts' rows (the same
+// expert_begin), in one tensor-core launch where both take that path (else one
+// after the other). Each output element is the same reduction as in
+// run_weight_grad_gemm, so the results are the same bits; the launch only deals
+// the two problems' tiles over the SMs together.
+std::string run_weight_grad_gemms(const WeightGradGemm& p, const WeightGradGemm& q,
+                                  void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace mok::cuda

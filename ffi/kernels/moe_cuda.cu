@@ -147,19 +147,19 @@ std::string moe_backward(const MoeBackwardArgs& a, const void* x_rows, void* wor
                                         a.expert_weights, b.plan.row_pair, b.plan.pair_row,
                                         num_rows, pairs, pairs, F, b.wh_rows, b.d_gate_up,
                                         a.d_expert_weights, stream));
-  // Weight gradients over each expert's rows in canonical order; dW_down reads
-  // the dy rows, so it runs before dgrad1 overwrites them.
+  // Weight gradients over each expert's rows in canonical order, both in one
+  // launch; dW_down reads the dy rows, so they run before dgrad1 overwrites them.
+  WeightGradGemm wgrad_gate_up{E, b.plan.expert_begin, pairs, H, 2 * F, a.x_dtype, x_rows,
+                               b.d_gate_up, a.d_w_gate_up};
   WeightGradGemm wgrad_down{E, b.plan.expert_begin, pairs, F, H, a.x_dtype, b.wh_rows,
                             b.dy_rows, a.d_w_down};
-  MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(wgrad_down, b.gemm_ws, b.gemm_ws_bytes, stream));
+  MOK_RETURN_IF_MESSAGE(
+      run_weight_grad_gemms(wgrad_gate_up, wgrad_down, b.gemm_ws, b.gemm_ws_bytes, stream));
   // dx rows = dgu @ Wgu^T (into the dy rows' buffer, no longer needed).
   void* dx_rows = b.dy_rows;
   RowsGemm dgrad1{E, b.plan.expert_begin, pairs, H, 2 * F, true, a.x_dtype, a.x_dtype,
                   b.d_gate_up, a.w_gate_up, dx_rows};
   MOK_RETURN_IF_MESSAGE(run_rows_gemm(dgrad1, b.plan.tile_begin, b.gemm_ws, b.gemm_ws_bytes, stream));
-  WeightGradGemm wgrad_gate_up{E, b.plan.expert_begin, pairs, H, 2 * F, a.x_dtype, x_rows,
-                               b.d_gate_up, a.d_w_gate_up};
-  MOK_RETURN_IF_MESSAGE(run_weight_grad_gemm(wgrad_gate_up, b.gemm_ws, b.gemm_ws_bytes, stream));
   return combine_rows(a.x_dtype, a.weight_dtype, dx_rows, nullptr, b.plan.pair_row, T, K, H, a.dx,
                       stream);
 }

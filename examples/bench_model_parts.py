@@ -148,10 +148,20 @@ def norm_block(name: str, d: int, dtype):
     return f
 
 
-def fwd_bwd(f):
+def fwd_bwd(f, random_cotangent: bool = False):
+    """One jitted forward+backward of `f`, pulled back with ones or (the norm's
+    candidates, whose backward with a cotangent of ones would not show whether
+    it reads dy at all) a random cotangent."""
     def step(*args):
         y, pullback = jax.vjp(f, *args)
-        return y, pullback(jax.tree.map(jnp.ones_like, y))
+        leaves, tree = jax.tree.flatten(y)
+        if random_cotangent:
+            keys = jax.random.split(jax.random.key(42), len(leaves))
+            cot = [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)
+                   for k, a in zip(keys, leaves)]
+        else:
+            cot = [jnp.ones_like(a) for a in leaves]
+        return y, pullback(jax.tree.unflatten(tree, cot))
     return jax.jit(step)
 
 
@@ -165,7 +175,7 @@ def run(small: bool = False, warmup: int = 3, repeats: int = 20,
     cfg = lm.PRESETS["tiny" if small else "h200"]
     dtype = jnp.dtype(cfg.dtype)
     batch, seq, d, experts = cfg.batch, cfg.seq, cfg.d_model, cfg.n_experts
-    keys = jax.random.split(jax.random.key(0), 5)
+    keys = jax.random.split(jax.random.key(0), 6)
     x = jax.random.normal(keys[0], (batch, seq, d), jnp.float32).astype(dtype)
     router_kernel = jax.random.normal(keys[1], (d, experts), jnp.float32) / np.sqrt(d)
     w_qkv = jax.random.normal(keys[2], (d, 3 * d), jnp.float32) / np.sqrt(d)
@@ -180,7 +190,7 @@ def run(small: bool = False, warmup: int = 3, repeats: int = 20,
                       (x, w_qkv, w_out)),
         "norm": ({name: norm_block(name, d, dtype) for name in NORM},
                  (x, jax.random.normal(keys[4], x.shape, jnp.float32).astype(dtype),
-                  1.0 + 0.1 * jax.random.normal(keys[4], (d,), jnp.float32))),
+                  1.0 + 0.1 * jax.random.normal(keys[5], (d,), jnp.float32))),
     }
     groups = {k: v for k, v in groups.items() if parts is None or k in parts}
     rows = []
@@ -188,7 +198,8 @@ def run(small: bool = False, warmup: int = 3, repeats: int = 20,
         reference = None
         for name, f in candidates.items():
             try:  # a backend may not implement a candidate (a dot algorithm): say so, go on
-                _, times, compiled = time_step(fwd_bwd(f), args, warmup=warmup, repeats=repeats)
+                _, times, compiled = time_step(fwd_bwd(f, random_cotangent=part == "norm"),
+                                               args, warmup=warmup, repeats=repeats)
                 out = compiled(*args)
             except Exception as e:  # pylint: disable=broad-except
                 if name == "current":

@@ -195,7 +195,7 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
             # The kernels that take the most time, by part (per step and per device):
             # what a part's row is made of.
             "top_kernels": [
-                {"part": label, "kernel": kernel[:160],
+                {"part": label, "kernel": kernel,
                  "ms_per_step": ns / 1e6 / steps / len(devices),
                  "launches_per_step": launches / steps / len(devices)}
                 for (label, kernel), (ns, launches)
@@ -228,6 +228,12 @@ def top_table(result: dict, n: int = 25) -> str:
     """Markdown: the `n` kernels that take the most time (`top_kernels`)."""
     lines = ["| part | kernel | ms / step | launches / step |", "| --- | --- | --- | --- |"]
     for k in result["top_kernels"][:n]:
-        lines.append(f"| {k['part']} | {k['kernel'][:90]} | {k['ms_per_step']:.3f} | "
+        lines.append(f"| {k['part']} | {_short(k['kernel'])} | {k['ms_per_step']:.3f} | "
                      f"{k['launches_per_step']:g} |")
     return "\n".join(lines)
+
+
+def _short(name: str, head: int = 60, tail: int = 40) -> str:
+    """A kernel name cut to its head and tail: template instances (CUTLASS's
+    mangled names share hundreds of leading characters) differ at the end."""
+    return name if len(name) <= head + tail + 3 else f"{name[:head]}...{name[-tail:]}"

@@ -739,18 +739,22 @@ def test_profile_lists_the_kernels_that_take_the_most_time():
     import step_profile
 
     names = {"fusion.1": "jit(train_step)/norm/mul", "cc.2": "jit(train_step)/mok_jax/moe"}
-    kernels = [(0.0, 1e6, "norm_k", "fusion.1", "/device:GPU:0"),
-               (1e6, 2e6, "norm_k", "fusion.1", "/device:GPU:0"),
-               (2e6, 5e6, "gemm_k", "cc.2", "/device:GPU:0"),
-               (5e6, 5.5e6, "plan_k", "cc.2", "/device:GPU:0")]
+    gemm = "cutlass_" + "x" * 200 + "_instance_A"  # long names differ at the end
+    one = [(0.0, 1e6, "norm_k", "fusion.1"), (1e6, 2e6, "norm_k", "fusion.1"),
+           (2e6, 5e6, gemm, "cc.2"), (5e6, 5.5e6, "plan_k", "cc.2")]
+    kernels = [(s, e, k, op, "/device:GPU:0") for s, e, k, op in one]
+    # A second device ran the same kernels, one of them twice as long.
+    kernels += [(s, e + (1e6 if k == "norm_k" else 0.0), k, op, "/device:GPU:1")
+                for s, e, k, op in one]
     result = step_profile.aggregate(kernels, names, steps=2, wall_s=0.020, n_layers=1)
     top = [(k["part"], k["kernel"], k["ms_per_step"], k["launches_per_step"])
            for k in result["top_kernels"]]
-    assert top == [("MoE layer (mok_jax)", "gemm_k", pytest.approx(1.5), 0.5),
-                   ("norms", "norm_k", pytest.approx(1.0), 1.0),
+    assert top == [("norms", "norm_k", pytest.approx(1.5), 1.0),
+                   ("MoE layer (mok_jax)", gemm, pytest.approx(1.5), 0.5),
                    ("MoE layer (mok_jax)", "plan_k", pytest.approx(0.25), 0.5)]
     table = step_profile.top_table(result, n=2)
-    assert "| MoE layer (mok_jax) | gemm_k | 1.500 | 0.5 |" in table
+    assert "| norms | norm_k | 1.500 | 1 |" in table
+    assert "_instance_A | 1.500 | 0.5 |" in table and "x" * 100 not in table
     assert "plan_k" not in table
 
 

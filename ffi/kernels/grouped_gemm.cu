@@ -74,6 +74,18 @@ bool wgrad_narrow_tiles() {
   return tile != nullptr && std::strcmp(tile, "128x128") == 0;
 }
 
+#ifdef MOK_HAVE_SM90A
+// The weight-gradient instance the knob above picks, on op's one or two problems.
+std::string run_wgrad_instance(const tc::Operands& op, const DeviceInfo& info,
+                               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  return wgrad_narrow_tiles()
+             ? tc::wgrad_bf16_narrow_run(op, info.device, info.sm_count, workspace,
+                                         workspace_bytes, stream)
+             : tc::wgrad_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes,
+                                  stream);
+}
+#endif
+
 }  // namespace
 
 bool rows_gemm_uses_tensor_cores(const RowsGemm& p, int cc) {
@@ -189,12 +201,7 @@ std::string run_weight_grad_gemm(const WeightGradGemm& p, void* workspace,
   }
 #ifdef MOK_HAVE_SM90A
   const tc::Operands op{p.experts, p.expert_begin, p.n, p.m, p.a, p.b, p.d};
-  MOK_RETURN_IF_MESSAGE(
-      wgrad_narrow_tiles()
-          ? tc::wgrad_bf16_narrow_run(op, info.device, info.sm_count, workspace,
-                                      workspace_bytes, stream)
-          : tc::wgrad_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes,
-                               stream));
+  MOK_RETURN_IF_MESSAGE(run_wgrad_instance(op, info, workspace, workspace_bytes, stream));
   // The tensor-core kernel gives experts without rows no tiles: zero them here.
   return zero_empty_experts(p.dtype, p.expert_begin, p.experts, p.m * p.n, p.d, stream);
 #else
@@ -220,12 +227,7 @@ std::string run_weight_grad_gemms(const WeightGradGemm& p, const WeightGradGemm&
   op.a2 = q.a;
   op.b2 = q.b;
   op.d2 = q.d;
-  MOK_RETURN_IF_MESSAGE(
-      wgrad_narrow_tiles()
-          ? tc::wgrad_bf16_narrow_run(op, info.device, info.sm_count, workspace,
-                                      workspace_bytes, stream)
-          : tc::wgrad_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes,
-                               stream));
+  MOK_RETURN_IF_MESSAGE(run_wgrad_instance(op, info, workspace, workspace_bytes, stream));
   // The tensor-core kernel gives experts without rows no tiles: zero them here.
   MOK_RETURN_IF_MESSAGE(
       zero_empty_experts(p.dtype, p.expert_begin, p.experts, p.m * p.n, p.d, stream));

@@ -39,6 +39,7 @@ _OP_NAME = re.compile(r"op_name=\"([^\"]*)\"")
 _CALLS = re.compile(r"calls=%?([^\s,)}]+)")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
 TOP_KERNELS = 60  # kernels listed in a breakdown's "top_kernels"
+TOP_GAPS = 20  # (before, after) pairs listed in a breakdown's "gaps"
 PER_LAYER = {"MoE layer (mok_jax)", "router + aux losses", "attention", "norms",
              "residual adds"}
 
@@ -139,6 +140,31 @@ def busy_ns(intervals) -> float:
     return total
 
 
+def idle_gaps(kernels, names: dict[str, str], devices) -> dict:
+    """``{(before, after): [ns, count, longest ns]}`` over every interval in which a
+    device runs none of `kernels` between its first and last: ``before`` is the
+    kernel that ended last before the interval, ``after`` the one that starts it,
+    each as "part: HLO op"."""
+    def label(kernel, hlo_op):
+        op = hlo_op.split(":")[0].strip().lstrip("%")
+        return f"{part_of(op, names.get(op, ''), kernel)}: {op}"
+
+    out: dict[tuple[str, str], list[float]] = {}
+    for dev in devices:
+        ops = sorted((k for k in kernels if k[4] == dev), key=lambda k: k[0])
+        last = None  # the kernel that ends last among those started so far
+        for op in ops:
+            if last is not None and op[0] > last[1]:
+                entry = out.setdefault((label(last[2], last[3]), label(op[2], op[3])),
+                                       [0.0, 0, 0.0])
+                entry[0] += op[0] - last[1]
+                entry[1] += 1
+                entry[2] = max(entry[2], op[0] - last[1])
+            if last is None or op[1] > last[1]:
+                last = op
+    return out
+
+
 def breakdown(trace_dir: str, hlo_text: str, *, steps: int, wall_s: float,
               n_layers: int) -> dict:
     """Per-step milliseconds by part (kernel time), the host gap, and per layer."""
@@ -174,6 +200,7 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
         entry[1] += 1
     busy_by_device = [busy_ns([(s, e) for s, e, _, _, d in kernels if d == dev]) / 1e6 / steps
                       for dev in devices]
+    gaps = idle_gaps(kernels, names, devices)
     busy = sum(busy_by_device) / len(devices)
     step_ms = 1e3 * wall_s / steps
     rows = []
@@ -200,6 +227,16 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
                  "launches_per_step": launches / steps / len(devices)}
                 for (label, kernel), (ns, launches)
                 in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
+            # Where the device idles between two of the traced kernels, by the
+            # kernels on either side (per step and per device): the host gap's
+            # share inside the traced steps (the rest is before the first kernel
+            # and after the last).
+            "gaps": [
+                {"before": before, "after": after, "ms_per_step": ns / 1e6 / steps / len(devices),
+                 "gaps_per_step": count / steps / len(devices),
+                 "longest_us": longest / 1e3}
+                for (before, after), (ns, count, longest)
+                in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:TOP_GAPS]],
             "note": "kernel times of overlapping streams add up, so parts can sum past the "
                     "busy time"}
 
@@ -230,6 +267,16 @@ def top_table(result: dict, n: int = 25) -> str:
     for k in result["top_kernels"][:n]:
         lines.append(f"| {k['part']} | {_short(k['kernel'])} | {k['ms_per_step']:.3f} | "
                      f"{k['launches_per_step']:g} |")
+    return "\n".join(lines)
+
+
+def gap_table(result: dict, n: int = 12) -> str:
+    """Markdown: the `n` kinds of idle interval that take the most time (`gaps`)."""
+    lines = ["| idle after | before | ms / step | gaps / step | longest us |",
+             "| --- | --- | --- | --- | --- |"]
+    for g in result.get("gaps", [])[:n]:
+        lines.append(f"| {_short(g['before'])} | {_short(g['after'])} | {g['ms_per_step']:.3f} | "
+                     f"{g['gaps_per_step']:g} | {g['longest_us']:.1f} |")
     return "\n".join(lines)
 
 

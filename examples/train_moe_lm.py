@@ -199,14 +199,20 @@ def _dense_init(axes, scale=1.0):
 
 
 def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
-    """Rotary position embedding over ``x`` ``[B, S, N, D]`` (positions 0..S-1)."""
-    _, seq, _, dim = x.shape
+    """Rotary position embedding over ``x`` ``[B, S, N, D]`` (positions 0..S-1):
+    ``[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]`` over the two halves of
+    each head, in f32. The halves' swap is a `flip` of an axis of two, not a
+    split and a concatenation: the same products and sums, and a backward
+    without concatenations, which XLA's GPU compiler then fuses with the
+    concatenation of the q, k and v gradients into one faster kernel (0.8 ms
+    a step on the h200 preset, docs/perf.md, session 14)."""
+    batch, seq, heads, dim = x.shape
     inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)        # [D/2]
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [S, D/2]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    return out.astype(x.dtype)
+    cos, sin = jnp.cos(angles)[None, :, None, None, :], jnp.sin(angles)[None, :, None, None, :]
+    halves = x.astype(jnp.float32).reshape(batch, seq, heads, 2, dim // 2)   # [x1, x2]
+    rotated = jnp.flip(halves, axis=-2) * jnp.array([-1.0, 1.0], jnp.float32)[:, None]
+    return (halves * cos + rotated * sin).reshape(x.shape).astype(x.dtype)
 
 
 def attention_implementation(name: str, dtype, head_dim: int = 64) -> str:
@@ -241,7 +247,19 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, seq, d_model = x.shape
         heads = self.n_heads
-        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
+        # The qkv projection's forward as two GEMMs on slices of its one kernel,
+        # [q k] and v, so that v is a GEMM's output where the attention kernel
+        # wants it (a slice of one [B, S, 3d] output is a copy); its backward as
+        # the one layer's (qkv_projection).
+        x, kernel = self.qkv.promote_dtype((x, self.qkv.kernel[...]), dtype=self.qkv.dtype)
+        # Inside shard_map (mesh_experiments.py), the kernel varies over the
+        # input's axes as autodiff would make it, so that its gradient is summed
+        # over them (the cast's transpose) outside the custom VJP.
+        axes = tuple(sorted(varying_axes(x) - varying_axes(kernel)))
+        if axes:
+            kernel = jax.lax.pcast(kernel, axes, to="varying")
+        qk, v = qkv_projection(x, kernel)
+        q, k = jnp.split(qk, 2, axis=-1)
         q, k, v = (a.reshape(batch, seq, heads, d_model // heads) for a in (q, k, v))
         o = jax.nn.dot_product_attention(rope(q), rope(k), v, is_causal=True,
                                          implementation=self.implementation)
@@ -278,6 +296,51 @@ class Block(nnx.Module):
         h, aux = self.moe(m)
         with jax.named_scope("residual"):
             return x + h, aux
+
+
+def varying_axes(a: jax.Array) -> frozenset:
+    """The shard_map axes ``a`` varies over (empty outside shard_map)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.11
+    return frozenset(getattr(mat, "varying", ()) if mat is not None else getattr(aval, "vma", ()))
+
+
+def _project(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x [..., d] @ kernel [d, n]`` as `nnx.Linear` computes it."""
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+@jax.custom_vjp
+def qkv_projection(x: jax.Array, kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x @ kernel[:, :2n], x @ kernel[:, 2n:])`` for a ``[d, 3n]`` kernel: the
+    [q k] and v parts of a qkv projection, each a GEMM's own output.
+
+    The backward is that of the one ``x @ kernel``: the cotangent of the [q k v]
+    output, concatenated once behind an optimization barrier, then one GEMM for
+    the input's gradient and one for the kernel's. Left to autodiff, the input's
+    gradient is the sum of two GEMMs' outputs, which XLA added inside the
+    RMSNorm backward's two passes (reading both each time); and with one
+    ``[B, S, 3n]`` projection split in three, XLA's GPU compiler built the
+    concatenation of the cotangents twice, once for each GEMM that reads it
+    (docs/perf.md, session 14)."""
+    n = kernel.shape[-1] // 3
+    return _project(x, kernel[:, :2 * n]), _project(x, kernel[:, 2 * n:])
+
+
+def _qkv_projection_fwd(x, kernel):
+    return qkv_projection(x, kernel), (x, kernel)
+
+
+def _qkv_projection_bwd(residuals, cotangents):
+    x, kernel = residuals
+    d_qkv = jax.lax.optimization_barrier(jnp.concatenate(cotangents, axis=-1))
+    batch = tuple(range(x.ndim - 1))
+    dx = jax.lax.dot_general(d_qkv, kernel, (((x.ndim - 1,), (1,)), ((), ())))
+    d_kernel = jax.lax.dot_general(x, d_qkv, ((batch, batch), ((), ())))
+    return dx.astype(x.dtype), d_kernel.astype(kernel.dtype)
+
+
+qkv_projection.defvjp(_qkv_projection_fwd, _qkv_projection_bwd)
 
 
 @jax.custom_vjp
@@ -884,6 +947,7 @@ def profile_step(args, cfg: Config, train_step, state, batch, wall_s: float) -> 
     write_json(os.path.join(args.profile, "breakdown.json"), result)
     print(step_profile.table(result), flush=True)
     print(step_profile.top_table(result), flush=True)
+    print(step_profile.gap_table(result), flush=True)
     return result
 
 

@@ -209,7 +209,8 @@ def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_cpu_bits():
             text = str(jax.make_jaxpr(step)(state, batch))
             results[dp, ep, dtype, lag] = step(state, jax.device_put(batch,
                                                                      lm.batch_sharding(mesh)))
-        barriers = text.count("optimization_barrier")
+        # Each layer's qkv projection has one barrier of its own (lm.qkv_projection).
+        barriers = text.count("optimization_barrier") - cfg.n_layers
         assert barriers == (0 if lag < 0 else cfg.n_layers - lag), (dtype, lag, barriers)
     for (dp, ep), dtype, lag in cases:
         if lag < 0:
@@ -765,3 +766,74 @@ def test_attention_auto_is_cudnn_only_on_a_gpu_in_16_bits():
     assert lm.attention_implementation("xla", jnp.bfloat16) == "xla"
     assert lm.attention_implementation("auto", jnp.bfloat16, head_dim=12) == "xla"
     assert lm.attention_implementation("auto", jnp.bfloat16, head_dim=256) == "xla"
+
+
+def test_profile_attributes_idle_time_to_the_kernels_around_it():
+    """`gaps` sums the intervals in which no kernel runs by the kernel that ended
+    last before them and the one that ends them (overlapping kernels leave no
+    gap), per step, longest total first, and `gap_table` prints them."""
+    import step_profile
+
+    names = {"fusion.1": "jit(train_step)/norm/mul", "cc.2": "jit(train_step)/mok_jax/moe",
+             "cc.3": "jit(train_step)/mok_jax/moe"}
+    one = [(0.0, 1e6, "norm_k", "fusion.1"),
+           (1.2e6, 2e6, "moe_a", "cc.2"),     # 0.2 ms after the norm
+           (1.5e6, 3e6, "moe_b", "cc.3"),     # overlaps moe_a: no gap, and ends last
+           (2.5e6, 2.8e6, "moe_a", "cc.2"),   # inside moe_b: no gap
+           (3.5e6, 4e6, "norm_k", "fusion.1"),  # 0.5 ms after moe_b, not after moe_a
+           (4.1e6, 5e6, "moe_a", "cc.2")]     # 0.1 ms after the norm
+    kernels = [(s, e, k, op, "/device:GPU:0") for s, e, k, op in one]
+    result = step_profile.aggregate(kernels, names, steps=2, wall_s=0.020, n_layers=1)
+    gaps = [(g["before"], g["after"], g["ms_per_step"], g["gaps_per_step"], g["longest_us"])
+            for g in result["gaps"]]
+    assert gaps == [
+        ("MoE layer (mok_jax): cc.3", "norms: fusion.1", pytest.approx(0.25), 0.5,
+         pytest.approx(500.0)),
+        ("norms: fusion.1", "MoE layer (mok_jax): cc.2", pytest.approx(0.15), 1.0,
+         pytest.approx(200.0))]
+    table = step_profile.gap_table(result)
+    assert "| MoE layer (mok_jax): cc.3 | norms: fusion.1 | 0.250 | 0.5 | 500.0 |" in table
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_and_qkv_projection_compute_the_textbook_functions(dtype):
+    """The attention's RoPE (a flip of each head's halves) and qkv projection (two
+    GEMMs forward, a backward of its own) against their textbook forms, the
+    halves split and concatenated and one ``x @ kernel`` split in three: the same
+    values and gradients (bitwise on a CPU, where the backward's barrier is
+    removed before fusing)."""
+    def rope_textbook(x, base=10000.0):
+        _, seq, _, dim = x.shape
+        inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+        angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+        cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (2, 16, 4, 32), dtype)
+    ct = jax.random.normal(keys[1], x.shape, dtype)
+    got, vjp = jax.vjp(lm.rope, x)
+    want, vjp_want = jax.vjp(rope_textbook, x)
+    assert_bitwise(got, want, "rope")
+    assert_bitwise(vjp(ct)[0], vjp_want(ct)[0], "rope's gradient")
+    # rotation: each head's halves as a complex number times e^{i angle}
+    x1, x2 = np.split(np.asarray(x, np.float64), 2, axis=-1)
+    angle = np.arange(16)[:, None] * 10000.0 ** (-np.arange(0, 32, 2) / 32)
+    z = (x1 + 1j * x2) * np.exp(1j * angle)[None, :, None, :]
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.concatenate([z.real, z.imag], -1),
+                               rtol=0, atol=1e-5 if dtype == jnp.float32 else 0.05)
+
+    h = jax.random.normal(keys[2], (2, 16, 64), dtype)
+    kernel = jax.random.normal(keys[3], (64, 3 * 48), dtype)
+    cts = (jax.random.normal(keys[1], (2, 16, 96), dtype),
+           jax.random.normal(keys[0], (2, 16, 48), dtype))
+
+    def textbook(h, kernel):
+        q, k, v = jnp.split(h @ kernel, 3, axis=-1)
+        return jnp.concatenate([q, k], -1), v
+
+    got, vjp = jax.vjp(lm.qkv_projection, h, kernel)
+    want, vjp_want = jax.vjp(textbook, h, kernel)
+    for a, b, what in zip(got + vjp(cts), want + vjp_want(cts), ("qk", "v", "dx", "dkernel")):
+        assert_bitwise(a, b, f"qkv_projection {what}")

@@ -228,19 +228,27 @@ def make_routing(shape: Shape, seed: int = 0) -> tuple[jax.Array, jax.Array]:
     return expert_ids.astype(jnp.int32), jax.nn.softmax(top_logits, axis=-1)
 
 
-def skewed_expert_ids(shape: Shape, load_max: float, seed: int = 0) -> np.ndarray:
+def skewed_expert_ids(shape: Shape, load_max: float, seed: int = 0,
+                      hot: int = 0) -> np.ndarray:
     """expert_ids [T, K] int32 routed like an unbalanced router: K distinct experts a
-    token, expert 0 picked by a share load_max * K / E of the tokens (load_max times
-    the mean load; at most E/K, every token), the other experts about even."""
+    token, expert `hot` (default 0) picked by a share load_max * K / E of the tokens
+    (load_max times the mean load; at most E/K, every token), the other experts
+    about even. Which expert is the busy one matters to a grouped GEMM that deals
+    its groups' tiles in expert order."""
     t, k, e = shape.tokens, shape.top_k, shape.experts
     share = load_max * k / e
     if not 0.0 <= share <= 1.0 or k >= e:
         raise ValueError(f"load_max {load_max}: between 0 and E/K = {e / k:g} (and K < E)")
+    if not 0 <= hot < e:
+        raise ValueError(f"hot expert {hot}: between 0 and E - 1 = {e - 1}")
     rng = np.random.default_rng(seed)
     others = 1 + np.argsort(rng.random((t, e - 1)), axis=1)[:, :k]  # K distinct of 1..E-1
     picks = rng.random(t) < share
     with_zero = np.concatenate([np.zeros((t, 1), others.dtype), others[:, :k - 1]], axis=1)
-    return np.where(picks[:, None], with_zero, others).astype(np.int32)
+    ids = np.where(picks[:, None], with_zero, others)
+    swap = np.arange(e)  # experts 0 and `hot` trade places
+    swap[[0, hot]] = swap[[hot, 0]]
+    return swap[ids].astype(np.int32)
 
 
 def make_tokens(shape: Shape, dtype, seed: int = 0) -> jax.Array:

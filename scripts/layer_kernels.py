@@ -14,7 +14,10 @@ kernels: each of the layer's FFI calls is one.
 
 `--load-max L` routes like a training run whose router has not balanced yet: expert
 0 gets L times the mean load (a share L*K/E of the tokens pick it; at most E/K,
-every token), the other experts share the rest evenly. The default is the bench's
+every token), the other experts share the rest evenly; `--hot-expert N` makes
+expert N the busy one instead (the weight-gradient GEMM deals its groups' tiles
+in expert order unless MOK_JAX_GEMM_WGRAD_ORDER=longest, so expert 0 is its
+luckiest case: docs/perf.md, session 14). The default is the bench's
 routing (top-K of random logits: about even). In the h200 preset's first hundred
 steps the busiest expert's load falls from E/K = 8 times the mean to ~3.
 """
@@ -102,6 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--load-max", type=float, default=None,
                         help="expert 0's load as a multiple of the mean (at most E/K); "
                              "default: the bench's routing, about even")
+    parser.add_argument("--hot-expert", type=int, default=0, metavar="N",
+                        help="with --load-max: expert N takes that load instead of expert 0")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes if s not in bench.FULL_SHAPES]
     if unknown:
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
     if args.load_max is not None:
         for shape in shapes:
             try:
-                skewed[shape.name] = bench.skewed_expert_ids(shape, args.load_max)
+                skewed[shape.name] = bench.skewed_expert_ids(shape, args.load_max,
+                                                             hot=args.hot_expert)
             except ValueError as err:
                 parser.error(f"{shape.name}: {err}")
     for shape in shapes:
@@ -132,7 +138,8 @@ def main(argv=None) -> int:
                                    trace_dir=trace_dir)
             text, names = kernel_table(ops, args.calls)
             legend.update(names)
-            routing = "" if args.load_max is None else f", expert 0 at {args.load_max:g}x the mean"
+            routing = ("" if args.load_max is None
+                       else f", expert {args.hot_expert} at {args.load_max:g}x the mean")
             print(f"## {shape.name} (T {shape.tokens}, K {shape.top_k}, E {shape.experts}, "
                   f"H {shape.hidden}, F {shape.ffn}){routing}, {args.dtype}, {pass_name} on "
                   f"{jax.devices()[0].device_kind}\n{text}\n", flush=True)

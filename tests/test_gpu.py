@@ -289,6 +289,47 @@ def test_narrow_weight_gradient_tiles_give_the_same_bits(monkeypatch, busiest):
     assert np.abs(np.asarray(wide[3], np.float32)).max() > 0  # the gradients are not empty
 
 
+@pytest.mark.parametrize("routing", ["even", "expert 17 at 8x", "uneven"])
+def test_longest_first_weight_gradient_order_gives_the_same_bits(monkeypatch, routing):
+    """MOK_JAX_GEMM_WGRAD_ORDER=longest puts the weight-gradient GEMM's groups in
+    order of their rows, most first (setup_groups in ffi/kernels/cutlass_grouped.cuh):
+    only which CTA takes which tile changes, so every gradient has the expert
+    order's bits, with even routing, with one busy expert that is not the first,
+    and with uneven loads (ties, an empty expert) where the order is a real
+    permutation of both problems' groups."""
+    from mok_jax import _mok, bench
+    assert _mok.HAS_SM90A_KERNELS and jax.devices()[0].compute_capability == "9.0"
+    T, K, E, H, F = 2048, 4, 32, 256, 256
+    x, ids, w, wgu, wd = _problem(T, K, E, H, F, jnp.bfloat16, seed=5)
+    shape = bench.Shape("skewed", T, K, E, H, F)
+    if routing == "expert 17 at 8x":
+        ids = jnp.asarray(bench.skewed_expert_ids(shape, 8.0, seed=5, hot=17))
+    elif routing == "uneven":  # expert e picked with weight ~ (e % 7 + 1)^2, expert 3 never
+        rng = np.random.default_rng(5)
+        p = (np.arange(E) % 7 + 1.0) ** 2
+        p[3] = 0.0
+        ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False, p=p / p.sum())
+                                    for _ in range(T)]).astype(np.int32))
+    counts = np.bincount(np.asarray(ids).ravel(), minlength=E)
+    if routing != "even":
+        assert counts.max() > 2.0 * counts.mean()
+    cot = jnp.cos(jnp.arange(H, dtype=jnp.float32))
+    grad = jax.jit(jax.grad(_loss_fn(mok_jax.moe, ids, cot), argnums=(0, 1, 2, 3)))
+    monkeypatch.delenv("MOK_JAX_GEMM_WGRAD_ORDER", raising=False)
+    expert_order = jax.block_until_ready(grad(x, w, wgu, wd))
+    monkeypatch.setenv("MOK_JAX_GEMM_WGRAD_ORDER", "longest")
+    longest = jax.block_until_ready(grad(x, w, wgu, wd))
+    for name, a, b in zip(("dx", "dw", "dwgu", "dwd"), longest, expert_order):
+        np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint16 if a.dtype == jnp.bfloat16 else np.uint32),
+            np.asarray(b).view(np.uint16 if b.dtype == jnp.bfloat16 else np.uint32),
+            err_msg=name)
+    dwgu = np.asarray(longest[2], np.float32)
+    assert np.abs(dwgu).max() > 0  # the gradients are not empty
+    if routing == "uneven":  # the expert without rows has a zero gradient, the others not
+        assert not dwgu[3].any() and all(dwgu[e].any() for e in range(E) if e != 3)
+
+
 # (experts, capacity factor): scan_plan's lanes per expert are 32, 16, 8, 4, 2 and 1
 # (one thread an expert), and two experts a thread past 512 experts.
 ROUTING_CASES = [(3, None), (32, 0.8), (40, 0.9), (100, None), (200, 1.0), (300, 1.0),

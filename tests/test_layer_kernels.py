@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import mok_jax
 
@@ -69,6 +70,12 @@ def test_load_max_gives_expert_0_that_multiple_of_the_mean_load():
         assert abs(counts[0] / mean - load) < 0.1, (load, counts[0] / mean)
         others = counts[1:] / mean
         assert others.max() - others.min() < 0.25  # the rest about even
+    # Another busy expert: the same routing with experts 0 and 17 trading places.
+    base, hot = bench.skewed_expert_ids(shape, 3.0), bench.skewed_expert_ids(shape, 3.0, hot=17)
+    np.testing.assert_array_equal(hot, np.where(base == 0, 17, np.where(base == 17, 0, base)))
+    assert np.bincount(hot.ravel(), minlength=32).argmax() == 17
+    with pytest.raises(ValueError, match="between 0 and E - 1 = 31"):
+        bench.skewed_expert_ids(shape, 3.0, hot=32)
     try:
         bench.skewed_expert_ids(shape, 9.0)  # more than E/K: not every token can pick it
     except ValueError as err:
@@ -81,3 +88,27 @@ def test_load_max_gives_expert_0_that_multiple_of_the_mean_load():
     code, out = _run("--shape", "tiny=64,2,4,32,16", "--load-max", "1.5", "--calls", "1",
                      "--warmup", "1", "--passes", "fwd")
     assert code == 0 and "expert 0 at 1.5x the mean" in out, out[-2000:]
+
+
+def test_wgrad_schedule_model_puts_two_long_tiles_on_one_cta_only_in_expert_order():
+    """scripts/wgrad_schedule_model.py (the case for MOK_JAX_GEMM_WGRAD_ORDER=longest):
+    with one busy expert, expert order loses only when that expert is not the
+    first (both problems' long tiles then meet on some CTAs); longest first never
+    loses and is the same schedule as expert order when the loads tie."""
+    import wgrad_schedule_model as model
+    tiles = model.tiles_per_expert(1024, 1024)
+    assert tiles == (64, 32)
+    even = np.full(32, 4096)
+    assert model.makespan(even, tiles, 132, "expert") == model.makespan(even, tiles, 132,
+                                                                        "longest")
+    for hot in range(32):
+        rows = model.one_busy(32768, 4, 32, 8.0, hot)
+        assert rows[hot] == 8 * 4096 and rows.sum() <= 32768 * 4
+        expert, longest = (model.makespan(rows, tiles, 132, o) for o in ("expert", "longest"))
+        assert longest <= expert + 1e-12
+        if hot == 0:
+            assert expert == pytest.approx(longest)
+        elif hot == 17:  # its dW_down tiles land on CTAs that hold its dW_gate_up tiles
+            assert expert > 1.2 * longest
+    table = model.main(["--samples", "3"])
+    assert set(table) >= {"even", "expert 0 at 8x", "expert 17 at 8x"}

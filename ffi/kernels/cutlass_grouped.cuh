@@ -147,14 +147,31 @@ __global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD, kSchedul
   const int n = static_cast<int>(second ? op.n2 : op.n);
   if constexpr (kFamily == Family::kWeightGrad) {
     const int m = static_cast<int>(second ? op.m2 : op.k_or_m);
+    // The group's place in the launch. CUTLASS's persistent scheduler numbers the
+    // tiles group after group and CTA c takes tiles c, c + grid, c + 2 grid, ...;
+    // here every tile of a group is as long as the group's rows (its K), so a
+    // busy expert's tiles are the long ones. With longest_first the groups go
+    // in order of rows, most first (ties in group order, so even routing keeps
+    // expert order): the long tiles are each CTA's first, not dealt to CTAs
+    // that already hold one. Only the schedule changes: every tile is still
+    // reduced over its rows by one CTA, in order.
+    int64_t slot = group;
+    if (op.longest_first) {
+      slot = 0;
+      for (int64_t other = 0; other < groups(op); ++other) {
+        const int64_t oe = other >= op.experts ? other - op.experts : other;
+        const int64_t other_rows = op.expert_begin[oe + 1] - op.expert_begin[oe];
+        slot += other_rows > rows || (other_rows == rows && other < group);
+      }
+    }
     // An expert without rows gets no tiles (M = 0); the caller zeroes its D.
-    g.shapes[group] = ShapeMNK{rows > 0 ? m : 0, n, rows};
-    g.ptr_a[group] = a + begin * m;
-    g.ptr_b[group] = b + begin * n;
-    g.ptr_d[group] = d + e * int64_t(m) * n;
-    g.stride_a[group] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, rows, 1});
-    g.stride_b[group] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, rows, 1});
-    g.stride_d[group] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
+    g.shapes[slot] = ShapeMNK{rows > 0 ? m : 0, n, rows};
+    g.ptr_a[slot] = a + begin * m;
+    g.ptr_b[slot] = b + begin * n;
+    g.ptr_d[slot] = d + e * int64_t(m) * n;
+    g.stride_a[slot] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, rows, 1});
+    g.stride_b[slot] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, rows, 1});
+    g.stride_d[slot] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
   } else {
     const int k = static_cast<int>(op.k_or_m);
     g.shapes[e] = ShapeMNK{rows, n, k};

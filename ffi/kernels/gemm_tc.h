@@ -27,6 +27,9 @@ struct Operands {
   const void* a2 = nullptr;
   const void* b2 = nullptr;
   void* d2 = nullptr;
+  // Weight gradient only: the groups in the launch ordered by their rows, most
+  // first (setup_groups), instead of expert order.
+  bool longest_first = false;
 };
 
 #define MOK_GROUPED_GEMM_DECLARE(NAME)                                                   \

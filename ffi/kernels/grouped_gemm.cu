@@ -74,10 +74,22 @@ bool wgrad_narrow_tiles() {
   return tile != nullptr && std::strcmp(tile, "128x128") == 0;
 }
 
+// The weight gradients' group order: MOK_JAX_GEMM_WGRAD_ORDER=longest puts the
+// groups in order of their rows, most first (setup_groups in
+// cutlass_grouped.cuh), read at every call. A measurement knob, off by default
+// until measured on a GPU: under uneven routing the busiest expert's tiles are
+// the long ones, and in expert order the round-robin schedule can deal two of
+// them to one CTA. The same bits either way.
+bool wgrad_longest_first() {
+  const char* order = std::getenv("MOK_JAX_GEMM_WGRAD_ORDER");
+  return order != nullptr && std::strcmp(order, "longest") == 0;
+}
+
 #ifdef MOK_HAVE_SM90A
-// The weight-gradient instance the knob above picks, on op's one or two problems.
-std::string run_wgrad_instance(const tc::Operands& op, const DeviceInfo& info,
-                               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+// The weight-gradient instance the knobs above pick, on op's one or two problems.
+std::string run_wgrad_instance(tc::Operands op, const DeviceInfo& info, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream) {
+  op.longest_first = wgrad_longest_first();
   return wgrad_narrow_tiles()
              ? tc::wgrad_bf16_narrow_run(op, info.device, info.sm_count, workspace,
                                          workspace_bytes, stream)

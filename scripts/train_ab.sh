@@ -16,7 +16,9 @@
 # extension instead: an A/B of the C++ too (the wheels must be of the same
 # Python version; the base tree's Python must match its wheel's FFI signatures).
 #
-# RUNS: one run per line, "TAG ROOT ARGS...", ROOT "new" (this tree) or "base";
+# RUNS: one run per line, "TAG ROOT [NAME=VALUE ...] ARGS...", ROOT "new" (this tree)
+# or "base", NAME=VALUE words before the arguments set that run's environment
+# (e.g. a measurement knob: "one_longest new MOK_JAX_GEMM_WGRAD_ORDER=longest --dp 1");
 # TRAIN_ARGS: the arguments every run shares. OUTDIR gets summary.txt (each
 # run's closing line) and log_TAG.json (its full log). Session 8's calls
 # (docs/perf.md) are what the defaults are modelled on.
@@ -58,11 +60,16 @@ status=0
 while read -r tag root args; do
   [ -n "$tag" ] || continue
   case $root in new) dir=$PWD ;; base) dir=$BASE ;; *) echo "bad ROOT $root" >&2; exit 1 ;; esac
+  envs=()
+  read -r -a words <<< "$args"
+  while [ ${#words[@]} -gt 0 ] && [[ "${words[0]}" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do
+    envs+=("${words[0]}")
+    words=("${words[@]:1}")
+  done
   rm -rf "/tmp/mok_ab_$tag"
   echo "== $tag ($root): $args" | tee -a "$S"
-  # shellcheck disable=SC2086
-  PYTHONPATH=$dir $PY "$dir/examples/train_moe_lm.py" $TRAIN_ARGS $args --out "/tmp/mok_ab_$tag" \
-    > "/tmp/mok_ab_$tag.txt" 2>&1
+  env "${envs[@]}" PYTHONPATH="$dir" $PY "$dir/examples/train_moe_lm.py" $TRAIN_ARGS \
+    "${words[@]}" --out "/tmp/mok_ab_$tag" > "/tmp/mok_ab_$tag.txt" 2>&1
   rc=$?
   [ $rc -eq 0 ] || { status=1; tail -n 20 "/tmp/mok_ab_$tag.txt" >> "$S"; }
   echo "rc=$rc $(grep -E '^done' /tmp/mok_ab_$tag.txt)" | tee -a "$S"

@@ -143,7 +143,7 @@ def busy_ns(intervals) -> float:
 def idle_gaps(kernels, names: dict[str, str], devices) -> dict:
     """``{(before, after): [ns, count, longest ns]}`` over every interval in which a
     device runs none of `kernels` between its first and last: ``before`` is the
-    kernel that ended last before the interval, ``after`` the one that starts it,
+    kernel that ended last before the interval, ``after`` the one that ends it,
     each as "part: HLO op"."""
     def label(kernel, hlo_op):
         op = hlo_op.split(":")[0].strip().lstrip("%")
@@ -201,6 +201,13 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
     busy_by_device = [busy_ns([(s, e) for s, e, _, _, d in kernels if d == dev]) / 1e6 / steps
                       for dev in devices]
     gaps = idle_gaps(kernels, names, devices)
+    # Idle between each device's first and last kernel (the host gap without the
+    # time before and after the traced steps' kernels).
+    idle_by_device = []
+    for dev, busy_ms in zip(devices, busy_by_device):
+        ends = [(s, e) for s, e, _, _, d in kernels if d == dev]
+        span = (max(e for _, e in ends) - min(s for s, _ in ends)) / 1e6 / steps if ends else 0.0
+        idle_by_device.append(max(span - busy_ms, 0.0))
     busy = sum(busy_by_device) / len(devices)
     step_ms = 1e3 * wall_s / steps
     rows = []
@@ -227,6 +234,7 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
                  "launches_per_step": launches / steps / len(devices)}
                 for (label, kernel), (ns, launches)
                 in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
+            "idle_ms_per_step": sum(idle_by_device) / len(devices),
             # Where the device idles between two of the traced kernels, by the
             # kernels on either side (per step and per device): the host gap's
             # share inside the traced steps (the rest is before the first kernel
@@ -272,7 +280,9 @@ def top_table(result: dict, n: int = 25) -> str:
 
 def gap_table(result: dict, n: int = 12) -> str:
     """Markdown: the `n` kinds of idle interval that take the most time (`gaps`)."""
-    lines = ["| idle after | before | ms / step | gaps / step | longest us |",
+    lines = [f"idle between kernels: {result.get('idle_ms_per_step', 0.0):.2f} ms a step; "
+             "the longest by the kernels around them:",
+             "| idle after | before | ms / step | gaps / step | longest us |",
              "| --- | --- | --- | --- | --- |"]
     for g in result.get("gaps", [])[:n]:
         lines.append(f"| {_short(g['before'])} | {_short(g['after'])} | {g['ms_per_step']:.3f} | "

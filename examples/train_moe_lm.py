@@ -204,8 +204,9 @@ def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
     each head, in f32. The halves' swap is a `flip` of an axis of two, not a
     split and a concatenation: the same products and sums, and a backward
     without concatenations, which XLA's GPU compiler then fuses with the
-    concatenation of the q, k and v gradients into one faster kernel (0.8 ms
-    a step on the h200 preset, docs/perf.md, session 14)."""
+    concatenation of the q, k and v gradients into one faster kernel (146 ->
+    111 us a layer, ~0.4 ms a step on the h200 preset; docs/perf.md, session
+    14)."""
     batch, seq, heads, dim = x.shape
     inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)        # [D/2]
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [S, D/2]
@@ -252,12 +253,14 @@ class CausalSelfAttention(nnx.Module):
         # wants it (a slice of one [B, S, 3d] output is a copy); its backward as
         # the one layer's (qkv_projection).
         x, kernel = self.qkv.promote_dtype((x, self.qkv.kernel[...]), dtype=self.qkv.dtype)
-        # Inside shard_map (mesh_experiments.py), the kernel varies over the
-        # input's axes as autodiff would make it, so that its gradient is summed
-        # over them (the cast's transpose) outside the custom VJP.
-        axes = tuple(sorted(varying_axes(x) - varying_axes(kernel)))
-        if axes:
-            kernel = jax.lax.pcast(kernel, axes, to="varying")
+        # Inside shard_map (mesh_experiments.py), both operands vary over the same
+        # axes, as autodiff would make them, so that the custom VJP's gradients
+        # have their primals' types; the casts' transposes sum the kernel's
+        # gradient over the axes it did not vary over.
+        union = varying_axes(x) | varying_axes(kernel)
+        x, kernel = (a if varying_axes(a) == union else
+                     jax.lax.pcast(a, tuple(sorted(union - varying_axes(a))), to="varying")
+                     for a in (x, kernel))
         qk, v = qkv_projection(x, kernel)
         q, k = jnp.split(qk, 2, axis=-1)
         q, k, v = (a.reshape(batch, seq, heads, d_model // heads) for a in (q, k, v))
@@ -301,12 +304,14 @@ class Block(nnx.Module):
 def varying_axes(a: jax.Array) -> frozenset:
     """The shard_map axes ``a`` varies over (empty outside shard_map)."""
     aval = jax.typeof(a)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.11
+    mat = getattr(aval, "manual_axis_type", None)  # as mok_jax.primitives reads it
     return frozenset(getattr(mat, "varying", ()) if mat is not None else getattr(aval, "vma", ()))
 
 
 def _project(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``x [..., d] @ kernel [d, n]`` as `nnx.Linear` computes it."""
+    """``x [..., d] @ kernel [d, n]`` as `nnx.Linear` computes it with the
+    settings the attention's qkv Linear has (no bias, the default precision
+    and dot_general)."""
     return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
 
 

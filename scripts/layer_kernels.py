@@ -16,8 +16,8 @@ kernels: each of the layer's FFI calls is one.
 0 gets L times the mean load (a share L*K/E of the tokens pick it; at most E/K,
 every token), the other experts share the rest evenly; `--hot-expert N` makes
 expert N the busy one instead (the weight-gradient GEMM deals its groups' tiles
-in expert order unless MOK_JAX_GEMM_WGRAD_ORDER=longest, so expert 0 is its
-luckiest case: docs/perf.md, session 14). The default is the bench's
+in expert order unless MOK_JAX_GEMM_WGRAD_ORDER=longest, and expert 0 is one of
+its lucky cases: docs/perf.md, session 14). The default is the bench's
 routing (top-K of random logits: about even). In the h200 preset's first hundred
 steps the busiest expert's load falls from E/K = 8 times the mean to ~3.
 """
@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     passes = [p for p in args.passes.split(",") if p]
     if not passes or any(p not in ("fwd", "fwdbwd") for p in passes):
         parser.error(f"--passes {args.passes!r}: fwd, fwdbwd or both")
+    if args.hot_expert and args.load_max is None:
+        parser.error("--hot-expert picks the busy expert of --load-max: give --load-max too")
     if args.calls < 1 or args.warmup < 1:
         parser.error("--calls and --warmup must be at least 1 (the first call compiles)")
     shapes = args.shape + [bench.FULL_SHAPES[s] for s in args.shapes]

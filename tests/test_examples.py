@@ -791,8 +791,10 @@ def test_profile_attributes_idle_time_to_the_kernels_around_it():
          pytest.approx(500.0)),
         ("norms: fusion.1", "MoE layer (mok_jax): cc.2", pytest.approx(0.15), 1.0,
          pytest.approx(200.0))]
+    assert result["idle_ms_per_step"] == pytest.approx((0.2 + 0.5 + 0.1) / 2)
     table = step_profile.gap_table(result)
     assert "| MoE layer (mok_jax): cc.3 | norms: fusion.1 | 0.250 | 0.5 | 500.0 |" in table
+    assert "idle between kernels: 0.40 ms a step" in table
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -152,8 +152,9 @@ __global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD, kSchedul
     // here every tile of a group is as long as the group's rows (its K), so a
     // busy expert's tiles are the long ones. With longest_first the groups go
     // in order of rows, most first (ties in group order, so even routing keeps
-    // expert order): the long tiles are each CTA's first, not dealt to CTAs
-    // that already hold one. Only the schedule changes: every tile is still
+    // expert order): the long tiles are the first round's, so no CTA gets two
+    // of them while they number at most one per CTA (in expert order, two
+    // problems' long tiles of one busy expert can meet on the same CTAs). Only the schedule changes: every tile is still
     // reduced over its rows by one CTA, in order.
     int64_t slot = group;
     if (op.longest_first) {

@@ -15,6 +15,8 @@ import mok_jax
 from mok_jax import _ext
 from mok_jax.reference import moe_reference
 
+from conftest import assert_bitwise
+
 pytestmark = pytest.mark.gpu
 
 
@@ -259,6 +261,19 @@ def test_bitwise_deterministic_over_20_runs(dtype):
             np.testing.assert_array_equal(np.asarray(a), b)
 
 
+def _grads_match_with_knob(monkeypatch, knob, value, grad, args):
+    """``grad(*args)`` (dx, dw, dwgu, dwd) with the environment variable ``knob``
+    unset and set to ``value`` (the handlers read their knobs at every call):
+    asserts the two have the same bits and returns the knob's."""
+    monkeypatch.delenv(knob, raising=False)
+    default = jax.block_until_ready(grad(*args))
+    monkeypatch.setenv(knob, value)
+    with_knob = jax.block_until_ready(grad(*args))
+    for name, a, b in zip(("dx", "dw", "dwgu", "dwd"), with_knob, default):
+        assert_bitwise(a, b, f"{name} with {knob}={value}")
+    return with_knob
+
+
 @pytest.mark.parametrize("busiest", [1.0, 8.0])
 def test_narrow_weight_gradient_tiles_give_the_same_bits(monkeypatch, busiest):
     """MOK_JAX_GEMM_WGRAD_TILE=128x128 runs the weight gradients on 128x128 tiles
@@ -278,15 +293,9 @@ def test_narrow_weight_gradient_tiles_give_the_same_bits(monkeypatch, busiest):
     assert counts[0] == pytest.approx(busiest * T * K / E, rel=0.1)
     cot = jnp.cos(jnp.arange(H, dtype=jnp.float32))
     grad = jax.jit(jax.grad(_loss_fn(mok_jax.moe, ids, cot), argnums=(0, 1, 2, 3)))
-    wide = jax.block_until_ready(grad(x, w, wgu, wd))
-    monkeypatch.setenv("MOK_JAX_GEMM_WGRAD_TILE", "128x128")
-    narrow = jax.block_until_ready(grad(x, w, wgu, wd))
-    for name, a, b in zip(("dx", "dw", "dwgu", "dwd"), narrow, wide):
-        np.testing.assert_array_equal(
-            np.asarray(a).view(np.uint16 if a.dtype == jnp.bfloat16 else np.uint32),
-            np.asarray(b).view(np.uint16 if b.dtype == jnp.bfloat16 else np.uint32),
-            err_msg=name)
-    assert np.abs(np.asarray(wide[3], np.float32)).max() > 0  # the gradients are not empty
+    narrow = _grads_match_with_knob(monkeypatch, "MOK_JAX_GEMM_WGRAD_TILE", "128x128", grad,
+                                    (x, w, wgu, wd))
+    assert np.abs(np.asarray(narrow[3], np.float32)).max() > 0  # the gradients are not empty
 
 
 @pytest.mark.parametrize("routing", ["even", "expert 17 at 8x", "uneven"])
@@ -315,15 +324,8 @@ def test_longest_first_weight_gradient_order_gives_the_same_bits(monkeypatch, ro
         assert counts.max() > 2.0 * counts.mean()
     cot = jnp.cos(jnp.arange(H, dtype=jnp.float32))
     grad = jax.jit(jax.grad(_loss_fn(mok_jax.moe, ids, cot), argnums=(0, 1, 2, 3)))
-    monkeypatch.delenv("MOK_JAX_GEMM_WGRAD_ORDER", raising=False)
-    expert_order = jax.block_until_ready(grad(x, w, wgu, wd))
-    monkeypatch.setenv("MOK_JAX_GEMM_WGRAD_ORDER", "longest")
-    longest = jax.block_until_ready(grad(x, w, wgu, wd))
-    for name, a, b in zip(("dx", "dw", "dwgu", "dwd"), longest, expert_order):
-        np.testing.assert_array_equal(
-            np.asarray(a).view(np.uint16 if a.dtype == jnp.bfloat16 else np.uint32),
-            np.asarray(b).view(np.uint16 if b.dtype == jnp.bfloat16 else np.uint32),
-            err_msg=name)
+    longest = _grads_match_with_knob(monkeypatch, "MOK_JAX_GEMM_WGRAD_ORDER", "longest", grad,
+                                     (x, w, wgu, wd))
     dwgu = np.asarray(longest[2], np.float32)
     assert np.abs(dwgu).max() > 0  # the gradients are not empty
     if routing == "uneven":  # the expert without rows has a zero gradient, the others not

@@ -44,6 +44,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax import nn as mnn
+from mok_jax.primitives import vary_alike
 
 from cli_args import positive_int  # examples/, on sys.path when run as a script
 
@@ -257,11 +258,7 @@ class CausalSelfAttention(nnx.Module):
         # axes, as autodiff would make them, so that the custom VJP's gradients
         # have their primals' types; the casts' transposes sum the kernel's
         # gradient over the axes it did not vary over.
-        union = varying_axes(x) | varying_axes(kernel)
-        x, kernel = (a if varying_axes(a) == union else
-                     jax.lax.pcast(a, tuple(sorted(union - varying_axes(a))), to="varying")
-                     for a in (x, kernel))
-        qk, v = qkv_projection(x, kernel)
+        qk, v = qkv_projection(*vary_alike((x, kernel)))
         q, k = jnp.split(qk, 2, axis=-1)
         q, k, v = (a.reshape(batch, seq, heads, d_model // heads) for a in (q, k, v))
         o = jax.nn.dot_product_attention(rope(q), rope(k), v, is_causal=True,
@@ -299,13 +296,6 @@ class Block(nnx.Module):
         h, aux = self.moe(m)
         with jax.named_scope("residual"):
             return x + h, aux
-
-
-def varying_axes(a: jax.Array) -> frozenset:
-    """The shard_map axes ``a`` varies over (empty outside shard_map)."""
-    aval = jax.typeof(a)
-    mat = getattr(aval, "manual_axis_type", None)  # as mok_jax.primitives reads it
-    return frozenset(getattr(mat, "varying", ()) if mat is not None else getattr(aval, "vma", ()))
 
 
 def _project(x: jax.Array, kernel: jax.Array) -> jax.Array:

@@ -127,7 +127,7 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
     path = _choose_path(backend, axis_name, ep_size, cap, operands)
     with jax.named_scope("mok_jax"):
         if axis_name is not None:
-            operands = _vary_alike(operands)
+            operands = primitives.vary_alike(operands)
         y, stats = layer.run(path, *operands)
         if axis_name is not None and ep_size == 1 and isinstance(path, layer.LocalPath):
             # an EP axis of size 1: local stats are global; say so in the type
@@ -255,15 +255,6 @@ def _platform() -> str:
         return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
     return jax.default_backend()
 
-
-def _vary_alike(operands):
-    """Inside shard_map, makes every operand vary over the same axes (pcast), so
-    that the custom VJP's cotangents have their primals' types under check_vma;
-    the transpose of the cast sums the weight gradients over replicated axes."""
-    varying = [primitives.varying_axes(jax.typeof(a)) for a in operands]
-    union = frozenset().union(*varying)
-    return tuple(a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
-                 for a, v in zip(operands, varying))
 
 
 

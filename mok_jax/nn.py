@@ -38,7 +38,7 @@ from flax import nnx
 
 import mok_jax
 from mok_jax import primitives
-from mok_jax.moe import _vary_alike, check_option_values
+from mok_jax.moe import check_option_values
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -271,7 +271,7 @@ def router_logits(tokens: jax.Array, kernel: jax.Array, router_dot: str = "auto"
                          f"got {router_dot!r}")
     if (router_dot == "auto" and tokens.dtype == jnp.bfloat16
             and kernel.dtype in (jnp.float32, jnp.bfloat16)):
-        tokens, kernel = _vary_alike((tokens, kernel.astype(jnp.float32)))
+        tokens, kernel = primitives.vary_alike((tokens, kernel.astype(jnp.float32)))
         return _split_router_logits(tokens, kernel)
     return jnp.dot(tokens.astype(jnp.float32), kernel.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)

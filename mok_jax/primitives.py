@@ -90,6 +90,16 @@ def varying_axes(aval) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def vary_alike(operands):
+    """Inside shard_map, makes every operand vary over the same axes (pcast), so
+    that the custom VJP's cotangents have their primals' types under check_vma;
+    the transpose of the cast sums the weight gradients over replicated axes."""
+    varying = [varying_axes(jax.typeof(a)) for a in operands]
+    union = frozenset().union(*varying)
+    return tuple(a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
+                 for a, v in zip(operands, varying))
+
+
 class _Out(NamedTuple):
     """One result of an abstract evaluation: shape, dtype and its partition spec
     over the operands' mesh (entries as in `jax.sharding.PartitionSpec`)."""

@@ -201,13 +201,6 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
     busy_by_device = [busy_ns([(s, e) for s, e, _, _, d in kernels if d == dev]) / 1e6 / steps
                       for dev in devices]
     gaps = idle_gaps(kernels, names, devices)
-    # Idle between each device's first and last kernel (the host gap without the
-    # time before and after the traced steps' kernels).
-    idle_by_device = []
-    for dev, busy_ms in zip(devices, busy_by_device):
-        ends = [(s, e) for s, e, _, _, d in kernels if d == dev]
-        span = (max(e for _, e in ends) - min(s for s, _ in ends)) / 1e6 / steps if ends else 0.0
-        idle_by_device.append(max(span - busy_ms, 0.0))
     busy = sum(busy_by_device) / len(devices)
     step_ms = 1e3 * wall_s / steps
     rows = []
@@ -234,7 +227,9 @@ def aggregate(kernels, names: dict[str, str], *, steps: int, wall_s: float,
                  "launches_per_step": launches / steps / len(devices)}
                 for (label, kernel), (ns, launches)
                 in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
-            "idle_ms_per_step": sum(idle_by_device) / len(devices),
+            # Every gap together: idle between each device's first and last kernel
+            # (the host gap without the time before and after the traced kernels).
+            "idle_ms_per_step": sum(ns for ns, _, _ in gaps.values()) / 1e6 / steps / len(devices),
             # Where the device idles between two of the traced kernels, by the
             # kernels on either side (per step and per device): the host gap's
             # share inside the traced steps (the rest is before the first kernel

@@ -129,16 +129,20 @@ __host__ __device__ inline int64_t groups(const Operands& op) {
   return op.d2 != nullptr ? 2 * op.experts : op.experts;
 }
 
+// The expert of `group`: groups 0..E-1 are the first problem's experts, E..2E-1
+// the second's (weight gradient with d2 set).
+__host__ __device__ inline int64_t expert_of(const Operands& op, int64_t group) {
+  return group >= op.experts ? group - op.experts : group;
+}
+
 template <Family kFamily, class ElementD, Schedule kSchedule>
 __global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD, kSchedule>> g,
                              Operands op) {
   using G = GroupedGemm<kFamily, ElementD, kSchedule>;
   const int64_t group = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (group >= groups(op)) return;
-  // Group `group` is expert e of the first problem, or of the second (weight
-  // gradient with d2 set) for groups E..2E-1.
   const bool second = group >= op.experts;
-  const int64_t e = second ? group - op.experts : group;
+  const int64_t e = expert_of(op, group);
   const int64_t begin = op.expert_begin[e];
   const int rows = static_cast<int>(op.expert_begin[e + 1] - begin);
   const auto* a = static_cast<const typename G::ElementAB*>(second ? op.a2 : op.a);
@@ -154,13 +158,14 @@ __global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD, kSchedul
     // in order of rows, most first (ties in group order, so even routing keeps
     // expert order): the long tiles are the first round's, so no CTA gets two
     // of them while they number at most one per CTA (in expert order, two
-    // problems' long tiles of one busy expert can meet on the same CTAs). Only the schedule changes: every tile is still
-    // reduced over its rows by one CTA, in order.
+    // problems' long tiles of one busy expert can meet on the same CTAs). Only
+    // the schedule changes: every tile is still reduced over its rows by one
+    // CTA, in order.
     int64_t slot = group;
     if (op.longest_first) {
       slot = 0;
       for (int64_t other = 0; other < groups(op); ++other) {
-        const int64_t oe = other >= op.experts ? other - op.experts : other;
+        const int64_t oe = expert_of(op, other);
         const int64_t other_rows = op.expert_begin[oe + 1] - op.expert_begin[oe];
         slot += other_rows > rows || (other_rows == rows && other < group);
       }

@@ -68,9 +68,9 @@ if want memcheck; then  # the SwiGLU-epilogue GEMM's cooperative and ping-pong i
     timeout ${MOK_TIMEOUT_MEMCHECK:-600} \
     compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
     $PY ../scripts/memcheck_case.py
-  # the weight gradients' groups in order of their rows (setup_groups' other path)
-  step memcheck_wgrad_longest env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    MOK_JAX_GEMM_WGRAD_ORDER=longest timeout ${MOK_TIMEOUT_MEMCHECK:-600} \
+  # the weight gradients' groups in expert order (setup_groups' other path)
+  step memcheck_wgrad_expert env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    MOK_JAX_GEMM_WGRAD_ORDER=expert timeout ${MOK_TIMEOUT_MEMCHECK:-600} \
     compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
     $PY ../scripts/memcheck_case.py
 fi

@@ -15,9 +15,10 @@ kernels: each of the layer's FFI calls is one.
 `--load-max L` routes like a training run whose router has not balanced yet: expert
 0 gets L times the mean load (a share L*K/E of the tokens pick it; at most E/K,
 every token), the other experts share the rest evenly; `--hot-expert N` makes
-expert N the busy one instead (the weight-gradient GEMM deals its groups' tiles
-in expert order unless MOK_JAX_GEMM_WGRAD_ORDER=longest, and expert 0 is one of
-its lucky cases: docs/perf.md, session 14). The default is the bench's
+expert N the busy one instead (with MOK_JAX_GEMM_WGRAD_ORDER=expert the
+weight-gradient GEMM deals its groups' tiles in expert order, where expert 0 is
+one of the lucky cases; by default the busiest expert's go first: docs/perf.md,
+sessions 14 and 15). The default is the bench's
 routing (top-K of random logits: about even). In the h200 preset's first hundred
 steps the busiest expert's load falls from E/K = 8 times the mean to ~3.
 """

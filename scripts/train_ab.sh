@@ -18,7 +18,7 @@
 #
 # RUNS: one run per line, "TAG ROOT [NAME=VALUE ...] ARGS...", ROOT "new" (this tree)
 # or "base", NAME=VALUE words before the arguments set that run's environment
-# (e.g. a measurement knob: "one_longest new MOK_JAX_GEMM_WGRAD_ORDER=longest --dp 1");
+# (e.g. a measurement knob: "one_expert new MOK_JAX_GEMM_WGRAD_ORDER=expert --dp 1");
 # TRAIN_ARGS: the arguments every run shares. OUTDIR gets summary.txt (each
 # run's closing line) and log_TAG.json (its full log). Session 8's calls
 # (docs/perf.md) are what the defaults are modelled on.

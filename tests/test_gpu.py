@@ -300,10 +300,10 @@ def test_narrow_weight_gradient_tiles_give_the_same_bits(monkeypatch, busiest):
 
 @pytest.mark.parametrize("routing", ["even", "expert 17 at 8x", "uneven"])
 def test_longest_first_weight_gradient_order_gives_the_same_bits(monkeypatch, routing):
-    """MOK_JAX_GEMM_WGRAD_ORDER=longest puts the weight-gradient GEMM's groups in
-    order of their rows, most first (setup_groups in ffi/kernels/cutlass_grouped.cuh):
-    only which CTA takes which tile changes, so every gradient has the expert
-    order's bits, with even routing, with one busy expert that is not the first,
+    """By default the weight-gradient GEMM's groups go in order of their rows, most
+    first (setup_groups in ffi/kernels/cutlass_grouped.cuh); MOK_JAX_GEMM_WGRAD_ORDER=expert
+    keeps expert order. Only which CTA takes which tile changes, so every gradient
+    has the same bits either way, with even routing, with one busy expert that is not the first,
     and with uneven loads (ties, an empty expert) where the order is a real
     permutation of both problems' groups."""
     from mok_jax import _mok, bench
@@ -324,9 +324,9 @@ def test_longest_first_weight_gradient_order_gives_the_same_bits(monkeypatch, ro
         assert counts.max() > 2.0 * counts.mean()
     cot = jnp.cos(jnp.arange(H, dtype=jnp.float32))
     grad = jax.jit(jax.grad(_loss_fn(mok_jax.moe, ids, cot), argnums=(0, 1, 2, 3)))
-    longest = _grads_match_with_knob(monkeypatch, "MOK_JAX_GEMM_WGRAD_ORDER", "longest", grad,
-                                     (x, w, wgu, wd))
-    dwgu = np.asarray(longest[2], np.float32)
+    expert = _grads_match_with_knob(monkeypatch, "MOK_JAX_GEMM_WGRAD_ORDER", "expert", grad,
+                                    (x, w, wgu, wd))
+    dwgu = np.asarray(expert[2], np.float32)
     assert np.abs(dwgu).max() > 0  # the gradients are not empty
     if routing == "uneven":  # the expert without rows has a zero gradient, the others not
         assert not dwgu[3].any() and all(dwgu[e].any() for e in range(E) if e != 3)

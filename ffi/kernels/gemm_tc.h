@@ -28,7 +28,8 @@ struct Operands {
   const void* b2 = nullptr;
   void* d2 = nullptr;
   // Weight gradient only: the groups in the launch ordered by their rows, most
-  // first (setup_groups), instead of expert order.
+  // first (setup_groups), instead of expert order (run_wgrad_instance sets it:
+  // on unless MOK_JAX_GEMM_WGRAD_ORDER=expert).
   bool longest_first = false;
 };
 

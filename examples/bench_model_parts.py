@@ -20,7 +20,9 @@ written as x * cos + rotate_half(x) * sin with the sign folded into sin
 (`rotate_half`: the same products and sums, though the compiler may contract
 them into different fused multiply-adds). Norm candidates, a residual add and
 the RMSNorm after it: the example's `nnx.RMSNorm` (autodiff) against `rms_norm`,
-the same function with a backward of its own (`custom_vjp`).
+the same function with a backward of its own (`custom_vjp`), and
+`mok_jax.add_rms_norm`, the add and the norm in one CUDA kernel each way on a
+GPU (`fused`, the example's `--norm fused`).
 
 Times are the wall time of one jitted call each (dispatch included): a router
 layer's forward+backward is ~0.3 ms on an H200, so read its differences against
@@ -42,6 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_moe_lm as lm  # noqa: E402
 
+import mok_jax  # noqa: E402
 import mok_jax.nn as mnn  # noqa: E402
 from mok_jax.bench import _error_string, _rel_fro, time_step  # noqa: E402
 
@@ -131,16 +134,19 @@ def _rms_norm_bwd(epsilon, residuals, dy):
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-NORM = ("current", "custom_vjp")
+NORM = ("current", "custom_vjp", "fused")
 
 
 def norm_block(name: str, d: int, dtype):
     """A residual add and the RMSNorm after it, as in a block: ``(x + o, norm(x + o))``;
-    `current` is the example's nnx.RMSNorm (autodiff), `custom_vjp` `rms_norm`."""
+    `current` is the example's nnx.RMSNorm (autodiff), `custom_vjp` `rms_norm`,
+    `fused` `mok_jax.add_rms_norm` (the scale in the norm's dtype, as nnx casts it)."""
     from flax import nnx  # pylint: disable=import-outside-toplevel
     graphdef, state = nnx.split(nnx.RMSNorm(d, dtype=dtype, rngs=nnx.Rngs(0)))
 
     def f(x, o, scale):
+        if name == "fused":
+            return mok_jax.add_rms_norm(x, o, scale.astype(dtype))
         h = x + o
         if name == "custom_vjp":
             return h, rms_norm(h, scale)

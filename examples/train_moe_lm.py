@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+import mok_jax
 from mok_jax import nn as mnn
 from mok_jax.primitives import vary_alike
 
@@ -71,6 +72,7 @@ class Config:
     dtype: str = "float32"           # computation dtype; parameters are float32
     attention: str = "auto"          # "auto": cuDNN flash attention on GPU (bf16), else XLA
     moe_backend: str = "auto"        # mok_jax.moe's backend ("fused": NVLink transport under EP)
+    norm: str = "auto"               # "auto": mok_jax.add_rms_norm on GPU, else nnx.RMSNorm
     grad_reduce_lag: int = -1        # >= 0: see reduce_barrier (data-parallel overlap); -1 off
     weight_copies: bool = True       # keep the expert stacks in `dtype` between steps (TrainState)
     seq: int = 128
@@ -229,6 +231,33 @@ def attention_implementation(name: str, dtype, head_dim: int = 64) -> str:
     return "cudnn" if half and fits and jax.default_backend() == "gpu" else "xla"
 
 
+def norm_implementation(name: str) -> str:
+    """How the blocks add their branches and normalise: "fused" runs each residual
+    add with the RMSNorm after it as `mok_jax.add_rms_norm` (one CUDA kernel each way
+    on a GPU), "nnx" as an add and `nnx.RMSNorm`. "auto" picks fused on a GPU and
+    nnx elsewhere (on a CPU both are XLA's ops; nnx keeps the CPU runs' bits)."""
+    if name != "auto":
+        return name
+    return "fused" if jax.default_backend() == "gpu" else "nnx"
+
+
+def add_norm(norm: nnx.RMSNorm, x: jax.Array, branch: jax.Array | None, fused: bool):
+    """``(x + branch, norm(x + branch))`` (``branch`` None: nothing to add), with
+    `norm`'s parameters and numerics (its scale cast to its dtype, as nnx does)."""
+    if branch is None:
+        with jax.named_scope("norm"):
+            return x, norm(x)
+    if not fused:
+        with jax.named_scope("residual"):
+            x = x + branch
+        with jax.named_scope("norm"):
+            return x, norm(x)
+    with jax.named_scope("norm"):
+        scale = norm.scale[...]
+        return mok_jax.add_rms_norm(x, branch, scale.astype(norm.dtype or scale.dtype),
+                                    epsilon=norm.epsilon)
+
+
 class CausalSelfAttention(nnx.Module):
     """Multi-head causal self-attention with RoPE: ``[B, S, d] -> [B, S, d]``."""
 
@@ -276,6 +305,7 @@ class Block(nnx.Module):
                                         n_layers=cfg.n_layers, dtype=dtype,
                                         implementation=cfg.attention, rngs=rngs)
         self.ffn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
+        self.fused_norm = norm_implementation(cfg.norm) == "fused"
         self.moe = mnn.MoE(hidden_size=cfg.d_model, ffn_size=cfg.expert_ffn,
                            num_experts=cfg.n_experts, top_k=cfg.top_k, score_fn=cfg.score_fn,
                            renormalize=cfg.top_k > 1, balance_bias=cfg.balance == "bias",
@@ -283,19 +313,22 @@ class Block(nnx.Module):
                            backend=cfg.moe_backend, dtype=dtype, rngs=rngs,
                            **(moe_kwargs or {}))
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, mnn.MoEAux]:
+    def __call__(self, x: jax.Array, pending: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array | None, mnn.MoEAux]:
+        """``(x, pending, aux)``: the residual stream and the FFN output not yet added
+        to it. With fused norms each branch is added by the norm after it (the next
+        block's, or the final norm), so a block takes and returns one; otherwise
+        ``pending`` is None."""
         # Named scopes label the profile's step-time breakdown (--profile).
-        with jax.named_scope("norm"):
-            a = self.attn_norm(x)
+        x, a = add_norm(self.attn_norm, x, pending, self.fused_norm)
         with jax.named_scope("attention"):
             o = self.attn(a)
-        with jax.named_scope("residual"):
-            x = x + o
-        with jax.named_scope("norm"):
-            m = self.ffn_norm(x)
+        x, m = add_norm(self.ffn_norm, x, o, self.fused_norm)
         h, aux = self.moe(m)
+        if self.fused_norm:
+            return x, h, aux
         with jax.named_scope("residual"):
-            return x + h, aux
+            return x + h, None, aux
 
 
 def _project(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -401,6 +434,7 @@ class MoELM(nnx.Module):
             x = jnp.matmul(jax.nn.one_hot(tokens, VOCAB, dtype=table.dtype), table,
                            precision=jax.lax.Precision.HIGHEST)  # f32 rows stay exact
         auxes = []
+        pending = None  # the last block's FFN output, added by the next norm (fused norms)
         tied = {}  # block index -> its expert weights, passed through reduce_barrier
         for j, block in enumerate(self.blocks):
             i = j + self.grad_reduce_lag
@@ -410,16 +444,16 @@ class MoELM(nnx.Module):
                 # produced and reduced them.
                 moe = self.blocks[i].moe
                 cast = (lambda w: w) if moe.dtype is None else (lambda w: w.astype(moe.dtype))
-                x, tied[i] = reduce_barrier(x, (cast(moe.w_gate_up[...]), cast(moe.w_down[...])))
+                (x, pending), tied[i] = reduce_barrier(
+                    (x, pending), (cast(moe.w_gate_up[...]), cast(moe.w_down[...])))
             if j in tied:  # a copy of the block runs them: the model itself is not changed
                 # (so the block's forward must not update state of its own: none does)
                 block = nnx.clone(block)
                 block.moe.w_gate_up.set_value(tied[j][0])
                 block.moe.w_down.set_value(tied[j][1])
-            x, aux = block(x)
+            x, pending, aux = block(x, pending)
             auxes.append(aux)
-        with jax.named_scope("norm"):
-            x = self.final_norm(x)
+        _, x = add_norm(self.final_norm, x, pending, pending is not None)
         with jax.named_scope("embed_and_loss"):
             return self.unembed(x).astype(jnp.float32), auxes
 
@@ -758,7 +792,7 @@ def config_from_args(args) -> Config:
     cfg = PRESETS[args.preset]
     overrides = {name: getattr(args, name) for name in
                  ("steps", "batch", "seq", "lr", "seed", "balance", "eval_every", "ckpt_every",
-                  "log_every", "eval_batches", "attention", "dtype", "moe_backend",
+                  "log_every", "eval_batches", "attention", "dtype", "moe_backend", "norm",
                   "grad_reduce_lag", "weight_copies")
                  if getattr(args, name, None) is not None}
     if overrides.get("steps") is not None:
@@ -784,6 +818,9 @@ def parse_args(argv=None):
     parser.add_argument("--attention", choices=["auto", "xla", "cudnn"],
                         help="jax.nn.dot_product_attention implementation (default auto: "
                              "cudnn on a GPU in bfloat16, else xla)")
+    parser.add_argument("--norm", choices=["auto", "fused", "nnx"],
+                        help="residual adds and RMSNorms (default auto: fused, mok_jax.add_rms_norm, "
+                             "on a GPU; nnx: an add and nnx.RMSNorm, on a CPU)")
     parser.add_argument("--moe-backend", choices=["auto", "fused", "xla"],
                         help="mok_jax.moe's backend (default auto: under --ep on GPUs of one "
                              "process, the fused NVLink transport; xla: XLA's all_to_all)")

@@ -7,6 +7,7 @@
 #include "handlers/moe_cpu.h"
 #ifdef MOK_WITH_CUDA
 #include "handlers/moe_cuda.h"
+#include "handlers/norm_cuda.h"
 #endif
 #include "mok/swiglu_rule.h"
 #include "mok/types.h"
@@ -39,6 +40,8 @@ nb::dict registrations() {
   gpu["mok_expert_ffn_fwd"] = encapsulate(MokExpertFfnForwardCuda);
   gpu["mok_expert_ffn_bwd"] = encapsulate(MokExpertFfnBackwardCuda);
   gpu["mok_combine"] = encapsulate(MokCombineCuda);
+  gpu["mok_add_rms_norm_fwd"] = encapsulate(MokAddRmsNormForwardCuda);
+  gpu["mok_add_rms_norm_bwd"] = encapsulate(MokAddRmsNormBackwardCuda);
   out["CUDA"] = gpu;
 #endif
   return out;

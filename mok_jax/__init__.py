@@ -18,9 +18,10 @@ import importlib
 
 from mok_jax import _ext, reference
 from mok_jax.moe import BACKENDS, MoEStats, capacity, moe
+from mok_jax.norm import add_rms_norm
 
 __version__ = "0.1.0"
-__all__ = ["BACKENDS", "MoEStats", "capacity", "moe", "nn", "reference"]
+__all__ = ["BACKENDS", "MoEStats", "add_rms_norm", "capacity", "moe", "nn", "reference"]
 
 _LAZY_SUBMODULES = ("nn",)
 

@@ -1,9 +1,12 @@
-"""A small forward + backward of mok_jax.moe for compute-sanitizer (scripts/gpu_ci.sh).
+"""A small forward + backward of mok_jax.moe (and mok_jax.add_rms_norm) for
+compute-sanitizer (scripts/gpu_ci.sh).
 
 Covers both GEMM paths (tensor-core sizes and odd sizes), GEMM1 with SwiGLU in its
 epilogue (the last two shapes, on sm_90a; run again with
 MOK_JAX_GEMM_PINGPONG=rows_swiglu for its ping-pong instance), capacity drops,
-invalid ids and an empty expert, so memcheck sees every kernel.
+invalid ids and an empty expert, so memcheck sees every kernel; then the fused
+residual add + RMSNorm on rows of every team width, with row counts that end a
+scale-gradient group part way.
 """
 
 import jax
@@ -30,6 +33,19 @@ def run(T, K, E, H, F, dtype, capacity_factor):
     print(f"ok T={T} K={K} E={E} H={H} F={F} {jnp.dtype(dtype).name} cf={capacity_factor}")
 
 
+def run_norm(rows, dim, dtype):
+    ks = jax.random.split(jax.random.key(1), 3)
+    x, b = (jax.random.normal(k, (rows, dim)).astype(dtype) for k in ks[:2])
+    scale = jax.random.normal(ks[2], (dim,))
+
+    def loss(x, b, scale):
+        s, n = mok_jax.add_rms_norm(x, b, scale)
+        return (s.astype(jnp.float32) * n.astype(jnp.float32)).sum()
+
+    jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, b, scale))
+    print(f"ok add_rms_norm rows={rows} dim={dim} {jnp.dtype(dtype).name}")
+
+
 if __name__ == "__main__":
     run(200, 2, 6, 128, 64, jnp.bfloat16, None)
     run(200, 2, 6, 128, 64, jnp.bfloat16, 0.5)
@@ -41,3 +57,7 @@ if __name__ == "__main__":
     assert _mok.swiglu_epilogue_shape(4, 16, 128, 300 * 2)
     run(512, 4, 4, 64, 256, jnp.bfloat16, None)
     run(300, 2, 4, 16, 128, jnp.bfloat16, 0.75)
+    for rows, dim, dtype in ((37, 1024, jnp.bfloat16), (5, 2056, jnp.bfloat16),
+                             (17, 16384, jnp.bfloat16), (3, 8, jnp.bfloat16),
+                             (19, 8192, jnp.float32), (9, 200, jnp.float32)):
+        run_norm(rows, dim, dtype)

@@ -272,6 +272,46 @@ def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
         assert_bitwise(a, b, f"copy {path}")
 
 
+@pytest.mark.parametrize("mesh_shape, lag", [((1, 1), -1), ((2, 1), 1), ((2, 2), -1)])
+def test_fused_norms_are_the_same_model(mesh_shape, lag):
+    """--norm fused (mok_jax.add_rms_norm: each residual add with the norm after it,
+    the blocks passing the FFN output on) against --norm nnx (the add, then
+    nnx.RMSNorm): the same parameters from the same seed, and two f32 steps on dp,
+    dp with the reduce barrier (which then ties the pending branch too) and dp x ep
+    meshes give the same losses and parameters up to the order of f32 sums."""
+    dp, ep = mesh_shape
+    mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
+    rules = lm.mnn.logical_axis_rules(mesh.axis_names)
+    runs = {}
+    for impl in ("nnx", "fused"):
+        cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=2, norm=impl, grad_reduce_lag=lag)
+        tx, schedule = lm.make_optimizer(cfg)
+        with jax.set_mesh(mesh), lm.nnx.logical_axis_rules(rules):  # as the example runs
+            graphdef, state, shardings = lm.init_state(cfg, mesh, tx)
+            init = state.params
+            step = jax.jit(lm.make_train_step(cfg, graphdef, tx, schedule),
+                           in_shardings=(shardings, lm.batch_sharding(mesh)),
+                           out_shardings=(shardings, None))
+            text = str(jax.make_jaxpr(step)(state, jnp.zeros((4, 33), jnp.int32)))
+            metrics = []
+            for i in range(2):
+                batch = jax.device_put(jnp.asarray(np.random.default_rng(i).integers(
+                    0, 256, (cfg.batch, cfg.seq + 1)), jnp.int32), lm.batch_sharding(mesh))
+                state, m = step(state, batch)
+                metrics.append(m)
+        # 2 norms a block plus the final one; the first block's first has nothing to add
+        assert text.count("mok_add_rms_norm_fwd") == (4 if impl == "fused" else 0), impl
+        runs[impl] = (init, state, metrics)
+    (init, state, metrics), (ref_init, ref_state, ref_metrics) = runs["fused"], runs["nnx"]
+    for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(ref_init)):
+        assert_bitwise(a, b, "initial parameters")
+    for m, r in zip(metrics, ref_metrics):
+        for name in ("loss", "grad_norm"):
+            np.testing.assert_allclose(m[name], r[name], rtol=1e-5, err_msg=name)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_weight_copies_state_and_step_must_agree():
     cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=2, dtype="bfloat16")
     mesh = lm.make_mesh(1, 1, jax.devices()[:1])
@@ -321,7 +361,7 @@ def test_bench_model_parts_candidates_compute_the_same_function():
     names = {(r["part"], r["candidate"]) for r in rows}
     assert names == {("router", n) for n in bench_model_parts.ROUTER} | {
         ("attention", n) for n in ("current", "sliced_weights", "rotate_half")} | {
-        ("norm", n) for n in ("current", "custom_vjp")}
+        ("norm", n) for n in ("current", "custom_vjp", "fused")}
     for r in rows:
         assert "error" not in r and r["max_rel_diff"] < 1e-5, r
         assert r["median_ms"] > 0

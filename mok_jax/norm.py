@@ -1,0 +1,265 @@
+"""Residual add fused with RMSNorm: ``s = x + branch; n = rmsnorm(s) * scale``.
+
+A pre-norm transformer adds each block's branch to the residual stream and
+normalises the sum for the next branch. XLA runs that as three passes over the
+rows each way (the add, the row reduction, the broadcast that uses it; the
+backward reads the normalised input and its cotangent twice more for the scale's
+gradient). On a GPU `add_rms_norm` is one CUDA kernel each way: the forward
+reads x and branch and writes s and n; the backward reads n's and s's
+cotangents and s, and writes the one gradient x and branch share. The scale's
+gradient is summed in fixed groups of rows, then over the groups: the same bits
+on every run. On the CPU (and for rows the kernels do not take) it is the
+same math in jnp.
+
+Numerics (f32 arithmetic, T = x.dtype, as ``flax.nnx.RMSNorm`` computes them):
+``s = round_T(x + branch)``, ``rstd = 1 / sqrt(mean(s^2) + epsilon)``,
+``n = round_T(s * (rstd * scale))``. Under ``jax.jit`` on arrays sharded over
+a mesh the rows stay where they are (a ``custom_partitioning`` rule); the
+scale's gradient is summed over the mesh axes that split the rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mok_jax import _ext, primitives, sharding
+
+FORWARD = "mok_add_rms_norm_fwd"
+BACKWARD = "mok_add_rms_norm_bwd"
+
+# Rows per partial sum of the scale's gradient in the CUDA backward (kernels/rms_norm.h).
+ROWS_PER_GROUP = 16
+# Widest bf16 row the CUDA kernels take (half that in f32); rows must be a multiple of 8.
+MAX_DIM = 16384
+
+
+def kernel_takes(dtype, dim: int) -> bool:
+    """Whether the CUDA kernels take rows of `dim` elements of `dtype`."""
+    limit = MAX_DIM if jnp.dtype(dtype) == jnp.bfloat16 else MAX_DIM // 2
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32) and 0 < dim <= limit and dim % 8 == 0
+
+
+# --- the math in jnp (the CPU lowering, and rows the kernels do not take) -------------
+
+def _forward_math(x, branch, scale, *, epsilon):
+    s = x + branch
+    sf = s.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(sf * sf, axis=-1) + epsilon)
+    n = (sf * (rstd[..., None] * scale)).astype(x.dtype)
+    return s, n, rstd
+
+
+def _backward_math(dn, ds, s, rstd, scale):
+    sf = s.astype(jnp.float32)
+    r = rstd[..., None]
+    g = dn.astype(jnp.float32) * scale
+    c = r * r * r * jnp.sum(g * sf, axis=-1, keepdims=True) / s.shape[-1]
+    d = (ds.astype(jnp.float32) + r * g - sf * c).astype(s.dtype)
+    dscale = jnp.sum(dn.astype(jnp.float32) * sf * r, axis=0)
+    return d, dscale
+
+
+# --- primitives on [R, D] rows ------------------------------------------------------
+
+fwd_p = Primitive(FORWARD)
+bwd_p = Primitive(BACKWARD)
+
+
+def _fwd_abstract(x, branch, scale, *, epsilon):
+    del branch, scale, epsilon
+    return (primitives._like(x), primitives._like(x),
+            primitives._rows_of(x, x.shape[:1], jnp.float32))
+
+
+def _bwd_abstract(dn, ds, s, rstd, scale):
+    del dn, ds, rstd, scale
+    return primitives._like(s), primitives._replicated(s.shape[-1:], jnp.float32)
+
+
+def _cuda_forward(ctx, x, branch, scale, *, epsilon):
+    if FORWARD not in _ext.registered_targets().get("cuda", ()):  # a CPU-only build
+        return _jnp_forward(ctx, x, branch, scale, epsilon=epsilon)
+    return jax.ffi.ffi_lowering(FORWARD)(ctx, x, branch, scale, epsilon=np.float32(epsilon))
+
+
+def _cuda_backward(ctx, dn, ds, s, rstd, scale):
+    if BACKWARD not in _ext.registered_targets().get("cuda", ()):
+        return _jnp_backward(ctx, dn, ds, s, rstd, scale)
+
+    def call(dn, ds, s, rstd, scale):
+        rows, dim = s.shape
+        groups = -(-rows // ROWS_PER_GROUP)
+        d, partials = jax.ffi.ffi_call(
+            BACKWARD, (jax.ShapeDtypeStruct(s.shape, s.dtype),
+                       jax.ShapeDtypeStruct((groups, dim), jnp.float32)))(dn, ds, s, rstd, scale)
+        return d, jnp.sum(partials, axis=0)
+
+    return mlir.lower_fun(call, multiple_results=True)(ctx, dn, ds, s, rstd, scale)
+
+
+_jnp_forward = mlir.lower_fun(_forward_math, multiple_results=True)
+_jnp_backward = mlir.lower_fun(_backward_math, multiple_results=True)
+
+for _prim, _abstract, _cuda, _cpu in ((fwd_p, _fwd_abstract, _cuda_forward, _jnp_forward),
+                                      (bwd_p, _bwd_abstract, _cuda_backward, _jnp_backward)):
+    _prim.multiple_results = True
+    _prim.def_impl(primitives._jit_impl(_prim))
+    _prim.def_abstract_eval(primitives._typed(_abstract))
+    mlir.register_lowering(_prim, _cuda, platform="cuda")
+    mlir.register_lowering(_prim, _cpu, platform="cpu")
+    jax.interpreters.batching.primitive_batchers[_prim] = primitives._map_batching(_prim)
+
+
+# --- partitioning: rows stay where they are --------------------------------------------
+
+def _row_axes(mesh, arg_shape) -> tuple[str, ...]:
+    """The mesh axes splitting the rows of `arg_shape` when they split them evenly
+    (else none: the rows are gathered, which is correct, only slower)."""
+    spec = arg_shape.sharding.spec if isinstance(arg_shape.sharding, NamedSharding) else ()
+    axes = sharding._axes(spec, 0)
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    return axes if axes and arg_shape.shape[0] % size == 0 else ()
+
+
+def _specs(mesh, arg_shapes):
+    axes = _row_axes(mesh, arg_shapes[0])
+    rows = axes or None
+    return (axes, NamedSharding(mesh, P(rows, None)), NamedSharding(mesh, P(rows)),
+            NamedSharding(mesh, P()))
+
+
+@functools.partial(custom_partitioning, static_argnums=(3,))
+def _forward_cp(x, branch, scale, epsilon):
+    return tuple(fwd_p.bind(x, branch, scale, epsilon=epsilon))
+
+
+def _forward_infer(epsilon, mesh, arg_shapes, result_shape):
+    del epsilon, result_shape
+    _, row, vec, _ = _specs(mesh, arg_shapes)
+    return row, row, vec
+
+
+def _forward_partition(epsilon, mesh, arg_shapes, result_shape):
+    del result_shape
+    _, row, vec, rep = _specs(mesh, arg_shapes)
+
+    def lower_fn(x, branch, scale):
+        return tuple(fwd_p.bind(x, branch, scale, epsilon=epsilon))
+
+    return mesh, sharding._per_device(lower_fn), (row, row, vec), (row, row, rep)
+
+
+_forward_cp.def_partition(
+    partition=_forward_partition, infer_sharding_from_operands=_forward_infer,
+    sharding_rule="r d, r d, d -> r d, r d, r", need_replication_factors=("d",))
+
+
+@custom_partitioning
+def _backward_cp(dn, ds, s, rstd, scale):
+    return tuple(bwd_p.bind(dn, ds, s, rstd, scale))
+
+
+def _backward_infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    _, row, _, rep = _specs(mesh, arg_shapes[2:])
+    return row, rep
+
+
+def _backward_partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    axes, row, vec, rep = _specs(mesh, arg_shapes[2:])
+
+    def lower_fn(dn, ds, s, rstd, scale):
+        d, dscale = bwd_p.bind(dn, ds, s, rstd, scale)
+        return d, (jax.lax.psum(dscale, axes) if axes else dscale)
+
+    return mesh, sharding._per_device(lower_fn), (row, rep), (row, row, row, vec, rep)
+
+
+_backward_cp.def_partition(
+    partition=_backward_partition, infer_sharding_from_operands=_backward_infer,
+    sharding_rule="r d, r d, r d, r, d -> r d, d", need_replication_factors=("d",))
+
+
+def _forward(x, branch, scale, epsilon):
+    if sharding.on_a_mesh((x, branch, scale)):
+        return _forward_cp(x, branch, scale, epsilon)
+    return tuple(fwd_p.bind(x, branch, scale, epsilon=epsilon))
+
+
+def _backward(dn, ds, s, rstd, scale):
+    if sharding.on_a_mesh((dn, ds, s, rstd, scale)):
+        return _backward_cp(dn, ds, s, rstd, scale)
+    return tuple(bwd_p.bind(dn, ds, s, rstd, scale))
+
+
+# --- the differentiable op -----------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _add_rms_norm(x, branch, scale, epsilon):
+    s, n, _ = _forward(x, branch, scale, epsilon)
+    return s, n
+
+
+def _add_rms_norm_fwd(x, branch, scale, epsilon):
+    s, n, rstd = _forward(x, branch, scale, epsilon)
+    return (s, n), (s, rstd, scale)
+
+
+def _add_rms_norm_bwd(epsilon, residuals, cotangents):
+    del epsilon
+    s, rstd, scale = residuals
+    ds, dn = cotangents
+    d, dscale = _backward(dn.astype(s.dtype), ds.astype(s.dtype), s, rstd, scale)
+    return d, d, dscale
+
+
+_add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd)
+
+
+def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
+                 epsilon: float = 1e-6) -> tuple[jax.Array, jax.Array]:
+    """``(s, n)``: the residual sum ``s = x + branch`` and ``n = rmsnorm(s) * scale``,
+    normalised over the last axis, in one pass each way on a GPU.
+
+    Args:
+      x, branch: ``[..., D]`` float32 or bfloat16, the same shape and dtype.
+      scale: ``[D]``, the norm's learned scale (e.g. ``flax.nnx.RMSNorm``'s, float32);
+        computed in float32, its gradient returned in its own dtype.
+      epsilon: added to the mean square (``flax.nnx.RMSNorm``'s default, 1e-6).
+
+    ``s`` and ``n`` have x's dtype; the values are those of ``nnx.RMSNorm(...)(x +
+    branch)`` with this scale and epsilon, up to the order of the f32 sums (a bf16 ``n``
+    differs in at most the last bit, rarely). Rows of more than 16384 elements (8192 in
+    float32) or not a multiple of 8 take the same math in jnp.
+    """
+    x, branch, scale = (jnp.asarray(a) for a in (x, branch, scale))
+    if x.shape != branch.shape or x.dtype != branch.dtype:
+        raise ValueError(
+            f"add_rms_norm: x {x.dtype}{list(x.shape)} and branch {branch.dtype}"
+            f"{list(branch.shape)} must have the same shape and dtype")
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"add_rms_norm: x must be float32 or bfloat16, got {x.dtype}")
+    if x.ndim < 1 or scale.shape != x.shape[-1:]:
+        raise ValueError(
+            f"add_rms_norm: scale has shape {list(scale.shape)}, expected {list(x.shape[-1:])} "
+            f"(the last axis of x {list(x.shape)})")
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise ValueError(f"add_rms_norm: scale must be floating point, got {scale.dtype}")
+    if not kernel_takes(x.dtype, x.shape[-1]) or x.size == 0:
+        s, n, _ = _forward_math(x, branch, scale.astype(jnp.float32), epsilon=epsilon)
+        return s, n
+    x, branch, scale32 = primitives.vary_alike((x, branch, scale.astype(jnp.float32)))
+    rows = x.reshape(-1, x.shape[-1])
+    s, n = _add_rms_norm(rows, branch.reshape(rows.shape), scale32, float(epsilon))
+    return s.reshape(x.shape), n.reshape(x.shape)

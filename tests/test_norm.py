@@ -1,0 +1,232 @@
+"""mok_jax.add_rms_norm: the residual add fused with RMSNorm.
+
+On the CPU the op is the jnp form of its math behind the same custom VJP and
+partitioning rule as on a GPU; these tests hold it against autodiff of
+``nnx.RMSNorm`` on ``x + branch`` and check its partitioning on host devices.
+The GPU tests compare the CUDA kernels with the jnp form and with themselves.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import mok_jax
+from mok_jax import norm
+
+from conftest import assert_bitwise
+
+CPUS = jax.devices("cpu")  # the mesh tests run on host devices, whatever the default
+
+
+def _operands(shape, dtype, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], shape, jnp.float32).astype(dtype)
+    branch = (0.5 * jax.random.normal(ks[1], shape, jnp.float32)).astype(dtype)
+    scale = 1.0 + 0.2 * jax.random.normal(ks[2], shape[-1:], jnp.float32)
+    dn = jax.random.normal(ks[3], shape, jnp.float32).astype(dtype)
+    ds = jax.random.normal(ks[4], shape, jnp.float32).astype(dtype)
+    return x, branch, scale, dn, ds
+
+
+def _nnx_form(x, branch, scale, epsilon=1e-6):
+    """What the op replaces: the add, then nnx.RMSNorm with this scale (cast to the
+    norm's dtype, as nnx promotes it)."""
+    layer = nnx.RMSNorm(x.shape[-1], dtype=x.dtype, epsilon=epsilon, rngs=nnx.Rngs(0))
+    layer.scale.set_value(scale)
+    s = x + branch
+    return s, layer(s)
+
+
+def _vjp(fn, x, branch, scale, dn, ds):
+    (s, n), pullback = jax.vjp(fn, x, branch, scale)
+    return (s, n), pullback((ds, dn))
+
+
+def _close(a, b, rtol, what):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 6, 64), (5, 24), (3, 20)])  # (3, 20): not a multiple of 8
+def test_values_and_gradients_match_nnx_rmsnorm(dtype, shape):
+    """s is x + branch bit for bit; n, and the gradients of x, branch and the scale,
+    match autodiff of ``nnx.RMSNorm(x + branch)`` (the scale in the norm's dtype)."""
+    x, branch, scale, dn, ds = _operands(shape, dtype)
+
+    def op(x, branch, scale):  # the scale in x's dtype, as the example passes it
+        return mok_jax.add_rms_norm(x, branch, scale.astype(dtype))
+
+    def ref(x, branch, scale):
+        return _nnx_form(x, branch, scale)
+
+    (s, n), (dx, db, dscale) = jax.jit(functools.partial(_vjp, op))(x, branch, scale, dn, ds)
+    (s_ref, n_ref), (dx_ref, db_ref, dscale_ref) = jax.jit(functools.partial(_vjp, ref))(
+        x, branch, scale, dn, ds)
+    assert s.dtype == n.dtype == dx.dtype == dtype and dscale.dtype == scale.dtype
+    assert_bitwise(s, s_ref, "s")
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    _close(n, n_ref, tol, "n")
+    _close(dx, dx_ref, tol, "dx")
+    assert_bitwise(dx, db, "dx and dbranch")  # one gradient for both
+    _close(dscale, dscale_ref, 1e-5 if dtype == jnp.float32 else 1e-2, "dscale")
+
+
+def test_bad_operands_raise():
+    x = jnp.ones((4, 16), jnp.float32)
+    scale = jnp.ones((16,), jnp.float32)
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        mok_jax.add_rms_norm(x, jnp.ones((4, 8), jnp.float32), scale)
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        mok_jax.add_rms_norm(x, x.astype(jnp.bfloat16), scale)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        mok_jax.add_rms_norm(x.astype(jnp.float16), x.astype(jnp.float16), scale)
+    with pytest.raises(ValueError, match=r"scale has shape \[8\], expected \[16\]"):
+        mok_jax.add_rms_norm(x, x, jnp.ones((8,), jnp.float32))
+    with pytest.raises(ValueError, match="floating point"):
+        mok_jax.add_rms_norm(x, x, jnp.ones((16,), jnp.int32))
+
+
+def test_kernel_takes():
+    """The rows the CUDA kernels take: a multiple of 8, at most 16384 bf16 / 8192 f32."""
+    assert norm.kernel_takes(jnp.bfloat16, 16384) and not norm.kernel_takes(jnp.bfloat16, 16392)
+    assert norm.kernel_takes(jnp.float32, 8192) and not norm.kernel_takes(jnp.float32, 8200)
+    assert not norm.kernel_takes(jnp.bfloat16, 20) and norm.kernel_takes(jnp.bfloat16, 8)
+
+
+@pytest.mark.parametrize("spec", [P("a"), P(("a", "b")), P("b")])
+def test_partitioned_rows_stay_on_their_devices(spec):
+    """Under jit on rows sharded over a mesh: the results equal the one-device call
+    (s exactly, the rest up to the order of XLA's CPU sums), the rows are never gathered
+    (no all-gather in the compiled step), and the scale's gradient is summed over
+    the axes that split the rows (an all-reduce)."""
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=CPUS[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x, branch, scale, dn, ds = jax.device_put(_operands((8, 16, 32), jnp.float32, seed=3),
+                                              CPUS[0])
+
+    def step(x, branch, scale, dn, ds):
+        return _vjp(mok_jax.add_rms_norm, x, branch, scale, dn, ds)
+
+    want = jax.jit(step)(x, branch, scale, dn, ds)
+    rows = NamedSharding(mesh, spec)
+    with jax.set_mesh(mesh):
+        sharded = [jax.device_put(a, rows) for a in (x, branch)] + [
+            jax.device_put(scale, NamedSharding(mesh, P()))] + [
+            jax.device_put(a, rows) for a in (dn, ds)]
+        compiled = jax.jit(step).lower(*sharded).compile()
+        got = compiled(*sharded)
+    text = compiled.as_text()
+    assert "all-gather" not in text, "the rows were gathered"
+    assert "all-reduce" in text, "the scale's gradient was not summed over the devices"
+    (s, n), (dx, db, dscale) = got
+    (s_w, n_w), (dx_w, db_w, dscale_w) = want
+    for a, b, what in ((s, s_w, "s"), (n, n_w, "n"), (dx, dx_w, "dx"), (db, db_w, "dbranch")):
+        assert a.sharding.spec[0] == spec[0], what
+        _close(a, b, 0.0 if what == "s" else 1e-6, what)  # XLA's CPU code sums per shape
+    _close(dscale, dscale_w, 1e-6, "dscale")
+
+
+def test_inside_shard_map_the_scale_gradient_is_summed_over_the_batch_axis():
+    """In shard_map with the scale replicated, its gradient is the sum over every
+    device's rows (the op casts the scale to vary like x, and the cast's transpose
+    sums), equal to the one-device gradient."""
+    mesh = jax.make_mesh((4,), ("d",), devices=CPUS[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    x, branch, scale, dn, ds = jax.device_put(_operands((8, 32), jnp.float32, seed=4), CPUS[0])
+
+    def loss(x, branch, scale, dn, ds):
+        s, n = mok_jax.add_rms_norm(x, branch, scale)
+        return jnp.sum(s * ds) + jnp.sum(n * dn)
+
+    want = jax.grad(loss, argnums=2)(x, branch, scale, dn, ds)
+
+    def per_device(x, branch, scale, dn, ds):
+        return jax.grad(lambda sc: jax.lax.psum(loss(x, branch, sc, dn, ds), "d"))(scale)
+
+    specs = (P("d"), P("d"), P(), P("d"), P("d"))
+    args = [jax.device_put(a, NamedSharding(mesh, p))
+            for a, p in zip((x, branch, scale, dn, ds), specs)]
+    got = jax.jit(jax.shard_map(per_device, mesh=mesh, out_specs=P(), in_specs=specs))(*args)
+    _close(got, want, 1e-6, "dscale")
+
+
+def test_vmap_is_the_per_example_call():
+    x, branch, scale, _, _ = _operands((3, 4, 16), jnp.float32, seed=5)
+    s, n = jax.vmap(mok_jax.add_rms_norm, in_axes=(0, 0, None))(x, branch, scale)
+    for i in range(3):
+        s_i, n_i = mok_jax.add_rms_norm(x[i], branch[i], scale)
+        assert_bitwise(s[i], s_i, "s")
+        assert_bitwise(n[i], n_i, "n")
+
+
+# --- the CUDA kernels -------------------------------------------------------------------
+
+def _math(x, branch, scale, dn, ds):
+    """The jnp form, in the op's own numerics (s rounded, then normalised)."""
+    s, n, rstd = norm._forward_math(x, branch, scale, epsilon=1e-6)
+    d, dscale = norm._backward_math(dn, ds, s, rstd, scale)
+    return s, n, rstd, d, dscale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, rows, dim", [
+    (jnp.bfloat16, 4096, 1024),    # the h200 preset's rows: one warp a row
+    (jnp.bfloat16, 1000, 4096),    # a team of four warps; rows not a multiple of 16
+    (jnp.bfloat16, 33, 16384),     # the widest bf16 row: 16 warps
+    (jnp.bfloat16, 7, 8),          # one vector a row
+    (jnp.float32, 513, 8192),      # the widest f32 row
+    (jnp.float32, 100, 200),       # a partial last vector set
+])
+def test_cuda_kernels_match_the_jnp_form_and_repeat_bit_for_bit(dtype, rows, dim):
+    """Forward and backward on the GPU against the jnp form of the same math: s bit
+    for bit, n and the gradient of the rows to rounding, the scale's gradient to f32
+    summation order; and two calls give the same bits."""
+    assert jax.devices()[0].platform == "gpu"
+    x, branch, scale, dn, ds = _operands((rows, dim), dtype, seed=rows)
+
+    @jax.jit
+    def kernels(x, branch, scale, dn, ds):
+        s, n, rstd = norm.fwd_p.bind(x, branch, scale, epsilon=1e-6)
+        d, dscale = norm.bwd_p.bind(dn, ds, s, rstd, scale)
+        return s, n, rstd, d, dscale
+
+    text = kernels.lower(x, branch, scale, dn, ds).as_text()
+    assert norm.FORWARD in text and norm.BACKWARD in text  # the FFI targets, not jnp
+    got = kernels(x, branch, scale, dn, ds)
+    again = kernels(x, branch, scale, dn, ds)
+    for a, b, what in zip(got, again, ("s", "n", "rstd", "d", "dscale")):
+        assert_bitwise(a, b, f"{what}, second call")
+    want = jax.jit(_math)(x, branch, scale, dn, ds)
+    assert_bitwise(got[0], want[0], "s")
+    tol = 1e-6 if dtype == jnp.float32 else 8e-3
+    for i, what in ((1, "n"), (2, "rstd"), (3, "d")):
+        _close(got[i], want[i], tol if i != 2 else 1e-6, what)
+    _close(got[4], want[4], 1e-5, "dscale")
+
+
+@pytest.mark.gpu
+def test_cuda_op_gradients_match_nnx_rmsnorm():
+    """The public op on the GPU (the kernels behind its custom VJP) against autodiff
+    of nnx.RMSNorm(x + branch), bf16 at the h200 preset's width."""
+    x, branch, scale, dn, ds = _operands((2, 512, 1024), jnp.bfloat16, seed=11)
+
+    def op(x, branch, scale):
+        return mok_jax.add_rms_norm(x, branch, scale.astype(jnp.bfloat16))
+
+    step = jax.jit(functools.partial(_vjp, op))
+    assert norm.BACKWARD in step.lower(x, branch, scale, dn, ds).as_text()
+    (s, n), (dx, db, dscale) = step(x, branch, scale, dn, ds)
+    (s_r, n_r), (dx_r, _, dscale_r) = jax.jit(functools.partial(_vjp, _nnx_form))(
+        x, branch, scale, dn, ds)
+    assert_bitwise(s, s_r, "s")
+    _close(n, n_r, 1e-2, "n")
+    _close(dx, dx_r, 1e-2, "dx")
+    assert_bitwise(dx, db, "dx and dbranch")
+    _close(dscale, dscale_r, 1e-2, "dscale")

@@ -155,20 +155,28 @@ def norm_block(name: str, d: int, dtype):
 
 
 def fwd_bwd(f, random_cotangent: bool = False):
-    """One jitted forward+backward of `f`, pulled back with ones or (the norm's
+    """One jitted forward+backward of `f`, pulled back with ones, or (the norm's
     candidates, whose backward with a cotangent of ones would not show whether
-    it reads dy at all) a random cotangent."""
+    it reads dy at all) with a random cotangent passed in as the step's first
+    argument (`random_cotangent_of`): a buffer in memory, as in training. Drawn
+    inside the step, XLA fused the drawing into the backward of the candidates
+    it could see through and never wrote the cotangent (session 15, docs/perf.md)."""
     def step(*args):
+        cot, args = (args[0], args[1:]) if random_cotangent else (None, args)
         y, pullback = jax.vjp(f, *args)
         leaves, tree = jax.tree.flatten(y)
-        if random_cotangent:
-            keys = jax.random.split(jax.random.key(42), len(leaves))
-            cot = [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)
-                   for k, a in zip(keys, leaves)]
-        else:
+        if cot is None:
             cot = [jnp.ones_like(a) for a in leaves]
         return y, pullback(jax.tree.unflatten(tree, cot))
     return jax.jit(step)
+
+
+def random_cotangent_of(f, args) -> list[jax.Array]:
+    """A random cotangent for `f`'s outputs on `args` (normal, in their dtypes)."""
+    avals = jax.tree.leaves(jax.eval_shape(f, *args))
+    keys = jax.random.split(jax.random.key(42), len(avals))
+    return [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)
+            for k, a in zip(keys, avals)]
 
 
 def max_rel_diff(a, b) -> float:
@@ -204,9 +212,10 @@ def run(small: bool = False, warmup: int = 3, repeats: int = 20,
         reference = None
         for name, f in candidates.items():
             try:  # a backend may not implement a candidate (a dot algorithm): say so, go on
+                step_args = (random_cotangent_of(f, args), *args) if part == "norm" else args
                 _, times, compiled = time_step(fwd_bwd(f, random_cotangent=part == "norm"),
-                                               args, warmup=warmup, repeats=repeats)
-                out = compiled(*args)
+                                               step_args, warmup=warmup, repeats=repeats)
+                out = compiled(*step_args)
             except Exception as e:  # pylint: disable=broad-except
                 if name == "current":
                     raise

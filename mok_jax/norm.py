@@ -241,7 +241,9 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
     ``s`` and ``n`` have x's dtype; the values are those of ``nnx.RMSNorm(...)(x +
     branch)`` with this scale and epsilon, up to the order of the f32 sums (a bf16 ``n``
     differs in at most the last bit, rarely). Rows of more than 16384 elements (8192 in
-    float32) or not a multiple of 8 take the same math in jnp.
+    float32) or not a multiple of 8, and arrays whose Explicit sharding splits a dim
+    other than the first and the last, take the same math in jnp. A custom VJP: no
+    forward-mode autodiff (``jax.jvp``); under ``vmap`` one call per example.
     """
     x, branch, scale = (jnp.asarray(a) for a in (x, branch, scale))
     if x.shape != branch.shape or x.dtype != branch.dtype:
@@ -256,7 +258,11 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
             f"(the last axis of x {list(x.shape)})")
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"add_rms_norm: scale must be floating point, got {scale.dtype}")
-    if not kernel_takes(x.dtype, x.shape[-1]) or x.size == 0:
+    # The kernels take the rows as one [R, D] array. A type that splits a dim
+    # between the first and the last (Explicit axes, e.g. sequence parallelism)
+    # does not say how merging the leading dims would be split: the jnp form then.
+    inner_split = any(axes for a in (x, branch) for axes in sharding._explicit_spec(a)[1:-1])
+    if not kernel_takes(x.dtype, x.shape[-1]) or x.size == 0 or inner_split:
         s, n, _ = _forward_math(x, branch, scale.astype(jnp.float32), epsilon=epsilon)
         return s, n
     x, branch, scale32 = primitives.vary_alike((x, branch, scale.astype(jnp.float32)))

@@ -58,6 +58,8 @@ if __name__ == "__main__":
     run(512, 4, 4, 64, 256, jnp.bfloat16, None)
     run(300, 2, 4, 16, 128, jnp.bfloat16, 0.75)
     for rows, dim, dtype in ((37, 1024, jnp.bfloat16), (5, 2056, jnp.bfloat16),
+                             (9, 4096, jnp.bfloat16), (6, 8192, jnp.bfloat16),
                              (17, 16384, jnp.bfloat16), (3, 8, jnp.bfloat16),
+                             (7, 1024, jnp.float32), (5, 4096, jnp.float32),
                              (19, 8192, jnp.float32), (9, 200, jnp.float32)):
         run_norm(rows, dim, dtype)

@@ -122,6 +122,7 @@ def test_partitioned_rows_stay_on_their_devices(spec):
             jax.device_put(a, rows) for a in (dn, ds)]
         compiled = jax.jit(step).lower(*sharded).compile()
         got = compiled(*sharded)
+    assert "CustomSPMDPartitioning" in jax.jit(step).lower(*sharded).as_text()  # our rule
     text = compiled.as_text()
     assert "all-gather" not in text, "the rows were gathered"
     assert "all-reduce" in text, "the scale's gradient was not summed over the devices"
@@ -131,6 +132,30 @@ def test_partitioned_rows_stay_on_their_devices(spec):
         assert a.sharding.spec[0] == spec[0], what
         _close(a, b, 0.0 if what == "s" else 1e-6, what)  # XLA's CPU code sums per shape
     _close(dscale, dscale_w, 1e-6, "dscale")
+
+
+def test_explicit_sharding_of_an_inner_dim_takes_the_jnp_form():
+    """[B, S, D] with S split over an Explicit axis (sequence parallelism): the rows
+    cannot be merged into one typed [B*S, D] array, so the op computes the jnp form,
+    partitioned by XLA; values and gradients equal the unsharded call's."""
+    mesh = jax.make_mesh((2,), ("a",), devices=CPUS[:2])  # Explicit axes
+    x, branch, scale, dn, ds = jax.device_put(_operands((4, 4, 32), jnp.float32, seed=6),
+                                              CPUS[0])
+
+    def step(x, branch, scale, dn, ds):
+        return _vjp(mok_jax.add_rms_norm, x, branch, scale, dn, ds)
+
+    want = jax.jit(step)(x, branch, scale, dn, ds)
+    inner = NamedSharding(mesh, P(None, "a"))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, inner) for a in (x, branch)] + [
+            jax.device_put(scale, NamedSharding(mesh, P()))] + [
+            jax.device_put(a, inner) for a in (dn, ds)]
+        assert norm.FORWARD not in str(jax.make_jaxpr(step)(*args))
+        got = jax.jit(step)(*args)
+    for a, b, what in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                          ("s", "n", "dx", "dbranch", "dscale")):
+        _close(a, b, 1e-6, what)
 
 
 def test_inside_shard_map_the_scale_gradient_is_summed_over_the_batch_axis():
@@ -178,11 +203,16 @@ def _math(x, branch, scale, dn, ds):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, rows, dim", [
     (jnp.bfloat16, 4096, 1024),    # the h200 preset's rows: one warp a row
-    (jnp.bfloat16, 1000, 4096),    # a team of four warps; rows not a multiple of 16
+    (jnp.bfloat16, 300, 2048),     # a team of two warps
+    (jnp.bfloat16, 1000, 4096),    # four warps; rows not a multiple of 16
+    (jnp.bfloat16, 100, 8192),     # eight warps
     (jnp.bfloat16, 33, 16384),     # the widest bf16 row: 16 warps
     (jnp.bfloat16, 7, 8),          # one vector a row
-    (jnp.float32, 513, 8192),      # the widest f32 row
+    (jnp.float32, 513, 8192),      # the widest f32 row: 16 warps
+    (jnp.float32, 50, 1024),       # f32: two warps
+    (jnp.float32, 50, 4096),       # f32: eight warps
     (jnp.float32, 100, 200),       # a partial last vector set
+    (jnp.bfloat16, 4_200_001, 8),  # more rows (and 16-row groups) than the grid has teams
 ])
 def test_cuda_kernels_match_the_jnp_form_and_repeat_bit_for_bit(dtype, rows, dim):
     """Forward and backward on the GPU against the jnp form of the same math: s bit

@@ -65,7 +65,7 @@ ffi::Error expect_dtype(const char* op, const char* name, const Buffer& buf,
   auto got = to_mok_dtype(buf.element_type());
   if (got && *got == want) return ffi::Error::Success();
   return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must be " +
-                                     dtype_name(want) + " (mok_jax.moe checks dtypes)");
+                                     dtype_name(want) + " (the Python wrappers check dtypes)");
 }
 
 // A launcher's result (empty, or what went wrong) as the handler's ffi::Error, the

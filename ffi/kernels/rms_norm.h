@@ -14,7 +14,9 @@
 //             consecutive rows, in order) of dn * s * rstd
 // Every row sum is each lane's elements in column order, then a fixed xor tree
 // over the warp, then the warps in order: the same bits on every run and for
-// every grid. The caller sums the partials over p.
+// every grid. The caller sums the partials over p (mok_jax/norm.py: an XLA
+// reduce, then under row sharding a psum over the devices, so the scale
+// gradient's bits depend on how the rows are split, unlike mok_jax.moe's).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,7 +29,7 @@
 namespace mok::cuda {
 
 // Rows per scale-gradient partial: a constant of the numerics (not of the
-// machine), so the partials, and their sum, are the same on every GPU.
+// machine), so the partials are the same on every GPU.
 constexpr int64_t kNormRowsPerGroup = 16;
 
 // Widest bf16 row the kernels take (elements; half that in f32); D must also be a

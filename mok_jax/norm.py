@@ -138,9 +138,15 @@ def _specs(mesh, arg_shapes):
             NamedSharding(mesh, P()))
 
 
-@functools.partial(custom_partitioning, static_argnums=(3,))
-def _forward_cp(x, branch, scale, epsilon):
+def _bind_forward(x, branch, scale, epsilon):
     return tuple(fwd_p.bind(x, branch, scale, epsilon=epsilon))
+
+
+def _bind_backward(dn, ds, s, rstd, scale):
+    return tuple(bwd_p.bind(dn, ds, s, rstd, scale))
+
+
+_forward_cp = custom_partitioning(_bind_forward, static_argnums=(3,))
 
 
 def _forward_infer(epsilon, mesh, arg_shapes, result_shape):
@@ -152,10 +158,7 @@ def _forward_infer(epsilon, mesh, arg_shapes, result_shape):
 def _forward_partition(epsilon, mesh, arg_shapes, result_shape):
     del result_shape
     _, row, vec, rep = _specs(mesh, arg_shapes)
-
-    def lower_fn(x, branch, scale):
-        return tuple(fwd_p.bind(x, branch, scale, epsilon=epsilon))
-
+    lower_fn = functools.partial(_bind_forward, epsilon=epsilon)
     return mesh, sharding._per_device(lower_fn), (row, row, vec), (row, row, rep)
 
 
@@ -164,9 +167,7 @@ _forward_cp.def_partition(
     sharding_rule="r d, r d, d -> r d, r d, r", need_replication_factors=("d",))
 
 
-@custom_partitioning
-def _backward_cp(dn, ds, s, rstd, scale):
-    return tuple(bwd_p.bind(dn, ds, s, rstd, scale))
+_backward_cp = custom_partitioning(_bind_backward)
 
 
 def _backward_infer(mesh, arg_shapes, result_shape):
@@ -180,7 +181,7 @@ def _backward_partition(mesh, arg_shapes, result_shape):
     axes, row, vec, rep = _specs(mesh, arg_shapes[2:])
 
     def lower_fn(dn, ds, s, rstd, scale):
-        d, dscale = bwd_p.bind(dn, ds, s, rstd, scale)
+        d, dscale = _bind_backward(dn, ds, s, rstd, scale)
         return d, (jax.lax.psum(dscale, axes) if axes else dscale)
 
     return mesh, sharding._per_device(lower_fn), (row, rep), (row, row, row, vec, rep)
@@ -194,13 +195,13 @@ _backward_cp.def_partition(
 def _forward(x, branch, scale, epsilon):
     if sharding.on_a_mesh((x, branch, scale)):
         return _forward_cp(x, branch, scale, epsilon)
-    return tuple(fwd_p.bind(x, branch, scale, epsilon=epsilon))
+    return _bind_forward(x, branch, scale, epsilon)
 
 
 def _backward(dn, ds, s, rstd, scale):
     if sharding.on_a_mesh((dn, ds, s, rstd, scale)):
         return _backward_cp(dn, ds, s, rstd, scale)
-    return tuple(bwd_p.bind(dn, ds, s, rstd, scale))
+    return _bind_backward(dn, ds, s, rstd, scale)
 
 
 # --- the differentiable op -----------------------------------------------------------

@@ -152,6 +152,18 @@ def test_checkpoint_round_trip_is_bitwise(tmp_path, dtype):
         assert x.sharding == s
 
 
+def _two_steps(step, state, cfg, mesh):
+    """``step`` on two random batches (seeds 0 and 1) split over ``mesh``'s batch
+    axes, as the example feeds them: the last state and both steps' metrics."""
+    metrics = []
+    for i in range(2):
+        batch = jax.device_put(jnp.asarray(np.random.default_rng(i).integers(
+            0, 256, (cfg.batch, cfg.seq + 1)), jnp.int32), lm.batch_sharding(mesh))
+        state, m = step(state, batch)
+        metrics.append(m)
+    return state, metrics
+
+
 def test_sharded_optimizer_state_and_step(tmp_path):
     """--shard-optimizer (ZeRO stage 1): the moments of every matrix are split over
     dp (on a dimension not split already), scalars stay whole, and two steps give
@@ -168,13 +180,8 @@ def test_sharded_optimizer_state_and_step(tmp_path):
                                           param_shardings=shardings.params),
                        in_shardings=(shardings, lm.batch_sharding(mesh)),
                        out_shardings=(shardings, None), donate_argnums=(0,))
-        losses = []
-        for i in range(2):
-            batch = jax.device_put(jnp.asarray(np.random.default_rng(i).integers(
-                0, 256, (cfg.batch, cfg.seq + 1)), jnp.int32), lm.batch_sharding(mesh))
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
-        runs.append((losses, state))
+        state, metrics = _two_steps(step, state, cfg, mesh)
+        runs.append(([float(m["loss"]) for m in metrics], state))
     specs = [a.sharding.spec for a in jax.tree.leaves(runs[1][1].opt) if a.ndim >= 2]
     assert specs and all("dp" in jax.tree.leaves(tuple(s)) for s in specs), specs
     assert all(a.sharding.spec == P() for a in jax.tree.leaves(runs[1][1].opt) if a.ndim == 0)
@@ -248,12 +255,7 @@ def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
                                               param_shardings=shardings.params),
                            in_shardings=(shardings, lm.batch_sharding(mesh)),
                            out_shardings=(shardings, None))
-            metrics = []
-            for i in range(2):
-                batch = jax.device_put(jnp.asarray(np.random.default_rng(i).integers(
-                    0, 256, (cfg.batch, cfg.seq + 1)), jnp.int32), lm.batch_sharding(mesh))
-                state, m = step(state, batch)
-                metrics.append(m)
+            state, metrics = _two_steps(step, state, cfg, mesh)
         runs[dtype, copies] = (state, metrics)
     (state, metrics), (ref_state, ref_metrics) = runs["bfloat16", True], runs["bfloat16", False]
     assert len(jax.tree.leaves(state.copies)) == 4 and not jax.tree.leaves(ref_state.copies)
@@ -293,12 +295,7 @@ def test_fused_norms_are_the_same_model(mesh_shape, lag):
                            in_shardings=(shardings, lm.batch_sharding(mesh)),
                            out_shardings=(shardings, None))
             text = str(jax.make_jaxpr(step)(state, jnp.zeros((4, 33), jnp.int32)))
-            metrics = []
-            for i in range(2):
-                batch = jax.device_put(jnp.asarray(np.random.default_rng(i).integers(
-                    0, 256, (cfg.batch, cfg.seq + 1)), jnp.int32), lm.batch_sharding(mesh))
-                state, m = step(state, batch)
-                metrics.append(m)
+            state, metrics = _two_steps(step, state, cfg, mesh)
         # 2 norms a block plus the final one; the first block's first has nothing to add
         assert text.count("mok_add_rms_norm_fwd") == (4 if impl == "fused" else 0), impl
         runs[impl] = (init, state, metrics)

@@ -60,17 +60,8 @@ cd tests
 if want gpu; then
   step tests_gpu timeout ${MOK_TIMEOUT_GPU:-900} $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs ${MOK_PYTEST_ARGS:-.}
 fi
-if want memcheck; then  # the SwiGLU-epilogue GEMM's cooperative and ping-pong instances, and the wgrad order knob
+if want memcheck; then  # every kernel of the layer (the SwiGLU-epilogue GEMM included) under memcheck
   step memcheck env XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOK_TIMEOUT_MEMCHECK:-600} \
-    compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
-    $PY ../scripts/memcheck_case.py
-  step memcheck_pingpong env XLA_PYTHON_CLIENT_PREALLOCATE=false MOK_JAX_GEMM_PINGPONG=rows_swiglu \
-    timeout ${MOK_TIMEOUT_MEMCHECK:-600} \
-    compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
-    $PY ../scripts/memcheck_case.py
-  # the weight gradients' groups in expert order (setup_groups' other path)
-  step memcheck_wgrad_expert env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    MOK_JAX_GEMM_WGRAD_ORDER=expert timeout ${MOK_TIMEOUT_MEMCHECK:-600} \
     compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
     $PY ../scripts/memcheck_case.py
 fi

@@ -2,8 +2,7 @@
 compute-sanitizer (scripts/gpu_ci.sh).
 
 Covers both GEMM paths (tensor-core sizes and odd sizes), GEMM1 with SwiGLU in its
-epilogue (the last two shapes, on sm_90a; run again with
-MOK_JAX_GEMM_PINGPONG=rows_swiglu for its ping-pong instance), capacity drops,
+epilogue (the last two shapes, on sm_90a), capacity drops,
 invalid ids and an empty expert, so memcheck sees every kernel; then the fused
 residual add + RMSNorm on rows of every team width, with row counts that end a
 scale-gradient group part way.

@@ -11,7 +11,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "cute/tensor.hpp"
@@ -39,13 +38,6 @@ enum class Family {
   kWeightGrad,     // A [K, M] row-major as A^T, B [K, N] row-major    (wgrad)
 };
 
-// Kernel schedules: kCooperative (two consumer warp groups share a 128x256 tile),
-// kCooperativeNarrow (the same on 128x128 tiles: twice the tiles, for problems
-// with few tiles per SM) and kPingpong (each consumer warp group owns a 128x128
-// tile; one group's epilogue overlaps the other's main loop: better for short K
-// and f32 results).
-enum class Schedule { kCooperative, kCooperativeNarrow, kPingpong };
-
 // The TMA + wgmma main loop of every grouped GEMM here: bf16 operands, f32
 // accumulators, as many stages as shared memory holds beside the epilogue's.
 // A and B rows are 16-byte aligned (8 bf16) for TMA.
@@ -59,16 +51,14 @@ using Sm90Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmemBytes>,
     KernelSchedule>::CollectiveOp;
 
-// The CUTLASS kernel schedule of each Schedule, and the cluster every instance
-// uses (two CTAs along M share the B tiles through TMA multicast).
-template <Schedule kSchedule>
-using Sm90KernelSchedule =
-    std::conditional_t<kSchedule == Schedule::kPingpong,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+// Every instance runs CUTLASS's cooperative schedule (two consumer warp groups
+// share a 128x256 tile) on a cluster of two CTAs along M, which share the B tiles
+// through TMA multicast. (Ping-pong instances and 128x128 weight-gradient tiles
+// were measured no faster: docs/ledger.md.)
+using Sm90KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
 using Sm90ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 
-template <Family kFamily, class ElementD, Schedule kSchedule = Schedule::kCooperative>
+template <Family kFamily, class ElementD>
 struct GroupedGemm {
   using ElementAB = cutlass::bfloat16_t;
   using LayoutA = std::conditional_t<kFamily == Family::kWeightGrad,
@@ -78,15 +68,10 @@ struct GroupedGemm {
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
-  static constexpr bool kPp = kSchedule == Schedule::kPingpong;
-  static constexpr bool kNarrow = kPp || kSchedule == Schedule::kCooperativeNarrow;
-  using TileShape = std::conditional_t<kNarrow, cute::Shape<cute::_128, cute::_128, cute::_64>,
-                                       cute::Shape<cute::_128, cute::_256, cute::_64>>;
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using ClusterShape = Sm90ClusterShape;
-  using KernelSchedule = Sm90KernelSchedule<kSchedule>;
-  using EpilogueSchedule =
-      std::conditional_t<kPp, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using KernelSchedule = Sm90KernelSchedule;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -135,10 +120,9 @@ __host__ __device__ inline int64_t expert_of(const Operands& op, int64_t group) 
   return group >= op.experts ? group - op.experts : group;
 }
 
-template <Family kFamily, class ElementD, Schedule kSchedule>
-__global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD, kSchedule>> g,
-                             Operands op) {
-  using G = GroupedGemm<kFamily, ElementD, kSchedule>;
+template <Family kFamily, class ElementD>
+__global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD>> g, Operands op) {
+  using G = GroupedGemm<kFamily, ElementD>;
   const int64_t group = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (group >= groups(op)) return;
   const bool second = group >= op.experts;
@@ -154,21 +138,18 @@ __global__ void setup_groups(GroupArrays<GroupedGemm<kFamily, ElementD, kSchedul
     // The group's place in the launch. CUTLASS's persistent scheduler numbers the
     // tiles group after group and CTA c takes tiles c, c + grid, c + 2 grid, ...;
     // here every tile of a group is as long as the group's rows (its K), so a
-    // busy expert's tiles are the long ones. With longest_first the groups go
-    // in order of rows, most first (ties in group order, so even routing keeps
+    // busy expert's tiles are the long ones. So the groups go in order of
+    // rows, most first (ties in group order, so even routing keeps
     // expert order): the long tiles are the first round's, so no CTA gets two
     // of them while they number at most one per CTA (in expert order, two
     // problems' long tiles of one busy expert can meet on the same CTAs). Only
     // the schedule changes: every tile is still reduced over its rows by one
     // CTA, in order.
-    int64_t slot = group;
-    if (op.longest_first) {
-      slot = 0;
-      for (int64_t other = 0; other < groups(op); ++other) {
-        const int64_t oe = expert_of(op, other);
-        const int64_t other_rows = op.expert_begin[oe + 1] - op.expert_begin[oe];
-        slot += other_rows > rows || (other_rows == rows && other < group);
-      }
+    int64_t slot = 0;
+    for (int64_t other = 0; other < groups(op); ++other) {
+      const int64_t oe = expert_of(op, other);
+      const int64_t other_rows = op.expert_begin[oe + 1] - op.expert_begin[oe];
+      slot += other_rows > rows || (other_rows == rows && other < group);
     }
     // An expert without rows gets no tiles (M = 0); the caller zeroes its D.
     g.shapes[slot] = ShapeMNK{rows > 0 ? m : 0, n, rows};
@@ -205,24 +186,6 @@ size_t carve(void* ws, int64_t experts, GroupArrays<G>* out) {
   return c.used();
 }
 
-// Measurement knobs of the persistent tile scheduler, read at every call (a
-// benchmark can compare settings in one process): MOK_JAX_GEMM_RASTER "m" (tiles
-// along M first, CUTLASS's grouped default) or "n", and MOK_JAX_GEMM_SWIZZLE 1, 2,
-// 4 or 8 (CUTLASS's default 1). Unset or other values: the defaults. Tile order
-// changes no result: every tile is still reduced by one CTA over K in order.
-template <class SchedulerArguments>
-void apply_scheduler_knobs(SchedulerArguments& s) {
-  using Raster = decltype(s.raster_order);
-  if (const char* r = std::getenv("MOK_JAX_GEMM_RASTER")) {
-    if (r[0] == 'n' && r[1] == '\0') s.raster_order = Raster::AlongN;
-    if (r[0] == 'm' && r[1] == '\0') s.raster_order = Raster::AlongM;
-  }
-  if (const char* z = std::getenv("MOK_JAX_GEMM_SWIZZLE")) {
-    const int v = std::atoi(z);
-    if (v == 1 || v == 2 || v == 4 || v == 8) s.max_swizzle_size = v;
-  }
-}
-
 template <class G>
 typename G::Device::Arguments make_arguments(const GroupArrays<G>& g, int64_t experts,
                                              int device, int sm_count) {
@@ -246,7 +209,6 @@ typename G::Device::Arguments make_arguments(const GroupArrays<G>& g, int64_t ex
   args.epilogue.dD = g.stride_d;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
-  apply_scheduler_knobs(args.scheduler);
   return args;
 }
 
@@ -270,19 +232,19 @@ std::string initialize_and_run(typename Device::Arguments const& args, void* ws,
   return {};
 }
 
-template <Family kFamily, class ElementD, Schedule kSchedule>
+template <Family kFamily, class ElementD>
 size_t workspace_bytes(int64_t experts, int device, int sm_count) {
-  using G = GroupedGemm<kFamily, ElementD, kSchedule>;
+  using G = GroupedGemm<kFamily, ElementD>;
   GroupArrays<G> g{};
   const size_t arrays = carve<G>(nullptr, experts, &g);
   auto args = make_arguments<G>(g, experts, device, sm_count);
   return arrays + workspace_aligned(G::Device::get_workspace_size(args));
 }
 
-template <Family kFamily, class ElementD, Schedule kSchedule>
+template <Family kFamily, class ElementD>
 std::string run(const Operands& op, int device, int sm_count, void* ws, size_t ws_bytes,
                 cudaStream_t stream) {
-  using G = GroupedGemm<kFamily, ElementD, kSchedule>;
+  using G = GroupedGemm<kFamily, ElementD>;
   if (op.d2 != nullptr && kFamily != Family::kWeightGrad) {
     return "grouped GEMM: a second problem is for weight gradients only";
   }
@@ -293,7 +255,7 @@ std::string run(const Operands& op, int device, int sm_count, void* ws, size_t w
   const size_t need = arrays + workspace_aligned(G::Device::get_workspace_size(args));
   if (need > ws_bytes) return "grouped GEMM workspace too small";
   constexpr int kThreads = 128;
-  setup_groups<kFamily, ElementD, kSchedule><<<(n_groups + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+  setup_groups<kFamily, ElementD><<<(n_groups + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
       g, op);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return std::string("grouped GEMM setup launch: ") + cudaGetErrorString(err);
@@ -305,15 +267,13 @@ std::string run(const Operands& op, int device, int sm_count, void* ws, size_t w
 }  // namespace mok::cuda::cutlass_grouped
 
 // Defines one instance's entry points (declared in gemm_tc.h).
-#define MOK_GROUPED_GEMM_DEFINE_SCHEDULE(NAME, FAMILY, ELEMENT_D, SCHEDULE)                 \
+#define MOK_GROUPED_GEMM_DEFINE(NAME, FAMILY, ELEMENT_D)                                   \
   namespace mok::cuda::cutlass_grouped {                                                   \
   size_t NAME##_workspace_bytes(int64_t experts, int device, int sm_count) {                \
-    return workspace_bytes<FAMILY, ELEMENT_D, SCHEDULE>(experts, device, sm_count);         \
+    return workspace_bytes<FAMILY, ELEMENT_D>(experts, device, sm_count);                   \
   }                                                                                        \
   std::string NAME##_run(const Operands& op, int device, int sm_count, void* ws,            \
                          size_t ws_bytes, cudaStream_t stream) {                            \
-    return run<FAMILY, ELEMENT_D, SCHEDULE>(op, device, sm_count, ws, ws_bytes, stream);    \
+    return run<FAMILY, ELEMENT_D>(op, device, sm_count, ws, ws_bytes, stream);              \
   }                                                                                        \
   }
-#define MOK_GROUPED_GEMM_DEFINE(NAME, FAMILY, ELEMENT_D) \
-  MOK_GROUPED_GEMM_DEFINE_SCHEDULE(NAME, FAMILY, ELEMENT_D, Schedule::kCooperative)

@@ -27,10 +27,6 @@ struct Operands {
   const void* a2 = nullptr;
   const void* b2 = nullptr;
   void* d2 = nullptr;
-  // Weight gradient only: the groups in the launch ordered by their rows, most
-  // first (setup_groups), instead of expert order (run_wgrad_instance sets it:
-  // on unless MOK_JAX_GEMM_WGRAD_ORDER=expert).
-  bool longest_first = false;
 };
 
 #define MOK_GROUPED_GEMM_DECLARE(NAME)                                                   \
@@ -43,12 +39,8 @@ MOK_GROUPED_GEMM_DECLARE(rows_f32)     // rows @ W_e            -> f32  (forward
                                        //                          reads the f32 accumulators)
 MOK_GROUPED_GEMM_DECLARE(rows_t_bf16)  // rows @ W_e^T          -> bf16 (dgrad of GEMM1)
 MOK_GROUPED_GEMM_DECLARE(rows_t_f32)   // rows @ W_e^T          -> f32  (dgrad of GEMM2)
-MOK_GROUPED_GEMM_DECLARE(rows_bf16_pp)    // the same four with the ping-pong schedule
-MOK_GROUPED_GEMM_DECLARE(rows_f32_pp)
-MOK_GROUPED_GEMM_DECLARE(rows_t_bf16_pp)
-MOK_GROUPED_GEMM_DECLARE(rows_t_f32_pp)
-MOK_GROUPED_GEMM_DECLARE(wgrad_bf16)   // A_e^T @ B_e, ragged K -> bf16 (weight gradients)
-MOK_GROUPED_GEMM_DECLARE(wgrad_bf16_narrow)  // the same on 128x128 tiles
+MOK_GROUPED_GEMM_DECLARE(wgrad_bf16)   // A_e^T @ B_e, ragged K -> bf16 (weight gradients;
+                                       // groups longest first, see setup_groups)
 
 #undef MOK_GROUPED_GEMM_DECLARE
 
@@ -65,8 +57,7 @@ struct SwigluOperands {
   void* gate_up;                // [R, 2F] bf16 or null
 };
 size_t rows_swiglu_workspace_bytes(int64_t experts, int device, int sm_count);
-// pingpong: the 64x256 ping-pong instance instead of the 128x256 cooperative one.
-std::string rows_swiglu_run(const SwigluOperands& op, bool pingpong, int device, int sm_count,
-                            void* ws, size_t ws_bytes, cudaStream_t stream);
+std::string rows_swiglu_run(const SwigluOperands& op, int device, int sm_count, void* ws,
+                            size_t ws_bytes, cudaStream_t stream);
 
 }  // namespace mok::cuda::cutlass_grouped

@@ -1,5 +1,4 @@
-// Forward GEMM1 with SwiGLU in the epilogue (swiglu_epilogue.cuh): host entry points,
-// cooperative and ping-pong instances.
+// Forward GEMM1 with SwiGLU in the epilogue (swiglu_epilogue.cuh): host entry points.
 #include <algorithm>
 
 #include "swiglu_epilogue.cuh"
@@ -60,7 +59,6 @@ typename G::Device::Arguments make_swiglu_arguments(const SwigluArrays<G>& g,
   args.epilogue.ffn = op.ffn;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
-  apply_scheduler_knobs(args.scheduler);
   return args;
 }
 
@@ -96,20 +94,16 @@ std::string run(const SwigluOperands& op, int device, int sm_count, void* ws, si
                                                 "SwiGLU grouped GEMM");
 }
 
-using Cooperative = SwigluGemm<Schedule::kCooperative>;
-using Pingpong = SwigluGemm<Schedule::kPingpong>;
 
 }  // namespace
 
 size_t rows_swiglu_workspace_bytes(int64_t experts, int device, int sm_count) {
-  return std::max(workspace_bytes<Cooperative>(experts, device, sm_count),
-                  workspace_bytes<Pingpong>(experts, device, sm_count));
+  return workspace_bytes<SwigluGemm>(experts, device, sm_count);
 }
 
-std::string rows_swiglu_run(const SwigluOperands& op, bool pingpong, int device, int sm_count,
-                            void* ws, size_t ws_bytes, cudaStream_t stream) {
-  return pingpong ? run<Pingpong>(op, device, sm_count, ws, ws_bytes, stream)
-                  : run<Cooperative>(op, device, sm_count, ws, ws_bytes, stream);
+std::string rows_swiglu_run(const SwigluOperands& op, int device, int sm_count, void* ws,
+                            size_t ws_bytes, cudaStream_t stream) {
+  return run<SwigluGemm>(op, device, sm_count, ws, ws_bytes, stream);
 }
 
 }  // namespace mok::cuda::cutlass_grouped

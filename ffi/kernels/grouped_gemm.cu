@@ -2,8 +2,7 @@
 #include "grouped_gemm.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
+#include <atomic>
 
 #include "cuda_check.h"
 #include "gemm_simt.cuh"
@@ -45,60 +44,8 @@ bool tensor_core_device(int cc) {
 #endif
 }
 
-// Which row-GEMM instances use the ping-pong schedule: MOK_JAX_GEMM_PINGPONG, a
-// comma list of rows_f32, rows_bf16, rows_t_f32, rows_t_bf16, rows_swiglu (or "all"),
-// read at every call (so that a test can compare both schedules in one process).
-// A tuning knob for benchmarks; the default is the cooperative schedule.
-bool pingpong(const char* instance) {
-  const char* list = std::getenv("MOK_JAX_GEMM_PINGPONG");
-  if (list == nullptr) return false;
-  if (std::strcmp(list, "all") == 0) return true;
-  const size_t n = std::strlen(instance);
-  for (const char* p = list; (p = std::strstr(p, instance)) != nullptr; p += n) {
-    const bool starts = p == list || p[-1] == ',';
-    const bool ends = p[n] == '\0' || p[n] == ',';
-    if (starts && ends) return true;
-  }
-  return false;
-}
-
-// The weight gradients' tiles: MOK_JAX_GEMM_WGRAD_TILE=128x128 picks the narrow
-// instance (twice the tiles of the default 128x256), read at every call. A
-// measurement knob: every expert has the same tiles, each as long as the
-// expert's rows, and the persistent schedule deals them round-robin, so under
-// uneven routing the SMs that draw the busiest expert's tiles finish last; more
-// tiles an expert spread those over more SMs (docs/perf.md, session 10). Each
-// output element is still reduced over the rows in the same order.
-bool wgrad_narrow_tiles() {
-  const char* tile = std::getenv("MOK_JAX_GEMM_WGRAD_TILE");
-  return tile != nullptr && std::strcmp(tile, "128x128") == 0;
-}
-
-// The weight gradients' group order: in order of their rows, most first
-// (setup_groups in cutlass_grouped.cuh), unless MOK_JAX_GEMM_WGRAD_ORDER=expert
-// (expert order, the order before session 15), read at every call. Under uneven
-// routing the busiest expert's tiles are the long ones, and in expert order the
-// round-robin schedule can deal two of them to one CTA: at the h200 preset's
-// layer with expert 17 at 8x the mean load both weight gradients took 1.41 ms in
-// expert order and 1.18 longest first, and training ran 2 % faster
-// (docs/perf.md, session 15). The same bits either way.
-bool wgrad_longest_first() {
-  const char* order = std::getenv("MOK_JAX_GEMM_WGRAD_ORDER");
-  return order == nullptr || std::strcmp(order, "expert") != 0;
-}
-
-#ifdef MOK_HAVE_SM90A
-// The weight-gradient instance the knobs above pick, on op's one or two problems.
-std::string run_wgrad_instance(tc::Operands op, const DeviceInfo& info, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream) {
-  op.longest_first = wgrad_longest_first();
-  return wgrad_narrow_tiles()
-             ? tc::wgrad_bf16_narrow_run(op, info.device, info.sm_count, workspace,
-                                         workspace_bytes, stream)
-             : tc::wgrad_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes,
-                                  stream);
-}
-#endif
+// Whether GEMM1 may run with SwiGLU in its epilogue (see set_swiglu_epilogue).
+std::atomic<bool> swiglu_epilogue_enabled{true};
 
 }  // namespace
 
@@ -123,15 +70,9 @@ size_t grouped_gemm_workspace_bytes(int64_t experts) {
                    tc::rows_f32_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_bf16_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_f32_workspace_bytes(experts, info.device, info.sm_count),
-                   tc::rows_bf16_pp_workspace_bytes(experts, info.device, info.sm_count),
-                   tc::rows_f32_pp_workspace_bytes(experts, info.device, info.sm_count),
-                   tc::rows_t_bf16_pp_workspace_bytes(experts, info.device, info.sm_count),
-                   tc::rows_t_f32_pp_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_swiglu_workspace_bytes(experts, info.device, info.sm_count),
                    // run_weight_grad_gemms: two problems' groups in one launch
-                   tc::wgrad_bf16_workspace_bytes(2 * experts, info.device, info.sm_count),
-                   tc::wgrad_bf16_narrow_workspace_bytes(2 * experts, info.device,
-                                                         info.sm_count)});
+                   tc::wgrad_bf16_workspace_bytes(2 * experts, info.device, info.sm_count)});
 #else
   (void)experts;
   return 0;
@@ -148,23 +89,12 @@ std::string run_rows_gemm(const RowsGemm& p, const int64_t* simt_tile_begin, voi
 #ifdef MOK_HAVE_SM90A
   const tc::Operands op{p.experts, p.expert_begin, p.n, p.k, p.a, p.b, p.d};
   const int dev = info.device, sms = info.sm_count;
-  if (!p.transpose_b && p.d_dtype == DType::kF32) {
-    return pingpong("rows_f32") ? tc::rows_f32_pp_run(op, dev, sms, workspace, workspace_bytes, stream)
-                                : tc::rows_f32_run(op, dev, sms, workspace, workspace_bytes, stream);
-  }
   if (!p.transpose_b) {
-    return pingpong("rows_bf16")
-               ? tc::rows_bf16_pp_run(op, dev, sms, workspace, workspace_bytes, stream)
-               : tc::rows_bf16_run(op, dev, sms, workspace, workspace_bytes, stream);
+    return p.d_dtype == DType::kF32 ? tc::rows_f32_run(op, dev, sms, workspace, workspace_bytes, stream)
+                                    : tc::rows_bf16_run(op, dev, sms, workspace, workspace_bytes, stream);
   }
-  if (p.d_dtype == DType::kF32) {
-    return pingpong("rows_t_f32")
-               ? tc::rows_t_f32_pp_run(op, dev, sms, workspace, workspace_bytes, stream)
-               : tc::rows_t_f32_run(op, dev, sms, workspace, workspace_bytes, stream);
-  }
-  return pingpong("rows_t_bf16")
-             ? tc::rows_t_bf16_pp_run(op, dev, sms, workspace, workspace_bytes, stream)
-             : tc::rows_t_bf16_run(op, dev, sms, workspace, workspace_bytes, stream);
+  return p.d_dtype == DType::kF32 ? tc::rows_t_f32_run(op, dev, sms, workspace, workspace_bytes, stream)
+                                  : tc::rows_t_bf16_run(op, dev, sms, workspace, workspace_bytes, stream);
 #else
   return "unreachable: tensor-core path without sm_90a kernels";
 #endif
@@ -175,11 +105,14 @@ size_t swiglu_interleave_bytes(int64_t experts, int64_t hidden, int64_t ffn, int
   return static_cast<size_t>(experts * hidden * 2 * ffn) * 2;  // bf16
 }
 
+bool set_swiglu_epilogue(bool enabled) {
+  return swiglu_epilogue_enabled.exchange(enabled);
+}
+
 std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream, bool* ran) {
   *ran = false;
-  const char* knob = std::getenv("MOK_JAX_SWIGLU_EPILOGUE");  // "0": the unfused path
-  if (knob != nullptr && std::strcmp(knob, "0") == 0) return {};
+  if (!swiglu_epilogue_enabled.load(std::memory_order_relaxed)) return {};
   if (p.dtype != DType::kBF16 || !swiglu_epilogue_shape(p.experts, p.hidden, p.ffn, p.max_rows)) {
     return {};
   }
@@ -196,8 +129,7 @@ std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* worksp
   const tc::SwigluOperands op{p.experts, p.expert_begin, p.hidden, p.ffn,
                               p.x_rows,  interleaved,    p.h,      p.gate_up_out};
   MOK_RETURN_IF_MESSAGE(
-      tc::rows_swiglu_run(op, pingpong("rows_swiglu"), info.device, info.sm_count, workspace,
-                          workspace_bytes, stream));
+      tc::rows_swiglu_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream));
   *ran = true;
   return {};
 #else
@@ -215,7 +147,8 @@ std::string run_weight_grad_gemm(const WeightGradGemm& p, void* workspace,
   }
 #ifdef MOK_HAVE_SM90A
   const tc::Operands op{p.experts, p.expert_begin, p.n, p.m, p.a, p.b, p.d};
-  MOK_RETURN_IF_MESSAGE(run_wgrad_instance(op, info, workspace, workspace_bytes, stream));
+  MOK_RETURN_IF_MESSAGE(
+      tc::wgrad_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream));
   // The tensor-core kernel gives experts without rows no tiles: zero them here.
   return zero_empty_experts(p.dtype, p.expert_begin, p.experts, p.m * p.n, p.d, stream);
 #else
@@ -241,7 +174,8 @@ std::string run_weight_grad_gemms(const WeightGradGemm& p, const WeightGradGemm&
   op.a2 = q.a;
   op.b2 = q.b;
   op.d2 = q.d;
-  MOK_RETURN_IF_MESSAGE(run_wgrad_instance(op, info, workspace, workspace_bytes, stream));
+  MOK_RETURN_IF_MESSAGE(
+      tc::wgrad_bf16_run(op, info.device, info.sm_count, workspace, workspace_bytes, stream));
   // The tensor-core kernel gives experts without rows no tiles: zero them here.
   MOK_RETURN_IF_MESSAGE(
       zero_empty_experts(p.dtype, p.expert_begin, p.experts, p.m * p.n, p.d, stream));

@@ -63,9 +63,14 @@ struct SwigluGemm {
   void* gate_up_out;            // [R, 2F] or null
 };
 // Bytes of the interleaved weight, 0 where the fused kernel is not used for that size.
+// Turns the SwiGLU epilogue off (false) or back on for every later call in this
+// process; returns the previous setting. The unfused path (GEMM1 to f32, then the
+// SwiGLU kernel) gives the same bits: the switch exists so that tests can show it.
+bool set_swiglu_epilogue(bool enabled);
 size_t swiglu_interleave_bytes(int64_t experts, int64_t hidden, int64_t ffn, int64_t rows);
 // Runs the fused kernel and sets *ran when it applies to `p` on this device (and
-// MOK_JAX_SWIGLU_EPILOGUE is not "0"); leaves *ran false, running nothing, otherwise.
+// set_swiglu_epilogue has not turned it off); leaves *ran false, running nothing,
+// otherwise.
 std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream, bool* ran);
 

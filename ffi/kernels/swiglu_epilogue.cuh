@@ -227,19 +227,14 @@ class SwigluEpilogue {
   Params params_;
 };
 
-// kCooperative: the two consumer warp groups share a 128x256 tile; kPingpong: each
-// owns a 64x256 tile and one group's epilogue (SwiGLU and the stores) runs while
-// the other's main loop keeps the tensor cores busy.
-template <Schedule kSchedule>
+// CUTLASS's cooperative schedule: the two consumer warp groups share a 128x256 tile.
 struct SwigluGemm {
   using ElementAB = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::RowMajor;
-  static constexpr bool kPp = kSchedule == Schedule::kPingpong;
-  using TileShape = std::conditional_t<kPp, cute::Shape<cute::_64, cute::_256, cute::_64>,
-                                       cute::Shape<cute::_128, cute::_256, cute::_64>>;
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using ClusterShape = Sm90ClusterShape;
-  using KernelSchedule = Sm90KernelSchedule<kSchedule>;
+  using KernelSchedule = Sm90KernelSchedule;
 
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwigluEpilogue>;

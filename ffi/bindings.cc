@@ -8,6 +8,7 @@
 #ifdef MOK_WITH_CUDA
 #include "handlers/moe_cuda.h"
 #include "handlers/norm_cuda.h"
+#include "kernels/grouped_gemm.h"
 #endif
 #include "mok/swiglu_rule.h"
 #include "mok/types.h"
@@ -47,6 +48,12 @@ nb::dict registrations() {
   return out;
 }
 
+nb::dict recipes() {
+  nb::dict out;
+  out[mok::recipe_name(mok::Recipe::kNative)] = static_cast<int32_t>(mok::Recipe::kNative);
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_mok, m) {
@@ -62,7 +69,15 @@ NB_MODULE(_mok, m) {
   m.def("swiglu_epilogue_shape", &mok::swiglu_epilogue_shape, nb::arg("experts"),
         nb::arg("hidden"), nb::arg("ffn"), nb::arg("rows"),
         "Whether a bf16 forward on sm_90a of these sizes (rows = T*K) runs GEMM1 with "
-        "SwiGLU in its epilogue (MOK_JAX_SWIGLU_EPILOGUE=0 turns it off).");
+        "SwiGLU in its epilogue.");
+  m.def("recipes", &recipes,
+        "The recipes of the expert FFN: {name: value of the handlers' recipe attribute}.");
+#ifdef MOK_WITH_CUDA
+  m.def("set_swiglu_epilogue", &mok::cuda::set_swiglu_epilogue, nb::arg("enabled"),
+        "Lets GEMM1 run SwiGLU in its epilogue where it applies (the default) or not, for "
+        "every later call in this process; returns the previous setting. Both paths give "
+        "the same bits; tests use this to show it.");
+#endif
   nb::enum_<mok::DType>(m, "DType", "Element types the kernels accept.", nb::is_arithmetic())
       .value("F32", mok::DType::kF32)
       .value("BF16", mok::DType::kBF16);

@@ -42,6 +42,11 @@ def registered_targets() -> dict[str, frozenset[str]]:
     return served
 
 
+def recipes() -> dict[str, int]:
+    """The expert FFN's recipes: {name: the handlers' recipe attribute value}."""
+    return dict(_mok.recipes())
+
+
 def registered_platforms() -> frozenset[str]:
     """The jax lowering platforms that have mok_jax handlers."""
     return frozenset(registered_targets())

@@ -283,21 +283,30 @@ std::string dispatch(DType x_dtype, DType weight_dtype, Fn&& fn) {
   return {};
 }
 
+// The recipes this file implements (the expert GEMMs in the activations' dtype).
+std::string check_recipe(Recipe recipe) {
+  if (recipe == Recipe::kNative) return {};
+  return std::string("recipe ") + recipe_name(recipe) + " has no CPU implementation";
+}
+
 }  // namespace
 
 std::string moe_forward(const MoeForwardArgs& args, void* x_rows_out) {
+  if (std::string err = check_recipe(args.recipe); !err.empty()) return err;
   return dispatch(args.x_dtype, args.weight_dtype, [&]<typename X, typename W>() {
     forward<X, W>(args, static_cast<X*>(x_rows_out));
   });
 }
 
 std::string moe_backward(const MoeBackwardArgs& args, const void* x_rows) {
+  if (std::string err = check_recipe(args.recipe); !err.empty()) return err;
   return dispatch(args.x_dtype, args.weight_dtype, [&]<typename X, typename W>() {
     backward<X, W>(args, static_cast<const X*>(x_rows));
   });
 }
 
 std::string expert_ffn_forward(const ExpertFfnForwardArgs& a) {
+  if (std::string err = check_recipe(a.recipe); !err.empty()) return err;
   std::vector<int64_t> begin;
   std::string err = group_offsets(a.group_sizes, a.experts, a.rows, &begin);
   if (!err.empty()) return err;
@@ -314,6 +323,7 @@ std::string expert_ffn_forward(const ExpertFfnForwardArgs& a) {
 }
 
 std::string expert_ffn_backward(const ExpertFfnBackwardArgs& a) {
+  if (std::string err = check_recipe(a.recipe); !err.empty()) return err;
   std::vector<int64_t> begin;
   std::string err = group_offsets(a.group_sizes, a.experts, a.rows, &begin);
   if (!err.empty()) return err;

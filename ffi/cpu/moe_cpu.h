@@ -45,6 +45,7 @@ struct ExpertFfnForwardArgs {
   int64_t hidden;
   int64_t ffn;
   DType x_dtype;
+  Recipe recipe;
   const void* x_rows;            // [R, H]
   const int32_t* group_sizes;    // [E_local]
   const void* w_gate_up;         // [E_local, H, 2F]
@@ -61,6 +62,7 @@ struct ExpertFfnBackwardArgs {
   int64_t ffn;
   DType x_dtype;
   DType weight_dtype;
+  Recipe recipe;
   const void* x_rows;            // [R, H]
   const void* dy_rows;           // [R, H] cotangent of the token each row came from
   const void* w_rows;            // [R] combine weight of each row

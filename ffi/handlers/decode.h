@@ -53,6 +53,13 @@ inline ffi::Error decode(const char* op, const ffi::AnyBuffer& x, const ffi::Buf
   return ffi::Error::Success();
 }
 
+// The recipe attribute as a mok::Recipe; an error for a value no recipe has.
+inline ffi::Error decode_recipe(const char* op, int32_t value, Recipe* out) {
+  if (to_recipe(value, out)) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(op) + ": unknown recipe " +
+                                     std::to_string(value));
+}
+
 // The forward's results must match the decoded problem.
 inline ffi::Error check_forward_results(const char* op, const Decoded& d, const ffi::AnyBuffer& y,
                                         const ffi::AnyBuffer& gate_up,
@@ -185,7 +192,8 @@ inline MoeForwardArgs forward_args(const Decoded& d, const ffi::AnyBuffer& x,
                                    const ffi::Buffer<ffi::S32>& expert_ids,
                                    const ffi::AnyBuffer& expert_weights,
                                    const ffi::AnyBuffer& w_gate_up, const ffi::AnyBuffer& w_down,
-                                   int64_t capacity, bool save_gate_up, ffi::AnyBuffer& y,
+                                   Recipe recipe, int64_t capacity, bool save_gate_up,
+                                   ffi::AnyBuffer& y,
                                    ffi::AnyBuffer& gate_up,
                                    ffi::Buffer<ffi::S32>& tokens_per_expert,
                                    ffi::Buffer<ffi::S32>& dropped,
@@ -194,6 +202,7 @@ inline MoeForwardArgs forward_args(const Decoded& d, const ffi::AnyBuffer& x,
   a.shape = d.shape;
   a.x_dtype = d.x_dtype;
   a.weight_dtype = d.weight_dtype;
+  a.recipe = recipe;
   a.capacity = capacity < 0 ? kNoCapacity : capacity;
   a.x = x.untyped_data();
   a.expert_ids = expert_ids.typed_data();
@@ -214,13 +223,14 @@ inline MoeBackwardArgs backward_args(const Decoded& d, const ffi::AnyBuffer& x,
                                      const ffi::AnyBuffer& expert_weights,
                                      const ffi::AnyBuffer& w_gate_up,
                                      const ffi::AnyBuffer& w_down, const ffi::AnyBuffer& gate_up,
-                                     const ffi::AnyBuffer& dy, int64_t capacity,
+                                     const ffi::AnyBuffer& dy, Recipe recipe, int64_t capacity,
                                      ffi::AnyBuffer& dx, ffi::AnyBuffer& d_expert_weights,
                                      ffi::AnyBuffer& d_w_gate_up, ffi::AnyBuffer& d_w_down) {
   MoeBackwardArgs a{};
   a.shape = d.shape;
   a.x_dtype = d.x_dtype;
   a.weight_dtype = d.weight_dtype;
+  a.recipe = recipe;
   a.capacity = capacity < 0 ? kNoCapacity : capacity;
   a.x = x.untyped_data();
   a.expert_ids = expert_ids.typed_data();

@@ -18,7 +18,8 @@ using ffi_checks::Decoded;
 
 ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                          ffi::AnyBuffer expert_weights, ffi::AnyBuffer w_gate_up,
-                         ffi::AnyBuffer w_down, int64_t capacity, bool save_gate_up,
+                         ffi::AnyBuffer w_down, int32_t recipe_attr, int64_t capacity,
+                         bool save_gate_up,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gate_up,
                          ffi::Result<ffi::AnyBuffer> x_rows,
                          ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
@@ -26,12 +27,14 @@ ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                          ffi::Result<ffi::Buffer<ffi::S32>> invalid) {
   constexpr const char* op = "mok_moe_fwd";
   Decoded d;
+  Recipe recipe;
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *x_rows, *tokens_per_expert,
                                             save_gate_up));
 
   const MoeForwardArgs args = ffi_checks::forward_args(
-      d, x, expert_ids, expert_weights, w_gate_up, w_down, capacity, save_gate_up, *y,
+      d, x, expert_ids, expert_weights, w_gate_up, w_down, recipe, capacity, save_gate_up, *y,
       *gate_up, *tokens_per_expert, *dropped, *invalid);
   std::string err = cpu::moe_forward(args, save_gate_up ? x_rows->untyped_data() : nullptr);
   return ffi_checks::launcher_result(op, err);
@@ -40,17 +43,20 @@ ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
 ffi::Error MoeBackwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                           ffi::AnyBuffer expert_weights, ffi::AnyBuffer w_gate_up,
                           ffi::AnyBuffer w_down, ffi::AnyBuffer gate_up, ffi::AnyBuffer x_rows,
-                          ffi::AnyBuffer dy, int64_t capacity, ffi::Result<ffi::AnyBuffer> dx,
+                          ffi::AnyBuffer dy, int32_t recipe_attr, int64_t capacity,
+                          ffi::Result<ffi::AnyBuffer> dx,
                           ffi::Result<ffi::AnyBuffer> d_expert_weights,
                           ffi::Result<ffi::AnyBuffer> d_w_gate_up,
                           ffi::Result<ffi::AnyBuffer> d_w_down) {
   constexpr const char* op = "mok_moe_bwd";
   Decoded d;
+  Recipe recipe;
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, x_rows, dy, *dx, *d_expert_weights,
                                               *d_w_gate_up, *d_w_down));
   const MoeBackwardArgs args = ffi_checks::backward_args(
-      d, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity, *dx,
+      d, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, recipe, capacity, *dx,
       *d_expert_weights, *d_w_gate_up, *d_w_down);
   std::string err = cpu::moe_backward(args, x_rows.untyped_data());
   return ffi_checks::launcher_result(op, err);
@@ -74,11 +80,14 @@ namespace {
 
 ffi::Error ExpertFfnForwardCpu(ffi::AnyBuffer x_rows, ffi::Buffer<ffi::S32> group_sizes,
                                ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
-                               bool save_gate_up, ffi::Result<ffi::AnyBuffer> out_rows,
+                               int32_t recipe_attr, bool save_gate_up,
+                               ffi::Result<ffi::AnyBuffer> out_rows,
                                ffi::Result<ffi::AnyBuffer> gate_up) {
   constexpr const char* op = "mok_expert_ffn_fwd";
   MoeShape s;
   DType dt;
+  Recipe recipe;
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(ffi_checks::decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "out_rows", *out_rows, {s.tokens, s.hidden}));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "out_rows", *out_rows, dt));
@@ -90,6 +99,7 @@ ffi::Error ExpertFfnForwardCpu(ffi::AnyBuffer x_rows, ffi::Buffer<ffi::S32> grou
   a.hidden = s.hidden;
   a.ffn = s.ffn;
   a.x_dtype = dt;
+  a.recipe = recipe;
   a.x_rows = x_rows.untyped_data();
   a.group_sizes = group_sizes.typed_data();
   a.w_gate_up = w_gate_up.untyped_data();
@@ -103,13 +113,16 @@ ffi::Error ExpertFfnForwardCpu(ffi::AnyBuffer x_rows, ffi::Buffer<ffi::S32> grou
 ffi::Error ExpertFfnBackwardCpu(ffi::AnyBuffer x_rows, ffi::AnyBuffer dy_rows,
                                 ffi::AnyBuffer w_rows, ffi::Buffer<ffi::S32> group_sizes,
                                 ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
-                                ffi::AnyBuffer gate_up, ffi::Result<ffi::AnyBuffer> dx_rows,
+                                ffi::AnyBuffer gate_up, int32_t recipe_attr,
+                                ffi::Result<ffi::AnyBuffer> dx_rows,
                                 ffi::Result<ffi::AnyBuffer> dw_rows,
                                 ffi::Result<ffi::AnyBuffer> d_w_gate_up,
                                 ffi::Result<ffi::AnyBuffer> d_w_down) {
   constexpr const char* op = "mok_expert_ffn_bwd";
   MoeShape s;
   DType dt;
+  Recipe recipe;
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(ffi_checks::decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
   DType wdt;
   MOK_RETURN_IF_ERROR(ffi_checks::check_expert_backward(op, s, dt, dy_rows, w_rows, gate_up,
@@ -123,6 +136,7 @@ ffi::Error ExpertFfnBackwardCpu(ffi::AnyBuffer x_rows, ffi::AnyBuffer dy_rows,
   a.ffn = F;
   a.x_dtype = dt;
   a.weight_dtype = wdt;
+  a.recipe = recipe;
   a.x_rows = x_rows.untyped_data();
   a.dy_rows = dy_rows.untyped_data();
   a.w_rows = w_rows.untyped_data();

@@ -51,8 +51,8 @@ ffi::Error rows_fit_int32(const char* op, int64_t rows) {
 
 ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                           ffi::Buffer<ffi::S32> expert_ids, ffi::AnyBuffer expert_weights,
-                          ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down, int64_t capacity,
-                          bool save_gate_up, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down, int32_t recipe_attr,
+                          int64_t capacity, bool save_gate_up, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> gate_up,
                           ffi::Result<ffi::AnyBuffer> x_rows,
                           ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
@@ -60,18 +60,21 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
                           ffi::Result<ffi::Buffer<ffi::S32>> invalid) {
   constexpr const char* op = "mok_moe_fwd (CUDA)";
   Decoded d;
+  Recipe recipe;
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *x_rows, *tokens_per_expert,
                                             save_gate_up));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
 
   const MoeForwardArgs args = ffi_checks::forward_args(
-      d, x, expert_ids, expert_weights, w_gate_up, w_down, capacity, save_gate_up, *y,
+      d, x, expert_ids, expert_weights, w_gate_up, w_down, recipe, capacity, save_gate_up, *y,
       *gate_up, *tokens_per_expert, *dropped, *invalid);
 
   // Saved: the forward gathers x into the x_rows result, not into its workspace (the
   // workspace size and moe_forward's carve both follow save_gate_up).
-  const size_t bytes = cuda::moe_forward_workspace_bytes(d.shape, d.x_dtype, save_gate_up);
+  const size_t bytes = cuda::moe_forward_workspace_bytes(d.shape, recipe, d.x_dtype,
+                                                          save_gate_up);
   void* ws = nullptr;
   MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
   std::string err = cuda::moe_forward(args, save_gate_up ? x_rows->untyped_data() : nullptr, ws,
@@ -83,23 +86,25 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
                            ffi::Buffer<ffi::S32> expert_ids, ffi::AnyBuffer expert_weights,
                            ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
                            ffi::AnyBuffer gate_up, ffi::AnyBuffer x_rows, ffi::AnyBuffer dy,
-                           int64_t capacity,
+                           int32_t recipe_attr, int64_t capacity,
                            ffi::Result<ffi::AnyBuffer> dx,
                            ffi::Result<ffi::AnyBuffer> d_expert_weights,
                            ffi::Result<ffi::AnyBuffer> d_w_gate_up,
                            ffi::Result<ffi::AnyBuffer> d_w_down) {
   constexpr const char* op = "mok_moe_bwd (CUDA)";
   Decoded d;
+  Recipe recipe;
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, x_rows, dy, *dx, *d_expert_weights,
                                               *d_w_gate_up, *d_w_down));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
 
   const MoeBackwardArgs args = ffi_checks::backward_args(
-      d, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, capacity, *dx,
+      d, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, recipe, capacity, *dx,
       *d_expert_weights, *d_w_gate_up, *d_w_down);
 
-  const size_t bytes = cuda::moe_backward_workspace_bytes(d.shape, d.x_dtype);
+  const size_t bytes = cuda::moe_backward_workspace_bytes(d.shape, recipe, d.x_dtype);
   void* ws = nullptr;
   MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
   std::string err = cuda::moe_backward(args, x_rows.untyped_data(), ws, bytes, stream);
@@ -110,11 +115,14 @@ ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, f
 ffi::Error ExpertFfnForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
                                 ffi::AnyBuffer x_rows, ffi::Buffer<ffi::S32> group_sizes,
                                 ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
-                                bool save_gate_up, ffi::Result<ffi::AnyBuffer> out_rows,
+                                int32_t recipe_attr, bool save_gate_up,
+                                ffi::Result<ffi::AnyBuffer> out_rows,
                                 ffi::Result<ffi::AnyBuffer> gate_up) {
   constexpr const char* op = "mok_expert_ffn_fwd (CUDA)";
   MoeShape s;
   DType dt;
+  Recipe recipe;
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(
       ffi_checks::decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, s.tokens));
@@ -123,11 +131,11 @@ ffi::Error ExpertFfnForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scrat
   MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "gate_up", *gate_up,
                                                {save_gate_up ? s.tokens : 0, 2 * s.ffn}));
   const cuda::ExpertFfnShape shape{s.tokens, s.experts, s.hidden, s.ffn};
-  const size_t bytes = cuda::expert_ffn_forward_workspace_bytes(shape, dt, save_gate_up);
+  const size_t bytes = cuda::expert_ffn_forward_workspace_bytes(shape, recipe, dt);
   void* ws = nullptr;
   MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
   std::string err = cuda::expert_ffn_forward(
-      shape, dt, x_rows.untyped_data(), group_sizes.typed_data(), w_gate_up.untyped_data(),
+      shape, recipe, dt, x_rows.untyped_data(), group_sizes.typed_data(), w_gate_up.untyped_data(),
       w_down.untyped_data(), out_rows->untyped_data(),
       save_gate_up ? gate_up->untyped_data() : nullptr, ws, bytes, stream);
   return ffi_checks::launcher_result(op, err);
@@ -137,13 +145,16 @@ ffi::Error ExpertFfnBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scra
                                  ffi::AnyBuffer x_rows, ffi::AnyBuffer dy_rows,
                                  ffi::AnyBuffer w_rows, ffi::Buffer<ffi::S32> group_sizes,
                                  ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
-                                 ffi::AnyBuffer gate_up, ffi::Result<ffi::AnyBuffer> dx_rows,
+                                 ffi::AnyBuffer gate_up, int32_t recipe_attr,
+                                 ffi::Result<ffi::AnyBuffer> dx_rows,
                                  ffi::Result<ffi::AnyBuffer> dw_rows,
                                  ffi::Result<ffi::AnyBuffer> d_w_gate_up,
                                  ffi::Result<ffi::AnyBuffer> d_w_down) {
   constexpr const char* op = "mok_expert_ffn_bwd (CUDA)";
   MoeShape s;
   DType dt, wdt;
+  Recipe recipe;
+  MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(
       ffi_checks::decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
   MOK_RETURN_IF_ERROR(ffi_checks::check_expert_backward(op, s, dt, dy_rows, w_rows, gate_up,
@@ -151,11 +162,11 @@ ffi::Error ExpertFfnBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scra
                                                         *d_w_down, &wdt));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, s.tokens));
   const cuda::ExpertFfnShape shape{s.tokens, s.experts, s.hidden, s.ffn};
-  const size_t bytes = cuda::expert_ffn_backward_workspace_bytes(shape, dt);
+  const size_t bytes = cuda::expert_ffn_backward_workspace_bytes(shape, recipe, dt);
   void* ws = nullptr;
   MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
   std::string err = cuda::expert_ffn_backward(
-      shape, dt, wdt, x_rows.untyped_data(), dy_rows.untyped_data(), w_rows.untyped_data(),
+      shape, recipe, dt, wdt, x_rows.untyped_data(), dy_rows.untyped_data(), w_rows.untyped_data(),
       group_sizes.typed_data(), w_gate_up.untyped_data(), w_down.untyped_data(),
       gate_up.untyped_data(), dx_rows->untyped_data(), dw_rows->untyped_data(),
       d_w_gate_up->untyped_data(), d_w_down->untyped_data(), ws, bytes, stream);

@@ -21,6 +21,7 @@ auto moe_forward(Binding b) {
       .template Arg<ffi::AnyBuffer>()       // expert_weights [T, K]
       .template Arg<ffi::AnyBuffer>()       // w_gate_up [E, H, 2F]
       .template Arg<ffi::AnyBuffer>()       // w_down [E, F, H]
+      .template Attr<int32_t>("recipe")     // mok::Recipe: how the expert GEMMs compute
       .template Attr<int64_t>("capacity")   // rows kept per expert, < 0: all
       .template Attr<bool>("save_gate_up")  // write gate_up and x_rows for the backward
       .template Ret<ffi::AnyBuffer>()       // y [T, H]
@@ -41,6 +42,7 @@ auto moe_backward(Binding b) {
       .template Arg<ffi::AnyBuffer>()       // gate_up [T*K, 2F] from the forward
       .template Arg<ffi::AnyBuffer>()       // x_rows [T*K, H] from the forward
       .template Arg<ffi::AnyBuffer>()       // dy [T, H]
+      .template Attr<int32_t>("recipe")     // mok::Recipe
       .template Attr<int64_t>("capacity")   // rows kept per expert, < 0: all
       .template Ret<ffi::AnyBuffer>()       // dx [T, H]
       .template Ret<ffi::AnyBuffer>()       // d_expert_weights [T, K]
@@ -54,6 +56,7 @@ auto expert_ffn_forward(Binding b) {
       .template Arg<S32>()                  // group_sizes [E_local]
       .template Arg<ffi::AnyBuffer>()       // w_gate_up [E_local, H, 2F]
       .template Arg<ffi::AnyBuffer>()       // w_down [E_local, F, H]
+      .template Attr<int32_t>("recipe")     // mok::Recipe
       .template Attr<bool>("save_gate_up")  // write gate_up for the backward
       .template Ret<ffi::AnyBuffer>()       // out_rows [R, H]
       .template Ret<ffi::AnyBuffer>();      // gate_up [R or 0, 2F]
@@ -68,6 +71,7 @@ auto expert_ffn_backward(Binding b) {
       .template Arg<ffi::AnyBuffer>()       // w_gate_up [E_local, H, 2F]
       .template Arg<ffi::AnyBuffer>()       // w_down [E_local, F, H]
       .template Arg<ffi::AnyBuffer>()       // gate_up [R, 2F]
+      .template Attr<int32_t>("recipe")     // mok::Recipe
       .template Ret<ffi::AnyBuffer>()       // dx_rows [R, H]
       .template Ret<ffi::AnyBuffer>()       // dw_rows [R]
       .template Ret<ffi::AnyBuffer>()       // d_w_gate_up [E_local, H, 2F]

@@ -1,6 +1,7 @@
 // CUDA implementation of the MoE layer (one device): host launchers that
-// enqueue the routing plan, gathers, grouped GEMMs, SwiGLU and ordered
-// combines on a stream. Same operands and numerics as ffi/cpu/moe_cpu.h.
+// enqueue the routing plan, the gather of x (dy) rows, the expert FFN of
+// expert_ffn_cuda.h (the code the EP pieces run too) and the ordered combine on
+// a stream. Same operands and numerics as ffi/cpu/moe_cpu.h.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,8 +21,9 @@ using mok::MoeForwardArgs;
 // Device scratch each pass needs, for the current device. save_gate_up: the
 // forward is given x_rows_out (and gate_up_out) and gathers x into it, not into
 // its workspace; it must be true exactly when moe_forward gets an x_rows_out.
-size_t moe_forward_workspace_bytes(const MoeShape& shape, DType x_dtype, bool save_gate_up);
-size_t moe_backward_workspace_bytes(const MoeShape& shape, DType x_dtype);
+size_t moe_forward_workspace_bytes(const MoeShape& shape, Recipe recipe, DType x_dtype,
+                                   bool save_gate_up);
+size_t moe_backward_workspace_bytes(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // Enqueue on `stream`; return an empty string on success, else what failed.
 // x_rows_out: [T * K, H] in x.dtype, or nullptr: the forward's gathered x rows by

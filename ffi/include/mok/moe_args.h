@@ -12,6 +12,7 @@ struct MoeForwardArgs {
   MoeShape shape;
   DType x_dtype;        // of x, w_gate_up, w_down, y, gate_up_out
   DType weight_dtype;   // of expert_weights
+  Recipe recipe;        // how the expert GEMMs compute
   int64_t capacity;     // rows kept per expert, kNoCapacity for all
   const void* x;                 // [T, H]
   const int32_t* expert_ids;     // [T, K]
@@ -29,6 +30,7 @@ struct MoeBackwardArgs {
   MoeShape shape;
   DType x_dtype;
   DType weight_dtype;
+  Recipe recipe;
   int64_t capacity;
   const void* x;                 // [T, H]
   const int32_t* expert_ids;     // [T, K]

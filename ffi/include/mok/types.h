@@ -13,6 +13,32 @@ enum class DType : int32_t {
   kBF16 = 1,
 };
 
+// How the expert GEMMs compute: one value per numeric variant of the expert FFN,
+// carried from the Python API (mok_jax.Recipe, built from the bindings'
+// mok_jax._mok.recipes()) through one handler attribute to every launcher.
+//   kNative: every GEMM in the activations' dtype (bf16 or f32), f32 accumulation
+//            (the numerics of docs/contract.md).
+enum class Recipe : int32_t {
+  kNative = 0,
+};
+
+inline const char* recipe_name(Recipe r) {
+  switch (r) {
+    case Recipe::kNative: return "native";
+  }
+  return "unknown";
+}
+
+// The Recipe of an attribute value, or false for a value no recipe has.
+inline bool to_recipe(int32_t value, Recipe* out) {
+  switch (static_cast<Recipe>(value)) {
+    case Recipe::kNative:
+      *out = static_cast<Recipe>(value);
+      return true;
+  }
+  return false;
+}
+
 inline const char* dtype_name(DType t) {
   switch (t) {
     case DType::kF32: return "float32";

@@ -10,7 +10,7 @@ Submodules reachable after ``import mok_jax``:
   eagerly; it costs about a millisecond).
 * ``mok_jax.nn``: ``MoE``, the Flax NNX layer. Imported on first attribute
   access: importing flax roughly doubles the time of ``import mok_jax``
-  (0.4-0.6 s on top of 0.4 s, measured on the 2-core development machine), and
+  (0.4-0.6 s on top of 0.4 s on a 2-core x86 machine), and
   users of the bare op need not pay it.
 """
 
@@ -19,9 +19,11 @@ import importlib
 from mok_jax import _ext, reference
 from mok_jax.moe import BACKENDS, MoEStats, capacity, moe
 from mok_jax.norm import add_rms_norm
+from mok_jax.recipe import Recipe
 
 __version__ = "0.1.0"
-__all__ = ["BACKENDS", "MoEStats", "add_rms_norm", "capacity", "moe", "nn", "reference"]
+__all__ = ["BACKENDS", "MoEStats", "Recipe", "add_rms_norm", "capacity", "moe", "nn",
+           "reference"]
 
 _LAZY_SUBMODULES = ("nn",)
 

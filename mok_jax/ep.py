@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mok_jax import comm, primitives
+from mok_jax.recipe import Recipe
 from mok_jax.transport import TRANSPORTS, Transport
 
 _I32 = jnp.int32
@@ -60,12 +61,14 @@ class Config(NamedTuple):
       split over, major to minor; the plan (capacity, statistics) is global over all
       of them. Ranks that differ only in `axis_name` form one exchange group. Under
       shard_map this is (axis_name,).
+    recipe: how the expert GEMMs compute.
     """
 
     axis_name: str | None
     ep_size: int
     capacity: int
     token_axes: tuple[str, ...]
+    recipe: Recipe = Recipe.NATIVE
 
 
 class Plan(NamedTuple):
@@ -180,7 +183,8 @@ class ExchangePath:
         p, route = self.routing(expert_ids, w_gate_up.shape[0])
         x_rows, _ = tr.dispatch_tokens(x, route, cfg)                      # [R, H]
         out_rows, gate_up = primitives.expert_ffn_fwd_p.bind(
-            x_rows, p.group_sizes, w_gate_up, w_down, save_gate_up=save)
+            x_rows, p.group_sizes, w_gate_up, w_down, recipe=int(cfg.recipe),
+            save_gate_up=save)
         y, _ = tr.combine(out_rows, route, cfg, expert_weights, p.kept, weighted=True)
         return y, p.stats, Residuals(p, route, x_rows, gate_up, expert_weights, w_gate_up,
                                      w_down)
@@ -193,7 +197,7 @@ class ExchangePath:
                                              pair_values=res.expert_weights)
         dx_rows, dw_rows, d_w_gate_up, d_w_down = primitives.expert_ffn_bwd_p.bind(
             res.x_rows, dy_rows, w_rows, res.plan.group_sizes, res.w_gate_up, res.w_down,
-            res.gate_up)
+            res.gate_up, recipe=int(cfg.recipe))
         # Replicas of an expert in other exchange groups saw other tokens: sum them.
         data_axes = tuple(a for a in cfg.token_axes if a != cfg.axis_name)
         if data_axes:

@@ -21,6 +21,22 @@ import jax
 import numpy as np
 
 from mok_jax import primitives
+from mok_jax.recipe import Recipe
+
+
+def forward_one_call(operands, *, capacity: int, recipe: Recipe, save: bool):
+    """``(y, gate_up, x_rows, stats)``: the layer on one device in one FFI call
+    (``mok_moe_fwd``); the residuals have ``T*K`` rows when `save`, else none."""
+    y, gate_up, x_rows, *stats = primitives.moe_fwd_p.bind(
+        *operands, capacity=capacity, recipe=int(recipe), save_gate_up=save)
+    return y, gate_up, x_rows, tuple(stats)
+
+
+def backward_one_call(operands, gate_up, x_rows, dy, *, capacity: int, recipe: Recipe):
+    """The four gradients of the layer on one device in one FFI call (``mok_moe_bwd``)."""
+    return tuple(primitives.moe_bwd_p.bind(*operands, gate_up, x_rows,
+                                           dy.astype(operands[0].dtype), capacity=capacity,
+                                           recipe=int(recipe)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,17 +44,18 @@ class LocalPath:
     """The whole layer in one FFI call per pass (``mok_moe_fwd``, ``mok_moe_bwd``)."""
 
     capacity: int
+    recipe: Recipe = Recipe.NATIVE
 
     def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
-        y, gate_up, x_rows, *stats = primitives.moe_fwd_p.bind(
-            *operands, capacity=self.capacity, save_gate_up=save)
-        return y, tuple(stats), operands + (gate_up, x_rows)
+        y, gate_up, x_rows, stats = forward_one_call(operands, capacity=self.capacity,
+                                                     recipe=self.recipe, save=save)
+        return y, stats, (operands, gate_up, x_rows)
 
     def backward(self, residuals, dy):
-        x = residuals[0]
-        return tuple(primitives.moe_bwd_p.bind(*residuals, dy.astype(x.dtype),
-                                               capacity=self.capacity))
+        operands, gate_up, x_rows = residuals
+        return backward_one_call(operands, gate_up, x_rows, dy, capacity=self.capacity,
+                                 recipe=self.recipe)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mok_jax import ep, layer, primitives, sharding
+from mok_jax.recipe import Recipe, resolve
 
 BACKENDS = ("auto", "fused", "xla")
 _X_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
@@ -56,7 +57,8 @@ def capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
 def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
         w_gate_up: jax.Array, w_down: jax.Array, *, axis_name: str | None = None,
         capacity_factor: float | None = None, backend: str = "auto",
-        return_stats: bool = False, check_mesh: bool = True):
+        recipe: Recipe | str | None = None, return_stats: bool = False,
+        check_mesh: bool = True):
     """Mixture-of-Experts layer with SwiGLU experts.
 
     ``y[t] = sum_k expert_weights[t, k] * FFN_{expert_ids[t, k]}(x[t])`` with
@@ -84,8 +86,12 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
       capacity_factor: None never drops. A float c keeps at most
         ``ceil(c * T * K / E)`` pairs per expert, the lowest token indices
         first; dropped pairs contribute 0 and are counted.
-      backend: "fused" (CUDA megakernel), "xla" (local kernels, XLA
+      backend: "fused" (mok_jax's NVLink transport between GPUs under EP; on one
+        GPU the layer's CUDA kernels), "xla" (the same local kernels, XLA
         collectives for the exchange) or "auto".
+      recipe: how the expert GEMMs compute (static). None: in x.dtype with f32
+        accumulation (the numerics above), the only recipe of this version;
+        `mok_jax.Recipe` lists the values.
       return_stats: also return `MoEStats`.
       check_mesh: inside ``jax.shard_map`` (with ``check_vma``), check at trace
         time that the operands vary over the mesh axes as ``axis_name`` says
@@ -110,7 +116,9 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
       (8, 16)
     """
     _check_static_options(axis_name=axis_name, capacity_factor=capacity_factor,
-                          backend=backend, return_stats=return_stats, check_mesh=check_mesh)
+                          backend=backend, recipe=recipe, return_stats=return_stats,
+                          check_mesh=check_mesh)
+    recipe = resolve(recipe)
     num_experts, ep_size = _validate(x, expert_ids, expert_weights, w_gate_up, w_down,
                                      axis_name=axis_name, capacity_factor=capacity_factor,
                                      backend=backend)
@@ -124,7 +132,7 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
                          f"w_gate_up {tuple(w_gate_up.shape)})")
     cap = capacity(capacity_factor, tokens * ep_size, top_k, num_experts)
     cap = primitives.NO_CAPACITY if cap is None else cap
-    path = _choose_path(backend, axis_name, ep_size, cap, operands)
+    path = _choose_path(backend, axis_name, ep_size, cap, recipe, operands)
     with jax.named_scope("mok_jax"):
         if axis_name is not None:
             operands = primitives.vary_alike(operands)
@@ -137,7 +145,8 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
     return y
 
 
-_STATIC_OPTIONS = ("axis_name", "capacity_factor", "backend", "return_stats", "check_mesh")
+_STATIC_OPTIONS = ("axis_name", "capacity_factor", "backend", "recipe", "return_stats",
+                   "check_mesh")
 
 
 def _check_static_options(**options):
@@ -175,7 +184,7 @@ def _check_mesh_axes(operands, axis_name):
     cannot tell from mistakes (weights all-gathered inside shard_map, FSDP, vary
     over the gathered axis); with ``check_vma=False`` JAX tracks nothing to check.
     """
-    names = ("x", "expert_ids", "expert_weights", "w_gate_up", "w_down")
+    names = (a.name for a in primitives.MOE_OPERANDS)
     varying = {n: primitives.varying_axes(jax.typeof(a)) for n, a in zip(names, operands)}
     weights = {n: varying[n] for n in ("w_gate_up", "w_down")}
     if axis_name is None:
@@ -219,7 +228,7 @@ def _fmt(axes) -> str:
     return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
 
 
-def _choose_path(backend, axis_name, ep_size, cap, operands):
+def _choose_path(backend, axis_name, ep_size, cap, recipe, operands):
     """The one place where `backend` and the call's context choose how it runs.
 
     * inside shard_map with an EP axis of size > 1: the EP layer over a transport
@@ -233,17 +242,17 @@ def _choose_path(backend, axis_name, ep_size, cap, operands):
       combine kernels, plan in XLA) with a trivial exchange -- the same bits.
     """
     if ep_size > 1:
-        cfg = ep.Config(axis_name, ep_size, cap, (axis_name,))
+        cfg = ep.Config(axis_name, ep_size, cap, (axis_name,), recipe)
         x = operands[0]
         row_bytes = x.shape[1] * np.dtype(x.dtype).itemsize
         return ep.ExchangePath(cfg, ep.transport_for(backend, _platform(), row_bytes))
     if axis_name is None and sharding.on_a_mesh(operands):
         sharding.check_layout(*operands)
-        return sharding.PartitionedPath(cap, backend, sharding.ep_bound(operands))
+        return sharding.PartitionedPath(cap, backend, sharding.ep_bound(operands), recipe)
     if backend == "xla":
         token_axes = () if axis_name is None else (axis_name,)
-        return ep.ExchangePath(ep.Config(axis_name, 1, cap, token_axes), "xla")
-    return layer.LocalPath(cap)
+        return ep.ExchangePath(ep.Config(axis_name, 1, cap, token_axes, recipe), "xla")
+    return layer.LocalPath(cap, recipe)
 
 
 def _platform() -> str:
@@ -286,9 +295,9 @@ def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
     def fail(msg):
         raise ValueError(f"mok_jax.moe: {msg} (got {shapes})")
 
-    for name, a, rank in (("x", x, 2), ("expert_ids", expert_ids, 2),
-                          ("expert_weights", expert_weights, 2), ("w_gate_up", w_gate_up, 3),
-                          ("w_down", w_down, 3)):
+    operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
+    for array, a in zip(primitives.MOE_OPERANDS, operands):
+        name, rank = array.name, len(array.dims)
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
             fail(f"{name} must be an array (jax or numpy), got {type(a).__name__}")
         if np.ndim(a) != rank:

@@ -39,6 +39,8 @@ from flax import nnx
 import mok_jax
 from mok_jax import primitives
 from mok_jax.moe import check_option_values
+from mok_jax.recipe import Recipe
+from mok_jax.recipe import resolve as resolve_recipe
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -330,8 +332,8 @@ def _check_experts_split(num_experts, axis_name) -> None:
 
 def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renormalize,
                   route_scale, balance_bias, shared_ffn_size, capacity_factor, axis_name,
-                  batch_axis_names, backend, router_dot, dtype, param_dtype, router_kernel_init,
-                  expert_kernel_init, check_mesh, rngs) -> None:
+                  batch_axis_names, backend, recipe, router_dot, dtype, param_dtype,
+                  router_kernel_init, expert_kernel_init, check_mesh, rngs) -> None:
     """Every constructor argument of `MoE`, checked before any parameter is made:
     a ValueError naming the argument."""
     for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size),
@@ -352,6 +354,7 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
     if not _is_real(route_scale) or not math.isfinite(route_scale) or route_scale <= 0:
         raise ValueError(f"MoE: route_scale must be a positive finite number, got {route_scale!r}")
     check_option_values("MoE", capacity_factor=capacity_factor, backend=backend)
+    resolve_recipe(recipe, where="MoE")
     if router_dot not in ROUTER_DOTS:
         raise ValueError(f"MoE: router_dot must be one of {ROUTER_DOTS}, got {router_dot!r}")
     if dtype is not None:
@@ -423,6 +426,8 @@ class MoE(nnx.Module):
         `MoEAux` is then reduced over them, so it is global, as under
         ``jax.jit``.
       backend: passed to `mok_jax.moe`.
+      recipe: how the expert GEMMs compute, passed to `mok_jax.moe` (None: in the
+        computation dtype, f32 accumulation).
       router_dot: how the f32 router logits are computed (`router_logits`):
         "auto" (bf16 tensor-core products, exact, for bfloat16 inputs; XLA's f32
         ``HIGHEST`` dot otherwise) or "highest" (always XLA's f32 dot). The two
@@ -473,7 +478,8 @@ class MoE(nnx.Module):
                  route_scale: float = 1.0, balance_bias: bool = False,
                  shared_ffn_size: int = 0, capacity_factor: float | None = None,
                  axis_name: str | None = None, batch_axis_names: Sequence[str] = (),
-                 backend: str = "auto", router_dot: str = "auto", dtype: Any = None,
+                 backend: str = "auto", recipe: Recipe | str | None = None,
+                 router_dot: str = "auto", dtype: Any = None,
                  param_dtype: Any = jnp.float32, router_kernel_init: nnx.Initializer = _LECUN_NORMAL,
                  expert_kernel_init: nnx.Initializer | None = None,
                  check_mesh: bool = True, rngs: nnx.Rngs):
@@ -482,7 +488,7 @@ class MoE(nnx.Module):
                       route_scale=route_scale, balance_bias=balance_bias,
                       shared_ffn_size=shared_ffn_size, capacity_factor=capacity_factor,
                       axis_name=axis_name, batch_axis_names=batch_axis_names, backend=backend,
-                      router_dot=router_dot, dtype=dtype, param_dtype=param_dtype,
+                      recipe=recipe, router_dot=router_dot, dtype=dtype, param_dtype=param_dtype,
                       router_kernel_init=router_kernel_init,
                       expert_kernel_init=expert_kernel_init, check_mesh=check_mesh, rngs=rngs)
         self.check_mesh = bool(check_mesh)
@@ -498,6 +504,7 @@ class MoE(nnx.Module):
         self.axis_name = axis_name
         self.batch_axis_names = tuple(batch_axis_names)
         self.backend = backend
+        self.recipe = resolve_recipe(recipe, where="MoE")
         self.router_dot = router_dot
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
@@ -577,7 +584,7 @@ class MoE(nnx.Module):
         xt, w_gate_up, w_down = (a.astype(dtype) for a in (tokens, w_gate_up, w_down))
         y, stats = mok_jax.moe(xt, expert_ids, weights, w_gate_up, w_down,
                                axis_name=self.axis_name, capacity_factor=self.capacity_factor,
-                               backend=self.backend, return_stats=True,
+                               backend=self.backend, recipe=self.recipe, return_stats=True,
                                check_mesh=self.check_mesh)
         if self.shared_gate_up is not None:
             y = y + self._shared_expert(xt)

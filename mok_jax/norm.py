@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.extend.core import Primitive
 from jax.interpreters import mlir
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from mok_jax import _ext, primitives, sharding
+from mok_jax.primitives import Array, Signature
 
 FORWARD = "mok_add_rms_norm_fwd"
 BACKWARD = "mok_add_rms_norm_bwd"
@@ -68,20 +68,17 @@ def _backward_math(dn, ds, s, rstd, scale):
 
 
 # --- primitives on [R, D] rows ------------------------------------------------------
+#
+# Factors: r rows, d the normalised dim.
 
-fwd_p = Primitive(FORWARD)
-bwd_p = Primitive(BACKWARD)
-
-
-def _fwd_abstract(x, branch, scale, *, epsilon):
-    del branch, scale, epsilon
-    return (primitives._like(x), primitives._like(x),
-            primitives._rows_of(x, x.shape[:1], jnp.float32))
-
-
-def _bwd_abstract(dn, ds, s, rstd, scale):
-    del dn, ds, rstd, scale
-    return primitives._like(s), primitives._replicated(s.shape[-1:], jnp.float32)
+FORWARD_SIGNATURE = Signature(
+    (Array("x", "r d", "x"), Array("branch", "r d", "x"), Array("scale", "d", "float32")),
+    (Array("s", "r d", "x", like="x"), Array("n", "r d", "x", like="x"),
+     Array("rstd", "r", "float32", like="x")))
+BACKWARD_SIGNATURE = Signature(
+    (Array("dn", "r d", "s"), Array("ds", "r d", "s"), Array("s", "r d", "s"),
+     Array("rstd", "r", "float32"), Array("scale", "d", "float32")),
+    (Array("d", "r d", "s", like="s"), Array("dscale", "d", "float32", like="scale")))
 
 
 def _cuda_forward(ctx, x, branch, scale, *, epsilon):
@@ -108,14 +105,10 @@ def _cuda_backward(ctx, dn, ds, s, rstd, scale):
 _jnp_forward = mlir.lower_fun(_forward_math, multiple_results=True)
 _jnp_backward = mlir.lower_fun(_backward_math, multiple_results=True)
 
-for _prim, _abstract, _cuda, _cpu in ((fwd_p, _fwd_abstract, _cuda_forward, _jnp_forward),
-                                      (bwd_p, _bwd_abstract, _cuda_backward, _jnp_backward)):
-    _prim.multiple_results = True
-    _prim.def_impl(primitives._jit_impl(_prim))
-    _prim.def_abstract_eval(primitives._typed(_abstract))
-    mlir.register_lowering(_prim, _cuda, platform="cuda")
-    mlir.register_lowering(_prim, _cpu, platform="cpu")
-    jax.interpreters.batching.primitive_batchers[_prim] = primitives._map_batching(_prim)
+fwd_p = primitives.define(FORWARD, FORWARD_SIGNATURE,
+                          lowerings={"cuda": _cuda_forward, "cpu": _jnp_forward})
+bwd_p = primitives.define(BACKWARD, BACKWARD_SIGNATURE,
+                          lowerings={"cuda": _cuda_backward, "cpu": _jnp_backward})
 
 
 # --- partitioning: rows stay where they are --------------------------------------------
@@ -124,18 +117,11 @@ def _row_axes(mesh, arg_shape) -> tuple[str, ...]:
     """The mesh axes splitting the rows of `arg_shape` when they split them evenly
     (else none: the rows are gathered, which is correct, only slower)."""
     spec = arg_shape.sharding.spec if isinstance(arg_shape.sharding, NamedSharding) else ()
-    axes = sharding._axes(spec, 0)
+    axes = sharding.mesh_axes(spec, 0)
     size = 1
     for a in axes:
         size *= mesh.shape[a]
     return axes if axes and arg_shape.shape[0] % size == 0 else ()
-
-
-def _specs(mesh, arg_shapes):
-    axes = _row_axes(mesh, arg_shapes[0])
-    rows = axes or None
-    return (axes, NamedSharding(mesh, P(rows, None)), NamedSharding(mesh, P(rows)),
-            NamedSharding(mesh, P()))
 
 
 def _bind_forward(x, branch, scale, epsilon):
@@ -151,20 +137,22 @@ _forward_cp = custom_partitioning(_bind_forward, static_argnums=(3,))
 
 def _forward_infer(epsilon, mesh, arg_shapes, result_shape):
     del epsilon, result_shape
-    _, row, vec, _ = _specs(mesh, arg_shapes)
-    return row, row, vec
+    split = {"r": _row_axes(mesh, arg_shapes[0]) or None}
+    return FORWARD_SIGNATURE.shardings(mesh, split)[1]
 
 
 def _forward_partition(epsilon, mesh, arg_shapes, result_shape):
     del result_shape
-    _, row, vec, rep = _specs(mesh, arg_shapes)
+    split = {"r": _row_axes(mesh, arg_shapes[0]) or None}
+    operand_shardings, result_shardings = FORWARD_SIGNATURE.shardings(mesh, split)
     lower_fn = functools.partial(_bind_forward, epsilon=epsilon)
-    return mesh, sharding._per_device(lower_fn), (row, row, vec), (row, row, rep)
+    return mesh, sharding.per_device(lower_fn), result_shardings, operand_shardings
 
 
 _forward_cp.def_partition(
     partition=_forward_partition, infer_sharding_from_operands=_forward_infer,
-    sharding_rule="r d, r d, d -> r d, r d, r", need_replication_factors=("d",))
+    sharding_rule=FORWARD_SIGNATURE.rule(),
+    need_replication_factors=FORWARD_SIGNATURE.replicated_factors({"r"}))
 
 
 _backward_cp = custom_partitioning(_bind_backward)
@@ -172,24 +160,26 @@ _backward_cp = custom_partitioning(_bind_backward)
 
 def _backward_infer(mesh, arg_shapes, result_shape):
     del result_shape
-    _, row, _, rep = _specs(mesh, arg_shapes[2:])
-    return row, rep
+    split = {"r": _row_axes(mesh, arg_shapes[2]) or None}
+    return BACKWARD_SIGNATURE.shardings(mesh, split)[1]
 
 
 def _backward_partition(mesh, arg_shapes, result_shape):
     del result_shape
-    axes, row, vec, rep = _specs(mesh, arg_shapes[2:])
+    axes = _row_axes(mesh, arg_shapes[2])
+    operand_shardings, result_shardings = BACKWARD_SIGNATURE.shardings(mesh, {"r": axes or None})
 
     def lower_fn(dn, ds, s, rstd, scale):
         d, dscale = _bind_backward(dn, ds, s, rstd, scale)
         return d, (jax.lax.psum(dscale, axes) if axes else dscale)
 
-    return mesh, sharding._per_device(lower_fn), (row, rep), (row, row, row, vec, rep)
+    return mesh, sharding.per_device(lower_fn), result_shardings, operand_shardings
 
 
 _backward_cp.def_partition(
     partition=_backward_partition, infer_sharding_from_operands=_backward_infer,
-    sharding_rule="r d, r d, r d, r, d -> r d, d", need_replication_factors=("d",))
+    sharding_rule=BACKWARD_SIGNATURE.rule(),
+    need_replication_factors=BACKWARD_SIGNATURE.replicated_factors({"r"}))
 
 
 def _forward(x, branch, scale, epsilon):
@@ -262,7 +252,7 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
     # The kernels take the rows as one [R, D] array. A type that splits a dim
     # between the first and the last (Explicit axes, e.g. sequence parallelism)
     # does not say how merging the leading dims would be split: the jnp form then.
-    inner_split = any(axes for a in (x, branch) for axes in sharding._explicit_spec(a)[1:-1])
+    inner_split = any(axes for a in (x, branch) for axes in sharding.explicit_spec(a)[1:-1])
     if not kernel_takes(x.dtype, x.shape[-1]) or x.size == 0 or inner_split:
         s, n, _ = _forward_math(x, branch, scale.astype(jnp.float32), epsilon=epsilon)
         return s, n

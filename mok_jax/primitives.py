@@ -1,86 +1,167 @@
-"""JAX primitives of the MoE layer: abstract evaluation, lowering, batching.
+"""JAX primitives of mok_jax, defined one way from tables of their arrays.
 
-Two primitives, both lowered to XLA FFI custom calls (targets in `_ext`):
+Every primitive is `define`d from a `Signature`: its operands and results, each a
+name, one factor letter per dim and a dtype rule. From that one table come
 
-* ``moe_fwd_p``: ``(x, expert_ids, expert_weights, w_gate_up, w_down) ->
-  (y, gate_up, x_rows, tokens_per_expert, dropped, invalid)``. ``gate_up`` is the
-  gate/up projection of every kept pair by routing-plan row (expert, then
-  token, then k), ``[T*K, 2F]`` in x.dtype, and ``x_rows`` the x row of every
-  kept pair in the same order, ``[T*K, H]``; both are saved for the backward
-  (``[0, 2F]`` and ``[0, H]`` when ``save_gate_up=False``). Rows past the kept
-  ones are undefined (zeros on CPU).
-* ``moe_bwd_p``: ``(x, expert_ids, expert_weights, w_gate_up, w_down, gate_up,
-  x_rows, dy) -> (dx, d_expert_weights, d_w_gate_up, d_w_down)``; it reads the
-  forward's x_rows instead of gathering x again (x still gives dx its shape).
+* the abstract evaluation (result shapes from the factors' sizes, dtypes, and the
+  shardings JAX's types track),
+* the FFI call's operand and result order (the table's order is the handler's,
+  ``ffi/handlers/signatures.h``),
+* the Shardy sharding rule and the shardings of the ``custom_partitioning``
+  functions built on the primitive (`Signature.rule`, `Signature.shardings`).
 
-Parameters of both: ``capacity`` (rows kept per expert, ``NO_CAPACITY`` for
-all); the forward also takes ``save_gate_up``. Shapes and dtypes are checked
-by `mok_jax.moe`; the handlers check them again and never run on a mismatch.
+Factor letters of the MoE op: t tokens, k top-k, h hidden, e local experts, f the
+expert FFN width F, g 2F, p pairs (T*K rows by pair), r and q expert-grouped rows
+(q: r or 0 when nothing is saved), n experts (a replicated count), s packed
+statistics. A new operand is one line of a table; a new numeric variant is a
+`mok_jax.Recipe` value, carried by the ``recipe`` parameter of the expert-FFN
+primitives to their handlers' ``recipe`` attribute.
+
+The primitives (all lowered to XLA FFI custom calls; targets in `_ext`):
+
+* ``moe_fwd_p`` / ``moe_bwd_p``: the whole layer on one device, one call per pass.
+  The forward's ``gate_up`` ``[T*K, 2F]`` and ``x_rows`` ``[T*K, H]`` are the
+  gate/up projection and the x row of every kept pair by routing-plan row (expert,
+  then token, then k), saved for the backward (zero rows when ``save_gate_up`` is
+  False; rows past the kept ones are undefined).
+* ``expert_ffn_fwd_p`` / ``expert_ffn_bwd_p`` / ``combine_p``: the pieces expert
+  parallelism composes with a transport (`mok_jax.ep`).
+* ``ep_dispatch_p`` / ``ep_combine_p``: the NVLink transport (CUDA only).
+
+Shapes and dtypes are checked by `mok_jax.moe`; the handlers check them again and
+never run on a mismatch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, NamedTuple
+import hashlib
+import itertools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mok_jax import _ext
 
 NO_CAPACITY = -1
 
 
-def _jit_impl(prim: Primitive):
-    """Eager evaluation: compile the primitive alone, cached per parameters."""
+# --- tables ----------------------------------------------------------------------
 
-    @functools.cache
-    def compiled(**params):
-        return jax.jit(lambda *args: prim.bind(*args, **params))
+class Array(NamedTuple):
+    """One operand or result of a primitive.
 
-    def impl(*args, **params):
-        # Under jax.disable_jit the jitted function would run eagerly and bind the
-        # primitive again, i.e. come back here: compile it regardless.
-        with jax.disable_jit(False):
-            return compiled(**params)(*args)
+    factors: one letter per dim, space separated ("t h"); "" for a scalar.
+    dtype: the name of the operand whose dtype it has, or a dtype name ("int32").
+    like: results only: the operand whose sharding each dim follows (by factor);
+      None: for each factor, the first operand that has it.
+    """
 
-    return impl
+    name: str
+    factors: str
+    dtype: str
+    like: str | None = None
 
-
-def _lower_on(platform: str, target: str, attrs_of):
-    """Lowering rule for `platform`, or a clear error if no handler exists there."""
-    ffi_rule = jax.ffi.ffi_lowering(target)
-
-    def rule(ctx, *operands, **params):
-        _ext.require_target(platform, target)
-        return ffi_rule(ctx, *operands, **attrs_of(params))
-
-    return rule
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return tuple(self.factors.split())
 
 
-def _map_batching(prim: Primitive):
-    """Batching by a sequential map over the batch: each element is its own MoE
-    call, with its own capacity and statistics, exactly as without vmap."""
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """The operands and results of a primitive (or of a partitioned function).
 
-    def rule(args, dims, **params):
-        # An unbatched operand has dim None.
-        batched = [i for i, d in enumerate(dims) if d is not None]
-        moved = tuple(jax.numpy.moveaxis(args[i], dims[i], 0) for i in batched)
+    follows: factors that are split like another (expert-grouped rows follow the
+    tokens: ``{"r": "t"}``).
+    """
 
-        def one(slices):
-            full = list(args)
-            for i, s in zip(batched, slices):
-                full[i] = s
-            return tuple(prim.bind(*full, **params))
+    operands: tuple[Array, ...]
+    results: tuple[Array, ...]
+    follows: tuple[tuple[str, str], ...] = ()
 
-        outs = jax.lax.map(one, moved)
-        return list(outs), [0] * len(outs)
+    @property
+    def operand_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.operands)
 
-    return rule
+    def rule(self) -> str:
+        """The Shardy sharding rule, e.g. ``"t h, t k -> t h"``."""
+        def side(arrays):
+            return ", ".join(a.factors for a in arrays)
+        return f"{side(self.operands)} -> {side(self.results)}"
 
+    def replicated_factors(self, split: dict[str, Any]) -> tuple[str, ...]:
+        """The rule's factors never split (``need_replication_factors``), in order
+        of first use."""
+        seen = []
+        for a in self.operands + self.results:
+            for f in a.dims:
+                if f not in split and f not in seen:
+                    seen.append(f)
+        return tuple(seen)
+
+    def shardings(self, mesh, split: dict[str, Any]):
+        """``(operand shardings, result shardings)`` on `mesh`, each dim split over
+        ``split[factor]`` (mesh axes, or None) or not at all."""
+        def spec(a):
+            return NamedSharding(mesh, PartitionSpec(*(split.get(f) for f in a.dims)))
+        return tuple(spec(a) for a in self.operands), tuple(spec(a) for a in self.results)
+
+    def sizes(self, avals) -> dict[str, int]:
+        """Each factor's size, read off the operands."""
+        sizes = {}
+        for array, aval in zip(self.operands, avals):
+            if len(array.dims) != len(aval.shape):
+                raise ValueError(f"{array.name}: expected rank {len(array.dims)} "
+                                 f"({array.factors!r}), got shape {tuple(aval.shape)}")
+            for f, n in zip(array.dims, aval.shape):
+                sizes.setdefault(f, int(n))
+        return sizes
+
+    def abstract_eval(self, avals, sizes: dict[str, int]) -> tuple["_Out", ...]:
+        """The results' shapes, dtypes and partition specs."""
+        by_name = dict(zip(self.operand_names, avals))
+        follows = dict(self.follows)
+        outs = []
+        for r in self.results:
+            shape = tuple(sizes[f] for f in r.dims)
+            dtype = (by_name[r.dtype].dtype if r.dtype in by_name else np.dtype(r.dtype))
+            spec = tuple(None if n == 0 else self._split_of(follows.get(f, f), r.like, by_name)
+                         for f, n in zip(r.dims, shape))
+            outs.append(_Out(shape, dtype, spec))
+        return tuple(outs)
+
+    def _split_of(self, factor, like, by_name):
+        """The partition-spec entry of `factor` in the `like` operand (or the first
+        operand that has it); None when no operand has it."""
+        candidates = ([a for a in self.operands if a.name == like] if like
+                      else list(self.operands))
+        for a in candidates:
+            if factor in a.dims:
+                return _spec(by_name[a.name])[a.dims.index(factor)]
+        return None
+
+
+class _Out(NamedTuple):
+    """One result of an abstract evaluation: shape, dtype and its partition spec
+    over the operands' mesh (entries as in `jax.sharding.PartitionSpec`)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    spec: tuple
+
+
+def _spec(aval) -> tuple:
+    sharding = getattr(aval, "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    return spec + (None,) * (len(aval.shape) - len(spec))
+
+
+# --- shard_map axes ------------------------------------------------------------------
 
 def varying_axes(aval) -> frozenset:
     """The shard_map axes a value varies over (empty outside shard_map)."""
@@ -100,42 +181,12 @@ def vary_alike(operands):
                  for a, v in zip(operands, varying))
 
 
-class _Out(NamedTuple):
-    """One result of an abstract evaluation: shape, dtype and its partition spec
-    over the operands' mesh (entries as in `jax.sharding.PartitionSpec`)."""
-
-    shape: tuple[int, ...]
-    dtype: Any
-    spec: tuple
-
-
-def _spec(aval) -> tuple:
-    sharding = getattr(aval, "sharding", None)
-    spec = tuple(getattr(sharding, "spec", ()) or ())
-    return spec + (None,) * (len(aval.shape) - len(spec))
-
-
-def _rows_of(aval, shape, dtype) -> _Out:
-    """A result whose dim 0 is split like `aval`'s dim 0 (tokens, pairs, rows)."""
-    lead = _spec(aval)[0] if shape and shape[0] else None
-    return _Out(tuple(shape), dtype, (lead,) + (None,) * (len(shape) - 1))
-
-
-def _like(aval) -> _Out:
-    """A result with `aval`'s shape, dtype and sharding (a gradient of it)."""
-    return _Out(tuple(aval.shape), aval.dtype, _spec(aval))
-
-
-def _replicated(shape, dtype) -> _Out:
-    return _Out(tuple(shape), dtype, (None,) * len(shape))
-
-
 def _on_a_mesh(aval) -> bool:
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
     return mesh is not None and not mesh.empty
 
 
-def _typed(abstract_eval):
+def _typed(outs, avals):
     """Turns `_Out`s into avals that carry the shardings JAX's types track:
 
     * explicit mesh axes (``jax.make_mesh``'s default): each result states how it
@@ -146,133 +197,193 @@ def _typed(abstract_eval):
     * shard_map's varying axes (check_vma): results vary over every axis an operand
       varies over, as for an elementwise op.
     """
+    union = frozenset().union(*(varying_axes(a) for a in avals))
+    like = max(avals, key=lambda a: (len(varying_axes(a)), _on_a_mesh(a)))
+    if union and varying_axes(like) != union:
+        like = like.update(manual_axis_type=like.manual_axis_type.update(varying=union))
+    sharding = getattr(like, "sharding", None)
+    if sharding is None:
+        return tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in outs)
+    return tuple(like.update(shape=o.shape, dtype=o.dtype, weak_type=False,
+                             sharding=sharding.update(spec=PartitionSpec(*o.spec)))
+                 for o in outs)
 
-    def rule(*avals, **params):
-        outs = abstract_eval(*avals, **params)
-        union = frozenset().union(*(varying_axes(a) for a in avals))
-        like = max(avals, key=lambda a: (len(varying_axes(a)), _on_a_mesh(a)))
-        if union and varying_axes(like) != union:
-            like = like.update(manual_axis_type=like.manual_axis_type.update(varying=union))
-        sharding = getattr(like, "sharding", None)
-        if sharding is None:
-            return tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in outs)
-        return tuple(like.update(shape=o.shape, dtype=o.dtype, weak_type=False,
-                                 sharding=sharding.update(spec=PartitionSpec(*o.spec)))
-                     for o in outs)
+
+# --- one way to define a primitive ----------------------------------------------------
+
+def _jit_impl(prim: Primitive):
+    """Eager evaluation: compile the primitive alone, cached per parameters."""
+
+    @functools.cache
+    def compiled(**params):
+        return jax.jit(lambda *args: prim.bind(*args, **params))
+
+    def impl(*args, **params):
+        # Under jax.disable_jit the jitted function would run eagerly and bind the
+        # primitive again, i.e. come back here: compile it regardless.
+        with jax.disable_jit(False):
+            return compiled(**params)(*args)
+
+    return impl
+
+
+def _map_batching(prim: Primitive):
+    """Batching by a sequential map over the batch: each element is its own call
+    (for the MoE ops: with its own capacity and statistics, exactly as without vmap)."""
+
+    def rule(args, dims, **params):
+        # An unbatched operand has dim None.
+        batched = [i for i, d in enumerate(dims) if d is not None]
+        moved = tuple(jax.numpy.moveaxis(args[i], dims[i], 0) for i in batched)
+
+        def one(slices):
+            full = list(args)
+            for i, s in zip(batched, slices):
+                full[i] = s
+            return tuple(prim.bind(*full, **params))
+
+        outs = jax.lax.map(one, moved)
+        return list(outs), [0] * len(outs)
 
     return rule
 
 
-def _register(prim: Primitive, target: str, abstract_eval, attrs_of) -> None:
+def ffi_lowering(platform: str, target: str, attrs: Callable[[dict], dict]):
+    """The lowering to FFI target `target` on `platform`, with the handler's
+    attributes ``attrs(params)``, or a clear error where the build has no handler."""
+    rule = jax.ffi.ffi_lowering(target)
+
+    def lower(ctx, *operands, **params):
+        _ext.require_target(platform, target)
+        return rule(ctx, *operands, **attrs(params))
+
+    return lower
+
+
+def define(name: str, signature: Signature, *, lowerings: dict[str, Callable],
+           sizes: Callable[[dict, dict], dict] | None = None,
+           abstract_eval: Callable | None = None) -> Primitive:
+    """A primitive with multiple results: eager evaluation by jit, the abstract
+    evaluation of `signature` (``sizes(factor_sizes, params)`` adds the results'
+    own factors; `abstract_eval` replaces the table's where operand ranks vary),
+    one lowering per platform, and batching by a sequential map."""
+    prim = Primitive(name)
     prim.multiple_results = True
     prim.def_impl(_jit_impl(prim))
-    prim.def_abstract_eval(_typed(abstract_eval))
-    for platform in ("cpu", "cuda"):
-        mlir.register_lowering(prim, _lower_on(platform, target, attrs_of), platform=platform)
+
+    def evaluate(*avals, **params):
+        if abstract_eval is not None:
+            outs = abstract_eval(*avals, **params)
+        else:
+            factor_sizes = signature.sizes(avals)
+            if sizes is not None:
+                factor_sizes.update(sizes(factor_sizes, params))
+            outs = signature.abstract_eval(avals, factor_sizes)
+        return _typed(outs, avals)
+
+    prim.def_abstract_eval(evaluate)
+    for platform, rule in lowerings.items():
+        mlir.register_lowering(prim, rule, platform=platform)
     batching.primitive_batchers[prim] = _map_batching(prim)
+    prim.signature = signature
+    return prim
 
 
-# --- forward -----------------------------------------------------------------
-
-moe_fwd_p = Primitive("mok_moe_fwd")
-
-
-def _fwd_abstract_eval(x, expert_ids, expert_weights, w_gate_up, w_down, *, capacity,
-                       save_gate_up):
-    del expert_weights, w_down, capacity
-    tokens = x.shape[0]
-    top_k = expert_ids.shape[1]
-    experts, _, two_f = w_gate_up.shape
-    i32 = np.dtype(np.int32)
-    rows = tokens * top_k if save_gate_up else 0
-    return (
-        _rows_of(x, x.shape, x.dtype),
-        _rows_of(x, (rows, two_f), x.dtype),
-        _rows_of(x, (rows, x.shape[1]), x.dtype),
-        _replicated((experts,), i32),
-        _replicated((), i32),
-        _replicated((), i32),
-    )
+def _on_both(target: str, attrs) -> dict[str, Callable]:
+    return {p: ffi_lowering(p, target, attrs) for p in ("cpu", "cuda")}
 
 
-def _fwd_attrs(params):
-    return {"capacity": np.int64(params["capacity"]),
-            "save_gate_up": bool(params["save_gate_up"])}
+# --- the MoE op ------------------------------------------------------------------------
+
+# The layer's operands, in the order of `mok_jax.moe`'s arguments and the handlers'.
+MOE_OPERANDS = (
+    Array("x", "t h", "x"),
+    Array("expert_ids", "t k", "int32"),
+    Array("expert_weights", "t k", "expert_weights"),
+    Array("w_gate_up", "e h g", "x"),
+    Array("w_down", "e f h", "x"),
+)
+# The gradients of the differentiable operands, in the order of `layer.run`'s backward.
+MOE_GRADIENTS = (
+    Array("dx", "t h", "x", like="x"),
+    Array("d_expert_weights", "t k", "expert_weights", like="expert_weights"),
+    Array("d_w_gate_up", "e h g", "w_gate_up", like="w_gate_up"),
+    Array("d_w_down", "e f h", "w_down", like="w_down"),
+)
+_STATS = (
+    Array("tokens_per_expert", "n", "int32"),
+    Array("dropped", "", "int32"),
+    Array("invalid", "", "int32"),
+)
+
+MOE_FORWARD = Signature(
+    MOE_OPERANDS,
+    (Array("y", "t h", "x", like="x"),
+     Array("gate_up", "r g", "x", like="x"),
+     Array("x_rows", "r h", "x", like="x")) + _STATS,
+    follows=(("r", "t"),))
+MOE_BACKWARD = Signature(
+    MOE_OPERANDS + (Array("gate_up", "p g", "x"), Array("x_rows", "p h", "x"),
+                    Array("dy", "t h", "x")),
+    MOE_GRADIENTS)
 
 
-_register(moe_fwd_p, _ext.MOE_FORWARD, _fwd_abstract_eval, _fwd_attrs)
+def _recipe_attrs(params) -> dict:
+    return {"recipe": np.int32(params["recipe"])}
 
 
-# --- backward ----------------------------------------------------------------
-
-moe_bwd_p = Primitive("mok_moe_bwd")
-
-
-def _bwd_abstract_eval(x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, x_rows, dy,
-                       *, capacity):
-    del expert_ids, gate_up, x_rows, dy, capacity
-    return _like(x), _like(expert_weights), _like(w_gate_up), _like(w_down)
+def _forward_sizes(sizes, params):
+    return {"r": sizes["t"] * sizes["k"] if params["save_gate_up"] else 0, "n": sizes["e"]}
 
 
-def _bwd_attrs(params):
-    return {"capacity": np.int64(params["capacity"])}
+moe_fwd_p = define(
+    _ext.MOE_FORWARD, MOE_FORWARD, sizes=_forward_sizes,
+    lowerings=_on_both(_ext.MOE_FORWARD, lambda params: {
+        **_recipe_attrs(params), "capacity": np.int64(params["capacity"]),
+        "save_gate_up": bool(params["save_gate_up"])}))
+
+moe_bwd_p = define(
+    _ext.MOE_BACKWARD, MOE_BACKWARD,
+    lowerings=_on_both(_ext.MOE_BACKWARD, lambda params: {
+        **_recipe_attrs(params), "capacity": np.int64(params["capacity"])}))
 
 
-_register(moe_bwd_p, _ext.MOE_BACKWARD, _bwd_abstract_eval, _bwd_attrs)
+# --- pieces for expert parallelism (mok_jax/ep.py) -------------------------------------
+
+EXPERT_WEIGHTS = MOE_OPERANDS[3:]
+
+EXPERT_FFN_FORWARD = Signature(
+    (Array("x_rows", "r h", "x_rows"), Array("group_sizes", "e", "int32")) + EXPERT_WEIGHTS,
+    (Array("out_rows", "r h", "x_rows", like="x_rows"),
+     Array("gate_up", "q g", "x_rows", like="x_rows")),
+    follows=(("q", "r"),))
+EXPERT_FFN_BACKWARD = Signature(
+    (Array("x_rows", "r h", "x_rows"), Array("dy_rows", "r h", "x_rows"),
+     Array("w_rows", "r", "w_rows"), Array("group_sizes", "e", "int32")) + EXPERT_WEIGHTS
+    + (Array("gate_up", "r g", "x_rows"),),
+    (Array("dx_rows", "r h", "x_rows", like="x_rows"),
+     Array("dw_rows", "r", "w_rows", like="w_rows")) + MOE_GRADIENTS[2:])
+COMBINE = Signature(
+    (Array("rows", "p h", "rows"), Array("weights", "t k", "weights"),
+     Array("kept", "t k", "int32")),
+    (Array("out", "t h", "rows", like="kept"),))
+
+expert_ffn_fwd_p = define(
+    _ext.EXPERT_FFN_FORWARD, EXPERT_FFN_FORWARD,
+    sizes=lambda sizes, params: {"q": sizes["r"] if params["save_gate_up"] else 0},
+    lowerings=_on_both(_ext.EXPERT_FFN_FORWARD, lambda params: {
+        **_recipe_attrs(params), "save_gate_up": bool(params["save_gate_up"])}))
+
+expert_ffn_bwd_p = define(
+    _ext.EXPERT_FFN_BACKWARD, EXPERT_FFN_BACKWARD,
+    lowerings=_on_both(_ext.EXPERT_FFN_BACKWARD, _recipe_attrs))
+
+combine_p = define(
+    _ext.COMBINE, COMBINE,
+    lowerings=_on_both(_ext.COMBINE, lambda params: {"weighted": bool(params["weighted"])}))
 
 
-# --- pieces for expert parallelism (mok_jax/ep.py) -----------------------------
-#
-# expert_ffn_fwd_p: (x_rows [R, H], group_sizes [E_local] s32, w_gate_up, w_down)
-#   -> (out_rows [R, H], gate_up [R or 0, 2F]); param save_gate_up.
-# expert_ffn_bwd_p: (x_rows, dy_rows [R, H], w_rows [R], group_sizes, w_gate_up,
-#   w_down, gate_up) -> (dx_rows, dw_rows, d_w_gate_up, d_w_down).
-# combine_p: (rows [T*K, H], weights [T, K], kept [T, K] s32) -> out [T, H];
-#   param weighted (False: every weight is 1 and `weights` is not read).
-
-expert_ffn_fwd_p = Primitive("mok_expert_ffn_fwd")
-
-
-def _expert_fwd_abstract_eval(x_rows, group_sizes, w_gate_up, w_down, *, save_gate_up):
-    del group_sizes, w_down
-    rows = x_rows.shape[0]
-    two_f = w_gate_up.shape[2]
-    return (
-        _like(x_rows),
-        _rows_of(x_rows, (rows if save_gate_up else 0, two_f), x_rows.dtype),
-    )
-
-
-_register(expert_ffn_fwd_p, _ext.EXPERT_FFN_FORWARD, _expert_fwd_abstract_eval,
-          lambda params: {"save_gate_up": bool(params["save_gate_up"])})
-
-
-expert_ffn_bwd_p = Primitive("mok_expert_ffn_bwd")
-
-
-def _expert_bwd_abstract_eval(x_rows, dy_rows, w_rows, group_sizes, w_gate_up, w_down,
-                              gate_up):
-    del dy_rows, group_sizes, gate_up
-    return _like(x_rows), _like(w_rows), _like(w_gate_up), _like(w_down)
-
-
-_register(expert_ffn_bwd_p, _ext.EXPERT_FFN_BACKWARD, _expert_bwd_abstract_eval,
-          lambda params: {})
-
-
-combine_p = Primitive("mok_combine")
-
-
-def _combine_abstract_eval(rows, weights, kept, *, weighted):
-    del weights, weighted
-    return (_rows_of(kept, (kept.shape[0], rows.shape[1]), rows.dtype),)
-
-
-_register(combine_p, _ext.COMBINE, _combine_abstract_eval,
-          lambda params: {"weighted": bool(params["weighted"])})
-
-
-# --- the fused EP transport (backend="fused" under EP; mok_jax/transport.py) ----
+# --- the fused EP transport (backend="fused" under EP; mok_jax/transport.py) ------------
 #
 # ep_dispatch_p: (values [T, H], pair_values [T, K] or [0], entries [P*T] s32,
 #   dest [P*T, K] s32) -> (rows [R, H], row_values [R] or [0]); params axis_name,
@@ -280,8 +391,10 @@ _register(combine_p, _ext.COMBINE, _combine_abstract_eval,
 # ep_combine_p: (rows [R, H], row_values [R] or [0], weights [T, K], kept [T, K] s32,
 #   dest [R] s32) -> (out [T, H], pair_values [T*K] or [0]); params axis_name,
 #   weighted.
-# Both run on CUDA only. Their lowering makes (or finds) the NVLink communicators
-# of the mesh's EP groups (`mok_jax.comm.handle_for`) and passes the handle.
+# Both run on CUDA only (the pair values' rank varies, so their abstract
+# evaluations are written out). Their lowering makes (or finds) the NVLink
+# communicators of the mesh's EP groups (`mok_jax.comm.handle_for`) and passes the
+# handle and the call's site.
 
 EP_DISPATCH = "mok_ep_dispatch"
 EP_COMBINE = "mok_ep_combine"
@@ -291,7 +404,7 @@ FUSED_NEEDS_GPU = (
     "between GPUs and cannot run on {platform}; use backend='xla' (or 'auto')")
 
 
-def _lowering_mesh(ctx, axis_name):
+def lowering_mesh(ctx, axis_name):
     """The concrete mesh a lowering runs under (shard_map inside jit, or a
     custom_partitioning partition), with `axis_name` among its axes."""
     from jax._src import mesh as mesh_lib
@@ -316,23 +429,36 @@ def _lowering_mesh(ctx, axis_name):
         "jax.sharding.Mesh (or under jax.set_mesh)")
 
 
-_sites = iter(range(1, 2**62))  # EP calls lowered in this process, in order
+def call_site(ctx, target: str) -> int:
+    """A 63-bit id of this EP call, which every process derives the same way
+    however often and in whatever order it compiles: the module being lowered, the
+    call's name stack, and its place among the EP calls of that module (a module is
+    lowered in program order). The transport's barriers compare it, so ranks never
+    pair two different calls."""
+    module = ctx.module_context
+    # Per-module state: the module context's own cache dict (a slotted class) holds
+    # the counters, so they start at 0 for every module, whatever was lowered before.
+    counters = module.cached_primitive_lowerings.setdefault(("mok_jax", "call_sites"), {})
+    index = next(counters.setdefault(target, itertools.count()))
+    name = module.module.operation.attributes["sym_name"] if (
+        "sym_name" in module.module.operation.attributes) else ""
+    text = "\n".join((str(name), str(ctx.name_stack), target, str(index)))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def _fused_lowering(target, window_of, attrs_of):
+def _fused_lowering(target, window_of, attrs):
     ffi_rule = jax.ffi.ffi_lowering(target)
 
     def rule(ctx, *operands, **params):
         from mok_jax import comm
 
-        mesh = _lowering_mesh(ctx, params["axis_name"])
+        site = call_site(ctx, target)
+        mesh = lowering_mesh(ctx, params["axis_name"])
         handle, fingerprint = comm.handle_for(mesh, params["axis_name"],
                                               window_of(comm, ctx.avals_in))
-        # site: which EP call this is (every process lowers the same calls in the same
-        # order); the barriers compare it, so ranks never pair two different calls.
         return ffi_rule(ctx, *operands, handle=np.int64(handle),
-                        fingerprint=np.int64(fingerprint), site=np.int64(next(_sites)),
-                        **attrs_of(params))
+                        fingerprint=np.int64(fingerprint), site=np.int64(site),
+                        **attrs(params))
 
     return rule
 
@@ -353,39 +479,40 @@ def _window_of_rows(comm, avals):
                              np.dtype(rows.dtype).itemsize)
 
 
-def _register_fused(prim, target, abstract_eval, window_of, attrs_of):
-    prim.multiple_results = True
-    prim.def_impl(_jit_impl(prim))
-    prim.def_abstract_eval(_typed(abstract_eval))
-    mlir.register_lowering(prim, _fused_lowering(target, window_of, attrs_of),
-                           platform="cuda")
-    mlir.register_lowering(prim, _cpu_refusal, platform="cpu")
-
-
-ep_dispatch_p = Primitive("mok_ep_dispatch")
-
-
 def _ep_dispatch_abstract_eval(values, pair_values, entries, dest, *, axis_name, rows):
     del entries, dest, axis_name
     n = rows if pair_values.shape[0] else 0
-    return (_rows_of(values, (rows, values.shape[1]), values.dtype),
-            _rows_of(values, (n,), pair_values.dtype))
-
-
-_register_fused(ep_dispatch_p, EP_DISPATCH, _ep_dispatch_abstract_eval, _window_of_tokens,
-                lambda params: {})
-
-
-ep_combine_p = Primitive("mok_ep_combine")
+    lead = _spec(values)[0]
+    return (_Out((rows, values.shape[1]), values.dtype, (lead, None)),
+            _Out((n,), pair_values.dtype, (lead if n else None,)))
 
 
 def _ep_combine_abstract_eval(rows, row_values, weights, kept, dest, *, axis_name, weighted):
     del weights, dest, axis_name, weighted
     tokens, top_k = kept.shape
     n = tokens * top_k if row_values.shape[0] else 0
-    return (_rows_of(kept, (tokens, rows.shape[1]), rows.dtype),
-            _rows_of(kept, (n,), row_values.dtype))
+    lead = _spec(kept)[0]
+    return (_Out((tokens, rows.shape[1]), rows.dtype, (lead, None)),
+            _Out((n,), row_values.dtype, (lead if n else None,)))
 
 
-_register_fused(ep_combine_p, EP_COMBINE, _ep_combine_abstract_eval, _window_of_rows,
-                lambda params: {"weighted": bool(params["weighted"])})
+EP_DISPATCH_SIGNATURE = Signature(
+    (Array("values", "t h", "values"), Array("pair_values", "t k", "pair_values"),
+     Array("entries", "u", "int32"), Array("dest", "u k", "int32")),
+    (Array("rows", "r h", "values"), Array("row_values", "r", "pair_values")))
+EP_COMBINE_SIGNATURE = Signature(
+    (Array("rows", "r h", "rows"), Array("row_values", "r", "row_values"),
+     Array("weights", "t k", "weights"), Array("kept", "t k", "int32"),
+     Array("dest", "r", "int32")),
+    (Array("out", "t h", "rows"), Array("pair_values", "p", "row_values")))
+
+ep_dispatch_p = define(
+    EP_DISPATCH, EP_DISPATCH_SIGNATURE, abstract_eval=_ep_dispatch_abstract_eval,
+    lowerings={"cuda": _fused_lowering(EP_DISPATCH, _window_of_tokens, lambda params: {}),
+               "cpu": _cpu_refusal})
+
+ep_combine_p = define(
+    EP_COMBINE, EP_COMBINE_SIGNATURE, abstract_eval=_ep_combine_abstract_eval,
+    lowerings={"cuda": _fused_lowering(EP_COMBINE, _window_of_rows,
+                                       lambda params: {"weighted": bool(params["weighted"])}),
+               "cpu": _cpu_refusal})

@@ -48,18 +48,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
-from mok_jax import ep, primitives
+from mok_jax import ep, layer, primitives
+from mok_jax.primitives import MOE_GRADIENTS, MOE_OPERANDS, Array, Signature
+from mok_jax.recipe import Recipe
 
-# Factors: t tokens, k top-k, h hidden, e experts, g 2F, f F, s packed statistics.
-_FWD_RULE = "t h, t k, t k, e h g, e f h -> t h, s"
-# With residuals: r is A*K rows per token (each device's [T_local * A * K] rows).
-_FWD_SAVE_RULE = "t h, t k, t k, e h g, e f h -> t h, s, t r h, t r g"
-_BWD_RULE = "t h, t k, t k, e h g, e f h, t h, t r h, t r g -> t h, t k, e h g, e f h"
+# The partitioned functions, on the op's operand table (factors as in
+# `mok_jax.primitives`; s: the statistics packed into one [E + 2] array; r: A*K
+# residual rows per token, each device's [T_local * A * K] rows).
+_Y = Array("y", "t h", "x")
+_PACKED_STATS = Array("stats", "s", "int32")
+_RESIDUALS = (Array("x_rows", "t r h", "x"), Array("gate_up", "t r g", "x"))
+FORWARD = Signature(MOE_OPERANDS, (_Y, _PACKED_STATS))
+FORWARD_SAVING = Signature(MOE_OPERANDS, (_Y, _PACKED_STATS) + _RESIDUALS)
+BACKWARD = Signature(MOE_OPERANDS + (Array("dy", "t h", "x"),) + _RESIDUALS, MOE_GRADIENTS)
 
 
-def _axes(spec, dim) -> tuple[str, ...]:
+def mesh_axes(spec, dim) -> tuple[str, ...]:
+    """The mesh axes of dim `dim` in a partition spec, as a tuple."""
     entry = spec[dim] if len(spec) > dim else None
     if entry is None:
         return ()
@@ -77,8 +84,8 @@ def _check_one_expert_axis(expert_axes) -> None:
 
 def _layout(mesh, x_sharding, w_sharding, num_experts):
     """(token_axes, ep_axis) from the shardings of x and w_gate_up."""
-    token_axes = _axes(x_sharding.spec, 0) if isinstance(x_sharding, NamedSharding) else ()
-    expert_axes = _axes(w_sharding.spec, 0) if isinstance(w_sharding, NamedSharding) else ()
+    token_axes = mesh_axes(x_sharding.spec, 0) if isinstance(x_sharding, NamedSharding) else ()
+    expert_axes = mesh_axes(w_sharding.spec, 0) if isinstance(w_sharding, NamedSharding) else ()
     _check_one_expert_axis(expert_axes)
     ep_axis = expert_axes[0] if expert_axes else None
     if ep_axis is not None and num_experts % mesh.shape[ep_axis]:
@@ -91,7 +98,7 @@ def _layout(mesh, x_sharding, w_sharding, num_experts):
     return token_axes, ep_axis
 
 
-def _per_device(fn):
+def per_device(fn):
     """`fn`, traced as per-device code with no mesh in its types.
 
     custom_partitioning traces a partition's function at compile time, inside
@@ -117,18 +124,18 @@ def _per_device(fn):
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
-def _explicit_spec(a) -> tuple:
+def explicit_spec(a) -> tuple:
     """The mesh axes of each dim that `a`'s type states (Explicit axes only; JAX
     leaves Auto axes out of types), as tuples."""
     sharding = getattr(jax.typeof(a), "sharding", None)
     spec = tuple(getattr(sharding, "spec", ()) or ())
     spec += (None,) * (np.ndim(a) - len(spec))
-    return tuple(_axes(spec, d) for d in range(np.ndim(a)))
+    return tuple(mesh_axes(spec, d) for d in range(np.ndim(a)))
 
 
 def experts_split(w_gate_up) -> bool:
     """Whether the experts dim of `w_gate_up` is split over a mesh axis in its type."""
-    return bool(_explicit_spec(w_gate_up)[0])
+    return bool(explicit_spec(w_gate_up)[0])
 
 
 def check_layout(x, expert_ids, expert_weights, w_gate_up, w_down):
@@ -137,7 +144,7 @@ def check_layout(x, expert_ids, expert_weights, w_gate_up, w_down):
     XLA's propagation; the partitioner then refuses experts over two axes and
     E % P != 0 and reshards (gathers) what it does not split."""
     del expert_ids, expert_weights  # token-major: any split is fine
-    wgu, wd, xs = _explicit_spec(w_gate_up), _explicit_spec(w_down), _explicit_spec(x)
+    wgu, wd, xs = explicit_spec(w_gate_up), explicit_spec(w_down), explicit_spec(x)
     _check_one_expert_axis(wgu[0])
     if wgu[0] != wd[0]:
         raise ValueError(
@@ -183,18 +190,15 @@ def _without_padding(mesh, cfg, num_tokens, expert_ids):
     return jnp.where((row < num_tokens)[:, None], expert_ids, jnp.int32(-1)), pad
 
 
-def _placement(cap, mesh, arg_shapes):
+def _placement(cap, recipe, mesh, arg_shapes):
     """From the operands' shardings (x is operand 0, w_gate_up operand 3): the EP
-    config, and the shardings of token-major arrays, expert weights and replicated
-    arrays."""
+    config and how each factor is split (tokens over the token axes, experts over
+    the EP axis, nothing else), for `Signature.shardings`."""
     token_axes, ep_axis = _layout(mesh, arg_shapes[0].sharding, arg_shapes[3].sharding,
                                   arg_shapes[3].shape[0])
     cfg = ep.Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
-                     capacity=cap, token_axes=token_axes)
-    tok = NamedSharding(mesh, P(token_axes or None, None))
-    wts = NamedSharding(mesh, P(ep_axis, None, None))
-    rep = NamedSharding(mesh, P(None))
-    return cfg, tok, wts, rep
+                     capacity=cap, token_axes=token_axes, recipe=recipe)
+    return cfg, {"t": token_axes or None, "e": ep_axis}
 
 
 def _unmanaged_size(mesh) -> int:
@@ -235,20 +239,19 @@ def _runs_local(cfg, cap, backend) -> bool:
     return cfg.ep_size == 1 and cap == primitives.NO_CAPACITY and backend != "xla"
 
 
-def _local_forward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
+def _local_forward(cfg, operands, *, save):
     """The single-device forward on this device's tokens; global statistics. The
     residuals (``[T_local*K or 0, C]`` each): gate_up and x_rows."""
-    y, gate_up, x_rows, *stats = primitives.moe_fwd_p.bind(
-        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=save)
+    y, gate_up, x_rows, stats = layer.forward_one_call(operands, capacity=cfg.capacity,
+                                                       recipe=cfg.recipe, save=save)
     if cfg.token_axes:
         stats = [jax.lax.psum(v, cfg.token_axes) for v in stats]
     return y, tuple(stats), (gate_up, x_rows)
 
 
-def _local_backward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, x_rows,
-                    dy):
-    dx, d_weights, d_w_gate_up, d_w_down = primitives.moe_bwd_p.bind(
-        x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, x_rows, dy, capacity=cap)
+def _local_backward(cfg, operands, gate_up, x_rows, dy):
+    dx, d_weights, d_w_gate_up, d_w_down = layer.backward_one_call(
+        operands, gate_up, x_rows, dy, capacity=cfg.capacity, recipe=cfg.recipe)
     data_axes = tuple(a for a in cfg.token_axes if a != cfg.axis_name)
     if data_axes:
         d_w_gate_up = jax.lax.psum(d_w_gate_up, data_axes)
@@ -268,46 +271,50 @@ def _to_residual(rows, T, r):
 
 # --- forward -------------------------------------------------------------------
 
-@functools.partial(custom_partitioning, static_argnums=(5, 6))
-def _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend):
-    del backend
-    y, _, _, *stats = primitives.moe_fwd_p.bind(
-        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=False)
+def _stats_only(recipe, cap, operands):
+    """What the partitioned forward computes on one device (the shapes that matter to
+    the partitioner: y and the packed statistics)."""
+    y, _, _, stats = layer.forward_one_call(operands, capacity=cap, recipe=recipe, save=False)
     return y, _pack_stats(stats)
 
 
-def _forward_infer(cap, backend, mesh, arg_shapes, result_shape):
+@functools.partial(custom_partitioning, static_argnums=(5, 6, 7))
+def _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend, recipe):
+    del backend
+    return _stats_only(recipe, cap, (x, expert_ids, expert_weights, w_gate_up, w_down))
+
+
+def _forward_infer(cap, backend, recipe, mesh, arg_shapes, result_shape):
     del backend, result_shape
-    _, tok, _, rep = _placement(cap, mesh, arg_shapes)
-    return tok, rep
+    _, split = _placement(cap, recipe, mesh, arg_shapes)
+    return FORWARD.shardings(mesh, split)[1]
 
 
-def _forward_partition(cap, backend, mesh, arg_shapes, result_shape):
+def _forward_partition(cap, backend, recipe, mesh, arg_shapes, result_shape):
     del result_shape
-    cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes)
+    cfg, split = _placement(cap, recipe, mesh, arg_shapes)
     path = ep.ExchangePath(cfg, _transport(backend, cfg, mesh, arg_shapes[0]))
     local = _runs_local(cfg, cap, backend)
-
     num_tokens = arg_shapes[0].shape[0]
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
         expert_ids, pad = _without_padding(mesh, cfg, num_tokens, expert_ids)
+        operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if local:
-            y, stats, _ = _local_forward(cfg, cap, x, expert_ids, expert_weights, w_gate_up,
-                                         w_down, save=False)
-            return y, _pack_stats(stats, pad)
-        y, stats, _ = path.forward(
-            x, expert_ids, expert_weights, w_gate_up, w_down, save=False)
+            y, stats, _ = _local_forward(cfg, operands, save=False)
+        else:
+            y, stats, _ = path.forward(*operands, save=False)
         return y, _pack_stats(stats, pad)
 
-    return mesh, _per_device(lower_fn), (tok, rep), (tok, tok, tok, wts, wts)
+    operand_shardings, result_shardings = FORWARD.shardings(mesh, split)
+    return mesh, per_device(lower_fn), result_shardings, operand_shardings
 
 
 _forward.def_partition(
     partition=_forward_partition,
     infer_sharding_from_operands=_forward_infer,
-    sharding_rule=_FWD_RULE,
-    need_replication_factors=("h", "k", "g", "f", "s"))  # in order of first use
+    sharding_rule=FORWARD.rule(),
+    need_replication_factors=FORWARD.replicated_factors({"t", "e"}))
 
 
 # --- forward saving residuals, backward using them ----------------------------
@@ -320,93 +327,86 @@ def _rows_per_token(cfg, bound, top_k):
     return bound * top_k
 
 
-@functools.partial(custom_partitioning, static_argnums=(5, 6, 7))
-def _forward_saving(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend, bound):
+@functools.partial(custom_partitioning, static_argnums=(5, 6, 7, 8))
+def _forward_saving(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend, recipe,
+                    bound):
     del backend
-    y, _, _, *stats = primitives.moe_fwd_p.bind(
-        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=False)
+    y, stats = _stats_only(recipe, cap, (x, expert_ids, expert_weights, w_gate_up, w_down))
     T, K = expert_ids.shape
     r = bound * K
-    return (y, _pack_stats(stats), jnp.zeros((T, r, x.shape[1]), x.dtype),
+    return (y, stats, jnp.zeros((T, r, x.shape[1]), x.dtype),
             jnp.zeros((T, r, w_gate_up.shape[2]), x.dtype))
 
 
-def _residual_sharding(tok):
-    return NamedSharding(tok.mesh, P(tok.spec[0], None, None))
-
-
-def _forward_saving_infer(cap, backend, bound, mesh, arg_shapes, result_shape):
+def _forward_saving_infer(cap, backend, recipe, bound, mesh, arg_shapes, result_shape):
     del backend, bound, result_shape
-    _, tok, _, rep = _placement(cap, mesh, arg_shapes)
-    return tok, rep, _residual_sharding(tok), _residual_sharding(tok)
+    _, split = _placement(cap, recipe, mesh, arg_shapes)
+    return FORWARD_SAVING.shardings(mesh, split)[1]
 
 
-def _forward_saving_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
+def _forward_saving_partition(cap, backend, recipe, bound, mesh, arg_shapes, result_shape):
     del result_shape
-    cfg, tok, wts, rep = _placement(cap, mesh, arg_shapes)
+    cfg, split = _placement(cap, recipe, mesh, arg_shapes)
     r = _rows_per_token(cfg, bound, arg_shapes[1].shape[1])
     transport = _transport(backend, cfg, mesh, arg_shapes[0])
     local = _runs_local(cfg, cap, backend)
-
     num_tokens = arg_shapes[0].shape[0]
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down):
         T = x.shape[0]
         expert_ids, pad = _without_padding(mesh, cfg, num_tokens, expert_ids)
+        operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if local:  # the single-device layer's residuals, T*K rows of T*r
-            y, stats, (gate_up, x_rows) = _local_forward(
-                cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down, save=True)
+            y, stats, (gate_up, x_rows) = _local_forward(cfg, operands, save=True)
             return (y, _pack_stats(stats, pad), _to_residual(x_rows, T, r),
                     _to_residual(gate_up, T, r))
         path = ep.ExchangePath(cfg, transport, rows=T * r)
-        y, stats, res = path.forward(x, expert_ids, expert_weights, w_gate_up, w_down,
-                                     save=True)
+        y, stats, res = path.forward(*operands, save=True)
         return (y, _pack_stats(stats, pad), res.x_rows.reshape(T, r, -1),
                 res.gate_up.reshape(T, r, -1))
 
-    res = _residual_sharding(tok)
-    return mesh, _per_device(lower_fn), (tok, rep, res, res), (tok, tok, tok, wts, wts)
+    operand_shardings, result_shardings = FORWARD_SAVING.shardings(mesh, split)
+    return mesh, per_device(lower_fn), result_shardings, operand_shardings
 
 
 _forward_saving.def_partition(
     partition=_forward_saving_partition,
     infer_sharding_from_operands=_forward_saving_infer,
-    sharding_rule=_FWD_SAVE_RULE,
-    need_replication_factors=("h", "k", "g", "f", "s", "r"))  # in order of first use
+    sharding_rule=FORWARD_SAVING.rule(),
+    need_replication_factors=FORWARD_SAVING.replicated_factors({"t", "e"}))
 
 
-@functools.partial(custom_partitioning, static_argnums=(8, 9, 10))
+@functools.partial(custom_partitioning, static_argnums=(8, 9, 10, 11))
 def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up, cap,
-              backend, bound):
+              backend, recipe, bound):
     del backend, bound, x_rows, gate_up
-    _, gate_up, x_rows, *_ = primitives.moe_fwd_p.bind(
-        x, expert_ids, expert_weights, w_gate_up, w_down, capacity=cap, save_gate_up=True)
-    return tuple(primitives.moe_bwd_p.bind(
-        x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, x_rows, dy, capacity=cap))
+    operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
+    _, gate_up, x_rows, _ = layer.forward_one_call(operands, capacity=cap, recipe=recipe,
+                                                   save=True)
+    return layer.backward_one_call(operands, gate_up, x_rows, dy, capacity=cap, recipe=recipe)
 
 
-def _backward_infer(cap, backend, bound, mesh, arg_shapes, result_shape):
+def _backward_infer(cap, backend, recipe, bound, mesh, arg_shapes, result_shape):
     del backend, bound, result_shape
-    _, tok, wts, _ = _placement(cap, mesh, arg_shapes)
-    return tok, tok, wts, wts
+    _, split = _placement(cap, recipe, mesh, arg_shapes)
+    return BACKWARD.shardings(mesh, split)[1]
 
 
-def _backward_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
+def _backward_partition(cap, backend, recipe, bound, mesh, arg_shapes, result_shape):
     del result_shape
-    cfg, tok, wts, _ = _placement(cap, mesh, arg_shapes)
+    cfg, split = _placement(cap, recipe, mesh, arg_shapes)
     r = _rows_per_token(cfg, bound, arg_shapes[1].shape[1])
     transport = _transport(backend, cfg, mesh, arg_shapes[0])
     local = _runs_local(cfg, cap, backend)
-
     num_tokens = arg_shapes[0].shape[0]
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up):
         T = x.shape[0]
         expert_ids, _ = _without_padding(mesh, cfg, num_tokens, expert_ids)  # as the forward's
+        operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if local:
             K = expert_ids.shape[1]
-            return _local_backward(cfg, cap, x, expert_ids, expert_weights, w_gate_up, w_down,
-                                   gate_up.reshape(T * r, -1)[:T * K],
+            return _local_backward(cfg, operands, gate_up.reshape(T * r, -1)[:T * K],
                                    x_rows.reshape(T * r, -1)[:T * K], dy)
         path = ep.ExchangePath(cfg, transport, rows=T * r)
         p, route = path.routing(expert_ids, w_gate_up.shape[0])  # the plan, again (cheap)
@@ -414,16 +414,15 @@ def _backward_partition(cap, backend, bound, mesh, arg_shapes, result_shape):
                            expert_weights, w_gate_up, w_down)
         return path.backward(res, dy)
 
-    res = _residual_sharding(tok)
-    return (mesh, _per_device(lower_fn), (tok, tok, wts, wts),
-            (tok, tok, tok, wts, wts, tok, res, res))
+    operand_shardings, result_shardings = BACKWARD.shardings(mesh, split)
+    return mesh, per_device(lower_fn), result_shardings, operand_shardings
 
 
 _backward.def_partition(
     partition=_backward_partition,
     infer_sharding_from_operands=_backward_infer,
-    sharding_rule=_BWD_RULE,
-    need_replication_factors=("h", "k", "g", "f", "r"))  # in order of first use
+    sharding_rule=BACKWARD.rule(),
+    need_replication_factors=BACKWARD.replicated_factors({"t", "e"}))
 
 
 # --- the path -------------------------------------------------------------------
@@ -435,20 +434,21 @@ class PartitionedPath:
     capacity: int
     backend: str = "auto"  # picks each device's EP transport once the experts are placed
     ep_bound: int = 1      # the most devices the experts can be split over (see top)
+    recipe: Recipe = Recipe.NATIVE
 
     def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if not save:
-            y, packed = _forward(*operands, self.capacity, self.backend)
+            y, packed = _forward(*operands, self.capacity, self.backend, self.recipe)
             return y, (packed[:-2], packed[-2], packed[-1]), operands
         y, packed, x_rows, gate_up = _forward_saving(*operands, self.capacity, self.backend,
-                                                     self.ep_bound)
+                                                     self.recipe, self.ep_bound)
         return y, (packed[:-2], packed[-2], packed[-1]), (operands, x_rows, gate_up)
 
     def backward(self, residuals, dy):
         operands, x_rows, gate_up = residuals
         return tuple(_backward(*operands, dy.astype(operands[0].dtype), x_rows, gate_up,
-                               self.capacity, self.backend, self.ep_bound))
+                               self.capacity, self.backend, self.recipe, self.ep_bound))
 
 
 def ep_bound(operands) -> int:
@@ -461,7 +461,7 @@ def ep_bound(operands) -> int:
                  and _unmanaged_size(m) > 1), None)
     if mesh is None:
         return 1
-    expert_axes = _explicit_spec(operands[3])[0]
+    expert_axes = explicit_spec(operands[3])[0]
     if expert_axes:
         return int(np.prod([mesh.shape[a] for a in expert_axes]))
     explicit = all(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()))

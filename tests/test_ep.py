@@ -140,7 +140,8 @@ def test_partitioned_code_carries_no_mesh_types_under_an_explicit_mesh(which):
     partition = {"forward": mok_jax.sharding._forward_partition,
                  "forward_saving": mok_jax.sharding._forward_saving_partition,
                  "backward": mok_jax.sharding._backward_partition}[which]
-    static = (3, "xla") if which == "forward" else (3, "xla", bound)
+    recipe = mok_jax.Recipe.NATIVE
+    static = (3, "xla", recipe) if which == "forward" else (3, "xla", recipe, bound)
     with jax.set_mesh(mesh):
         _, per_device, _, _ = partition(*static, mesh, shapes, None)
         local = [jax.ShapeDtypeStruct(s.sharding.shard_shape(s.shape), s.dtype) for s in shapes]

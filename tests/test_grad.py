@@ -11,6 +11,8 @@ import pytest
 import mok_jax
 from mok_jax.reference import moe_reference
 
+NATIVE = int(mok_jax.Recipe.NATIVE)  # the primitives' recipe parameter
+
 from conftest import assert_bitwise, assert_close, make_problem, np_stats
 
 DIFF_ARGNUMS = (0, 2, 3, 4)  # x, expert_weights, w_gate_up, w_down
@@ -295,7 +297,7 @@ def test_forward_saves_x_rows_in_plan_order(dtype):
     assert dropped > 0 and invalid == 3 and 0 < want.shape[0] < T * K
 
     y, gate_up, x_rows, _, n_dropped, n_invalid = prim.moe_fwd_p.bind(
-        *args, capacity=cap, save_gate_up=True)
+        *args, recipe=NATIVE, capacity=cap, save_gate_up=True)
     assert (int(n_dropped), int(n_invalid)) == (dropped, invalid)
     assert x_rows.shape == (T * K, H) and x_rows.dtype == x.dtype
     assert_bitwise(x_rows[:want.shape[0]], want, "saved x rows")
@@ -304,7 +306,7 @@ def test_forward_saves_x_rows_in_plan_order(dtype):
                        "x rows past the kept ones")
 
     # Not differentiated: no residuals, the same y.
-    y0, gate_up0, x_rows0, *_ = prim.moe_fwd_p.bind(*args, capacity=cap, save_gate_up=False)
+    y0, gate_up0, x_rows0, *_ = prim.moe_fwd_p.bind(*args, recipe=NATIVE, capacity=cap, save_gate_up=False)
     assert gate_up0.shape == (0, wgu.shape[2]) and gate_up0.dtype == x.dtype
     assert x_rows0.shape == (0, H) and x_rows0.dtype == x.dtype
     assert_bitwise(y0, y, "y without residuals")
@@ -322,16 +324,16 @@ def test_backward_reads_the_forwards_x_rows(dtype):
 
     # The gradients are those of the backward given x's rows gathered in plan order
     # (what it gathered itself before), the same bits.
-    _, gate_up, _, *_ = prim.moe_fwd_p.bind(*args, capacity=cap, save_gate_up=True)
+    _, gate_up, _, *_ = prim.moe_fwd_p.bind(*args, recipe=NATIVE, capacity=cap, save_gate_up=True)
     rows = _np_x_rows(x, ids, wgu.shape[0], cap)
     padded = np.zeros((ids.size, H), rows.dtype)
     padded[:rows.shape[0]] = rows
     dy = ct.astype(x.dtype)
-    want = prim.moe_bwd_p.bind(*args, gate_up, jnp.asarray(padded), dy, capacity=cap)
+    want = prim.moe_bwd_p.bind(*args, gate_up, jnp.asarray(padded), dy, recipe=NATIVE, capacity=cap)
     _assert_grads_bitwise(got, want, "grad vs backward of numpy-gathered x rows")
 
     # It reads them: twice the rows give twice d_w_gate_up (exact), the rest unchanged.
-    twice = prim.moe_bwd_p.bind(*args, gate_up, jnp.asarray(padded) * 2, dy, capacity=cap)
+    twice = prim.moe_bwd_p.bind(*args, gate_up, jnp.asarray(padded) * 2, dy, recipe=NATIVE, capacity=cap)
     for name, a, b in zip(NAMES, twice, want):
         if name == "d_w_gate_up":
             assert np.any(np.asarray(b, np.float32) != 0.0)

@@ -1,0 +1,84 @@
+"""Fingerprints of mok_jax's results on the bench shapes, for comparing two builds.
+
+    python scripts/bits_of_build.py OUT.json [--shapes a,b] [--dtypes bf16,f32]
+    python scripts/bits_of_build.py --compare A.json B.json
+
+For each bench shape (mok_jax.bench's, full size) and dtype: y and the four
+gradients (x, expert_weights, w_gate_up, w_down) of a fixed loss, from fixed
+random inputs, each as a SHA-256 of its bytes. Run it once per installed build;
+`--compare` prints which arrays differ and exits 1 if any do. A change of bits
+between builds is then a deliberate one, named where it is made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+
+
+def fingerprints(shapes, dtypes, quick=False) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import mok_jax
+    from mok_jax import bench
+
+    out = {"mok_jax": mok_jax.__file__, "device": str(jax.devices()[0])}
+    by_name = dict(bench.QUICK_SHAPES if quick else bench.FULL_SHAPES)
+    for name in shapes:
+        sh = by_name[name]
+        T, K, E, H, F = sh.tokens, sh.top_k, sh.experts, sh.hidden, sh.ffn
+        for dt in dtypes:
+            dtype = jnp.bfloat16 if dt == "bf16" else jnp.float32
+            ks = jax.random.split(jax.random.key(7), 5)
+            x = jax.random.normal(ks[0], (T, H), jnp.float32).astype(dtype)
+            w, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(ks[1], (T, E))), K)
+            ids = ids.astype(jnp.int32)
+            wgu = (jax.random.normal(ks[2], (E, H, 2 * F)) * H**-0.5).astype(dtype)
+            wd = (jax.random.normal(ks[3], (E, F, H)) * F**-0.5).astype(dtype)
+            cot = jax.random.normal(ks[4], (T, H), jnp.float32).astype(dtype)
+
+            def loss(x, w, wgu, wd):
+                y = mok_jax.moe(x, ids, w, wgu, wd)
+                return jnp.sum((y * cot).astype(jnp.float32)), y
+
+            grads, y = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w, wgu, wd)
+            arrays = {"y": y, "dx": grads[0], "d_expert_weights": grads[1],
+                      "d_w_gate_up": grads[2], "d_w_down": grads[3]}
+            for key, a in arrays.items():
+                a = np.asarray(jax.device_get(a))
+                out[f"{name}/{dt}/{key}"] = hashlib.sha256(a.tobytes()).hexdigest()
+            print(name, dt, "done", flush=True)
+            del x, w, ids, wgu, wd, cot, grads, y, arrays
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?")
+    p.add_argument("--shapes", default="small-experts,deepseek-slice,mixtral-like,ep")
+    p.add_argument("--dtypes", default="bf16,f32")
+    p.add_argument("--quick", action="store_true", help="the scaled-down shapes (CPU)")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"))
+    args = p.parse_args(argv)
+    if args.compare:
+        a, b = (json.load(open(f)) for f in args.compare)
+        keys = sorted(k for k in a if "/" in k)
+        differ = [k for k in keys if a[k] != b.get(k)]
+        print(f"{len(keys) - len(differ)} of {len(keys)} arrays bitwise equal")
+        for k in differ:
+            print("DIFFERS:", k)
+        return 1 if differ or not keys else 0
+    if not args.out:
+        p.error("give OUT.json or --compare A B")
+    result = fingerprints(args.shapes.split(","), args.dtypes.split(","), args.quick)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,7 +18,7 @@ import json
 import sys
 
 
-def fingerprints(shapes, dtypes, quick=False) -> dict:
+def fingerprints(shapes, dtypes, quick=False, path=None) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -52,6 +52,9 @@ def fingerprints(shapes, dtypes, quick=False) -> dict:
                 a = np.asarray(jax.device_get(a))
                 out[f"{name}/{dt}/{key}"] = hashlib.sha256(a.tobytes()).hexdigest()
             print(name, dt, "done", flush=True)
+            if path:  # after each problem, so that a run cut short keeps what it did
+                with open(path, "w") as f:
+                    json.dump(out, f, indent=1)
             del x, w, ids, wgu, wd, cot, grads, y, arrays
     return out
 
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.compare:
         a, b = (json.load(open(f)) for f in args.compare)
-        keys = sorted(k for k in a if "/" in k)
+        keys = sorted(k for k in set(a) | set(b) if "/" in k)
         differ = [k for k in keys if a[k] != b.get(k)]
         print(f"{len(keys) - len(differ)} of {len(keys)} arrays bitwise equal")
         for k in differ:
@@ -74,9 +77,7 @@ def main(argv=None) -> int:
         return 1 if differ or not keys else 0
     if not args.out:
         p.error("give OUT.json or --compare A B")
-    result = fingerprints(args.shapes.split(","), args.dtypes.split(","), args.quick)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    fingerprints(args.shapes.split(","), args.dtypes.split(","), args.quick, args.out)
     return 0
 
 

@@ -5,7 +5,7 @@
 
 For each bench shape (mok_jax.bench's, full size) and dtype: y and the four
 gradients (x, expert_weights, w_gate_up, w_down) of a fixed loss, from fixed
-random inputs, each as a SHA-256 of its bytes. Run it once per installed build;
+random inputs drawn on the host, each as a SHA-256 of its bytes. Run it once per installed build;
 `--compare` prints which arrays differ and exits 1 if any do. A change of bits
 between builds is then a deliberate one, named where it is made.
 """
@@ -33,13 +33,19 @@ def fingerprints(shapes, dtypes, quick=False, path=None) -> dict:
         T, K, E, H, F = sh.tokens, sh.top_k, sh.experts, sh.hidden, sh.ffn
         for dt in dtypes:
             dtype = jnp.bfloat16 if dt == "bf16" else jnp.float32
-            ks = jax.random.split(jax.random.key(7), 5)
-            x = jax.random.normal(ks[0], (T, H), jnp.float32).astype(dtype)
-            w, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(ks[1], (T, E))), K)
-            ids = ids.astype(jnp.int32)
-            wgu = (jax.random.normal(ks[2], (E, H, 2 * F)) * H**-0.5).astype(dtype)
-            wd = (jax.random.normal(ks[3], (E, F, H)) * F**-0.5).astype(dtype)
-            cot = jax.random.normal(ks[4], (T, H), jnp.float32).astype(dtype)
+            # Inputs drawn on the host with NumPy: XLA's own kernels (a softmax, a
+            # top-k) may pick other algorithms from run to run (autotuning under
+            # load), and the inputs must be the same bits for both builds.
+            rng = np.random.default_rng(7)
+            logits = rng.standard_normal((T, E)).astype(np.float32)
+            ids = np.argsort(-logits, axis=1, kind="stable")[:, :K].astype(np.int32)
+            probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+            w = np.take_along_axis(probs / probs.sum(axis=1, keepdims=True), ids, axis=1)
+            x, wgu, wd, cot = (
+                jnp.asarray(rng.standard_normal(shape, np.float32) * scale).astype(dtype)
+                for shape, scale in (((T, H), 1.0), ((E, H, 2 * F), H**-0.5),
+                                     ((E, F, H), F**-0.5), ((T, H), 1.0)))
+            ids, w = jnp.asarray(ids), jnp.asarray(w.astype(np.float32))
 
             def loss(x, w, wgu, wd):
                 y = mok_jax.moe(x, ids, w, wgu, wd)

@@ -46,7 +46,7 @@ import train_moe_lm as lm  # noqa: E402
 
 import mok_jax  # noqa: E402
 import mok_jax.nn as mnn  # noqa: E402
-from mok_jax.bench import _error_string, _rel_fro, time_step  # noqa: E402
+from mok_jax.bench import error_string, rel_fro, time_step  # noqa: E402
 
 ROUTER = {
     "current": None,  # mok_jax.nn.router_logits, router_dot="auto"
@@ -181,7 +181,7 @@ def random_cotangent_of(f, args) -> list[jax.Array]:
 
 def max_rel_diff(a, b) -> float:
     """The largest relative Frobenius error over the outputs (`mok_jax.bench`'s measure)."""
-    return max(float(_rel_fro(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return max(float(rel_fro(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def run(small: bool = False, warmup: int = 3, repeats: int = 20,
@@ -220,7 +220,7 @@ def run(small: bool = False, warmup: int = 3, repeats: int = 20,
                 if name == "current":
                     raise
                 rows.append({"part": part, "candidate": name, "median_ms": None,
-                             "max_rel_diff": None, "error": _error_string(e)})
+                             "max_rel_diff": None, "error": error_string(e)})
                 continue
             reference = out if reference is None else reference
             rows.append({"part": part, "candidate": name, "median_ms": statistics.median(times),

@@ -342,12 +342,12 @@ def reference_outputs(pass_name: str, inputs: dict
         step, names = build_step(fn, pass_name)
         out = jax.block_until_ready(step(*[inputs[n] for n in names]))
     except Exception as err:  # pylint: disable=broad-except
-        return name, None, _error_string(err)
+        return name, None, error_string(err)
     return name, jax.tree_util.tree_leaves(out), None
 
 
 @jax.jit
-def _rel_fro(got: jax.Array, want: jax.Array) -> jax.Array:
+def rel_fro(got: jax.Array, want: jax.Array) -> jax.Array:
     got = got.astype(jnp.float32)
     want = want.astype(jnp.float32)
     return jnp.linalg.norm((got - want).ravel()) / jnp.linalg.norm(want.ravel())
@@ -356,11 +356,11 @@ def _rel_fro(got: jax.Array, want: jax.Array) -> jax.Array:
 def relative_errors(pass_name: str, got: list[jax.Array],
                     want: list[jax.Array]) -> dict[str, float]:
     """Relative Frobenius error of each output (y, then the gradients) vs the oracle."""
-    return {name: float(_rel_fro(g, w))
+    return {name: float(rel_fro(g, w))
             for name, g, w in zip(OUTPUT_NAMES[pass_name], got, want)}
 
 
-def _error_string(err: BaseException) -> str:
+def error_string(err: BaseException) -> str:
     text = f"{type(err).__name__}: {err}"
     return text if len(text) <= 2000 else text[:2000] + " ...[truncated]"
 
@@ -417,7 +417,7 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
                                                   repeats=repeats)
     except Exception as err:  # pylint: disable=broad-except
         # An OOM or an unsupported shape in one pipeline must not end the run.
-        record.update(status="error", error=_error_string(err))
+        record.update(status="error", error=error_string(err))
         if verbose:
             traceback.print_exc()
         return record
@@ -427,7 +427,7 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
             record["rel_err"] = relative_errors(pass_name, got, reference)
             del got
         except Exception as err:  # pylint: disable=broad-except
-            record["check_error"] = _error_string(err)
+            record["check_error"] = error_string(err)
             if verbose:
                 traceback.print_exc()
     return finish_record(record, times_ms, compile_s)
@@ -488,7 +488,7 @@ def bench_compute_only(shape: Shape, ep_size: int, pass_name: str, *, dtype,
         except Exception as err:  # pylint: disable=broad-except
             record = new_record(local, impl, pass_name, dtype_name=dtype_name,
                                 warmup=warmup, repeats=repeats)
-            record.update(status="error", error=_error_string(err))
+            record.update(status="error", error=error_string(err))
         else:
             record = bench_one(local, MOK, pass_name, inputs, dtype_name=dtype_name,
                                warmup=warmup, repeats=repeats, verbose=verbose)
@@ -510,7 +510,7 @@ def fused_unavailable() -> str | None:
         from mok_jax import comm  # pylint: disable=import-outside-toplevel
         comm.module()
     except Exception as err:  # pylint: disable=broad-except  (comm.Missing, import errors)
-        return _error_string(err)
+        return error_string(err)
     return None
 
 
@@ -560,12 +560,12 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
         inputs = {k: jax.device_put(v, sharded) for k, v in inputs.items()}
         step, names = build_step(fn, pass_name)
         # Under the mesh, as the fused transport's plain-jit tests run it: its
-        # lowering finds the EP group's devices there (primitives._lowering_mesh).
+        # lowering finds the EP group's devices there (primitives.lowering_mesh).
         with jax.set_mesh(mesh):
             compile_s, times_ms, _ = time_step(step, [inputs[n] for n in names],
                                                warmup=warmup, repeats=repeats)
     except Exception as err:  # pylint: disable=broad-except
-        record.update(status="error", error=_error_string(err))
+        record.update(status="error", error=error_string(err))
         if verbose:
             traceback.print_exc()
         return record
@@ -730,7 +730,7 @@ def bench_exchange(shape: Shape, ep_size: int, kind: str, *, dtype, warmup: int,
             per_device = [int(b) for b in nvlink_pull_bytes(ids_np, ep_size, shape.experts,
                                                             hidden, itemsize)]
         except Exception as err:  # pylint: disable=broad-except
-            record.update(status="error", error=_error_string(err))
+            record.update(status="error", error=error_string(err))
             return record
         record.update(
             pulled_rows_per_device=[int(n) for n in pulled],
@@ -786,7 +786,7 @@ def bench_exchange(shape: Shape, ep_size: int, kind: str, *, dtype, warmup: int,
         step = jax.jit(jax.shard_map(local_fn, mesh=mesh, in_specs=specs, out_specs=spec))
         compile_s, times_ms, _ = time_step(step, args, warmup=warmup, repeats=repeats)
     except Exception as err:  # pylint: disable=broad-except
-        record.update(status="error", error=_error_string(err))
+        record.update(status="error", error=error_string(err))
         return record
     median = statistics.median(times_ms)
     record.update(median_ms=median, min_ms=min(times_ms), compile_s=compile_s,
@@ -837,7 +837,7 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
                               check=False)
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     except Exception as err:  # pylint: disable=broad-except
-        result = {"records": [], "error": _error_string(err)}
+        result = {"records": [], "error": error_string(err)}
     by_key = {(tuple(r["shape"]), r["impl"], r["pass"]): r for r in result["records"]}
     records = []
     for shape in shapes:

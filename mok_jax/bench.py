@@ -1148,7 +1148,7 @@ def custom_shape(text: str) -> Shape:
 
 # XLA lowers ragged_dot's weight gradient to a dense masked f32 [E, T*K, H] tensor.
 # On an H200 (jax 0.11.2) it failed to compile, after minutes, from 120 GB up
-# (small-experts, deepseek-slice, ep; docs/perf.md); mixtral-like (4 GB) compiled.
+# (small-experts, deepseek-slice, ep; docs/performance.md); mixtral-like (4 GB) compiled.
 RAGGED_DOT_DENSE_WGRAD_LIMIT = 64 * 2**30
 
 

@@ -195,7 +195,7 @@ def _split_router_logits(tokens: jax.Array, kernel: jax.Array) -> jax.Array:
     accumulate in f32. One GEMM ``[T, H] x [H, 3E]`` reads the tokens once, in
     bf16, where an f32 dot reads them widened (the router's part of an
     h200-preset step on an H200: 4.1 ms with XLA's f32 ``HIGHEST`` dots, 2.0 ms
-    with these, docs/perf.md)."""
+    with these, docs/ledger.md, d323f28)."""
     return _split_router_fwd(tokens, kernel)[0]
 
 

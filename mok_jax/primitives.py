@@ -262,11 +262,13 @@ def ffi_lowering(platform: str, target: str, attrs: Callable[[dict], dict]):
 
 def define(name: str, signature: Signature, *, lowerings: dict[str, Callable],
            sizes: Callable[[dict, dict], dict] | None = None,
-           abstract_eval: Callable | None = None) -> Primitive:
+           abstract_eval: Callable | None = None, per_call: bool = False) -> Primitive:
     """A primitive with multiple results: eager evaluation by jit, the abstract
     evaluation of `signature` (``sizes(factor_sizes, params)`` adds the results'
     own factors; `abstract_eval` replaces the table's where operand ranks vary),
-    one lowering per platform, and batching by a sequential map."""
+    one lowering per platform, and batching by a sequential map. `per_call`: every
+    call is lowered on its own (JAX otherwise lowers equal calls of a module once
+    and copies the result), for lowerings that tell calls apart (`call_site`)."""
     prim = Primitive(name)
     prim.multiple_results = True
     prim.def_impl(_jit_impl(prim))
@@ -283,7 +285,7 @@ def define(name: str, signature: Signature, *, lowerings: dict[str, Callable],
 
     prim.def_abstract_eval(evaluate)
     for platform, rule in lowerings.items():
-        mlir.register_lowering(prim, rule, platform=platform)
+        mlir.register_lowering(prim, rule, platform=platform, cacheable=not per_call)
     batching.primitive_batchers[prim] = _map_batching(prim)
     prim.signature = signature
     return prim
@@ -507,12 +509,12 @@ EP_COMBINE_SIGNATURE = Signature(
     (Array("out", "t h", "rows"), Array("pair_values", "p", "row_values")))
 
 ep_dispatch_p = define(
-    EP_DISPATCH, EP_DISPATCH_SIGNATURE, abstract_eval=_ep_dispatch_abstract_eval,
+    EP_DISPATCH, EP_DISPATCH_SIGNATURE, abstract_eval=_ep_dispatch_abstract_eval, per_call=True,
     lowerings={"cuda": _fused_lowering(EP_DISPATCH, _window_of_tokens, lambda params: {}),
                "cpu": _cpu_refusal})
 
 ep_combine_p = define(
-    EP_COMBINE, EP_COMBINE_SIGNATURE, abstract_eval=_ep_combine_abstract_eval,
+    EP_COMBINE, EP_COMBINE_SIGNATURE, abstract_eval=_ep_combine_abstract_eval, per_call=True,
     lowerings={"cuda": _fused_lowering(EP_COMBINE, _window_of_rows,
                                        lambda params: {"weighted": bool(params["weighted"])}),
                "cpu": _cpu_refusal})

@@ -80,7 +80,7 @@ class XlaTransport:
     """XLA's ``all_to_all`` with a fixed slot of ``T*K`` rows per peer.
 
     Simple and fixed-shape, but it moves P times the rows that must move (measured on
-    two H200s, docs/perf.md: 109 GB/s of useful rows against 166 for an exact-size
+    two H200s, docs/performance.md: 109 GB/s of useful rows against 166 for an exact-size
     all_to_all). Every move is a gather through index maps computed once per call.
     """
 

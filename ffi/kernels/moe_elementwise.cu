@@ -75,7 +75,7 @@ gather_rows_kernel(const X* __restrict__ src, const int32_t* __restrict__ row_pa
   // Copied as the built-in type of V elements: copied as Vec<X, V> structs, the
   // compiler stored rows longer than one pass (32 * V * kUnroll elements) one
   // element at a time (8 st.global.u16 for one st.global.v4 in bf16): 4 KB rows
-  // were gathered at a fifth of the memory's speed (docs/perf.md, session 8).
+  // were gathered at a fifth of the memory's speed (docs/ledger.md, 0dda46c).
   using Raw = typename RawOf<sizeof(X) * V>::type;
   const int64_t n = *num_rows;
   const int64_t vectors = cols / V;  // V divides cols (vector_width)

@@ -16,7 +16,8 @@ is torn down under a running step. All are destroyed at interpreter exit.
   makes the unique id and publishes it in the ``jax.distributed`` key-value
   store under a key scoped by the group's device ids; the others wait for it.
   Every process must lower the same calls in the same order (they do when they
-  run the same program); a process that lowers alone waits for its peers.
+  run the same program); a process that lowers alone waits for its peers, at
+  most ``KV_TIMEOUT_S`` (300 s), then fails with jax's key-value store error.
 
 The C++ side (``mok_jax._mok_comm``, built when NCCL's device-API headers were
 found) is imported only here, so ``import mok_jax`` never loads libnccl.
@@ -40,7 +41,9 @@ import numpy as np
 
 ENV_TIMEOUT = "MOK_JAX_COMM_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
-_KV_TIMEOUT_MS = 300_000
+# The longest a process waits in the jax.distributed key-value store for its
+# peers' bootstrap data (unique id, window size); then jax's error ends the wait.
+KV_TIMEOUT_S = 300
 _REQUIRED_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
 _lock = threading.Lock()
@@ -208,7 +211,7 @@ def _group_specs(groups, build: int):
                 uid = bytes(module().unique_id())
                 client.key_value_set_bytes(key, uid)
             else:
-                uid = bytes(client.blocking_key_value_get_bytes(key, _KV_TIMEOUT_MS))
+                uid = bytes(client.blocking_key_value_get_bytes(key, KV_TIMEOUT_S * 1000))
         specs.append((len(group), ranks, ordinals, uid))
     return specs
 
@@ -225,7 +228,8 @@ def _agreed_bytes(groups, need_bytes: int, build: int) -> int:
     client = _kv_client()
     scope = "mok_jax/comm-bytes/{}".format(_scope(groups, build))
     client.key_value_set_bytes(f"{scope}/{me}", str(int(need_bytes)).encode())
-    sizes = [int(bytes(client.blocking_key_value_get_bytes(f"{scope}/{p}", _KV_TIMEOUT_MS)))
+    sizes = [int(bytes(client.blocking_key_value_get_bytes(f"{scope}/{p}",
+                                                          KV_TIMEOUT_S * 1000)))
              for p in processes]
     return max(sizes)
 

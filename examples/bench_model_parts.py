@@ -3,16 +3,17 @@
     python examples/bench_model_parts.py                 # the h200 preset's shapes, one layer
     python examples/bench_model_parts.py --small         # tiny shapes (a CPU check)
 
-The h200 preset's profile (docs/perf.md, session 7) put 3.5 ms a step in the
-router's three f32 dots and 4.3 ms in the glue around cuDNN attention (the q/k/v
-split, RoPE, their transposes). Each candidate here computes the same function
+A profile of the h200 preset on 2026-11-30 (one H200, 46bb026) put 3.5 ms a
+step in the router's three f32 dots and 4.3 ms in the glue around cuDNN
+attention (the q/k/v split, RoPE, their transposes); docs/ledger.md, 2026-12-01,
+has what came of both. Each candidate here computes the same function
 as the example's code (`current`); the script prints one layer's forward+backward
 median time per candidate next to `current`'s, measured in the same process, and
 the largest relative error of its outputs and gradients against it.
 
 Router candidates against `mok_jax.nn.router_logits` (bf16 products of the
 tokens with the kernel's exact three-term bf16 split): XLA's f32 dot with
-`Precision.HIGHEST` (`highest`, the layer's form until session 8) and
+`Precision.HIGHEST` (`highest`, the layer's form before d323f28) and
 `jax.lax.DotAlgorithmPreset` algorithms (BF16_BF16_F32_X6 keeps f32 accuracy in
 six bf16 passes; X3 is close to it). Attention candidates: q, k, v from slices
 of the weight instead of slices of the projection (`sliced_weights`), RoPE
@@ -108,8 +109,9 @@ def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float = 1e-6) -> jax.Array
     gradients in f32 from them: dx = r g - x r^3 mean(g x) with g = dy scale and
     r = rsqrt(mean + eps), and the scale's gradient sum(dy x r) over the tokens,
     rounded to x's dtype first as autodiff rounds the cotangent of the cast
-    scale. Measured in session 13 on an H200: slower than autodiff of
-    nnx.RMSNorm (docs/perf.md), so the example keeps nnx.RMSNorm."""
+    scale. Slower on an H200 than autodiff of nnx.RMSNorm (docs/ledger.md,
+    2026-12-01), so the example does not use it: its norms are
+    `mok_jax.add_rms_norm` on a GPU and nnx.RMSNorm elsewhere."""
     return _rms_norm_fwd(x, scale, epsilon)[0]
 
 
@@ -159,8 +161,9 @@ def fwd_bwd(f, random_cotangent: bool = False):
     candidates, whose backward with a cotangent of ones would not show whether
     it reads dy at all) with a random cotangent passed in as the step's first
     argument (`random_cotangent_of`): a buffer in memory, as in training. Drawn
-    inside the step, XLA fused the drawing into the backward of the candidates
-    it could see through and never wrote the cotangent (session 15, docs/perf.md)."""
+    inside the step, XLA likely fused the drawing into the backward of the
+    candidates it could see through and never wrote the cotangent (docs/ledger.md,
+    2026-12-01)."""
     def step(*args):
         cot, args = (args[0], args[1:]) if random_cotangent else (None, args)
         y, pullback = jax.vjp(f, *args)

@@ -208,8 +208,8 @@ def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
     split and a concatenation: the same products and sums, and a backward
     without concatenations, which XLA's GPU compiler then fuses with the
     concatenation of the q, k and v gradients into one faster kernel (146 ->
-    111 us a layer, ~0.4 ms a step on the h200 preset; docs/perf.md, session
-    14)."""
+    111 us a layer, ~0.4 ms a step on the h200 preset; docs/ledger.md,
+    2026-12-01)."""
     batch, seq, heads, dim = x.shape
     inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)        # [D/2]
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [S, D/2]
@@ -350,7 +350,7 @@ def qkv_projection(x: jax.Array, kernel: jax.Array) -> tuple[jax.Array, jax.Arra
     RMSNorm backward's two passes (reading both each time); and with one
     ``[B, S, 3n]`` projection split in three, XLA's GPU compiler built the
     concatenation of the cotangents twice, once for each GEMM that reads it
-    (docs/perf.md, session 14)."""
+    (docs/ledger.md, 2026-12-01)."""
     n = kernel.shape[-1] // 3
     return _project(x, kernel[:, :2 * n]), _project(x, kernel[:, 2 * n:])
 
@@ -382,7 +382,7 @@ def reduce_barrier(x: jax.Array, tree):
     step (norm reductions, the other collectives) offers that much work: on two
     H200s all 24 expert all-reduces ran after the backward pass, all but one
     synchronously, and with PGLE's measured costs all but one still ran
-    after it (docs/perf.md, session 7). Tying layer i's expert weights to the input of
+    after it (docs/ledger.md, 2026-11-30). Tying layer i's expert weights to the input of
     layer i - lag makes each all-reduce finish within the backward of the layers
     in between, where XLA overlaps it (with --pgle) with their kernels.
 
@@ -490,7 +490,7 @@ def weight_copies(params: nnx.State, dtype) -> nnx.State:
     them: the step that updates the f32 masters writes them in the same pass over
     the parameters, and the next step's forward takes them instead of reading the
     f32 stacks to cast them (1.7 ms of 123 in an h200-preset step on an H200,
-    docs/perf.md). The model computes the same function with the same gradients:
+    docs/ledger.md, 2026-12-01). The model computes the same function with the same gradients:
     the layer's cast is then the identity, and the gradient of an f32 master is
     the f32 value of its copy's gradient, which is what the cast's transpose gave."""
     stacks, _ = nnx.split_state(params, _is_expert_stack, ...)
@@ -955,7 +955,7 @@ def train(args) -> dict:
     if cfg.n_experts % ep:
         raise SystemExit(f"--ep {ep} must divide the preset's {cfg.n_experts} experts")
     if args.grad_reduce_lag is None and dp > 1 and ep == 1 and not args.shard_optimizer:
-        cfg = dataclasses.replace(cfg, grad_reduce_lag=1)  # measured there (docs/perf.md)
+        cfg = dataclasses.replace(cfg, grad_reduce_lag=1)  # see docs/ledger.md, 2026-11-30
     platform = devices[0].platform
     peak = args.peak_tflops or (989.0 if platform == "gpu" else None)
 

@@ -45,8 +45,8 @@ fi
 # MOK_TRAIN_MESHES: "1gpu ep2", also e.g. "ep8 dp2ep4"; MOK_PYTEST_ARGS: what the gpu step selects; MOK_BENCH_TORCH=0:
 # no torch baselines). Step time
 # limits: MOK_TIMEOUT_GPU, MOK_TIMEOUT_MEMCHECK, MOK_TIMEOUT_BENCH, MOK_TIMEOUT_TRAIN (s).
-# `build` leaves the wheel in MOK_WHEEL_DIR (default OUTDIR/wheel; at most 8 files come
-# back from the device machine's $OUT, so /tmp/wheel there).
+# `build` leaves the wheel in MOK_WHEEL_DIR (default OUTDIR/wheel; e.g. /tmp/wheel to
+# keep it out of OUTDIR when only OUTDIR's logs should be copied back).
 STEPS=" ${MOK_GPU_CI_STEPS:-build gpu memcheck bench suite cpu} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 

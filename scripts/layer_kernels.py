@@ -6,21 +6,22 @@
 Each pass is jitted, run a few times, then traced over `--calls` calls with
 ``jax.profiler``. Printed per pass: the kernels' summed time per call, each
 kernel's time and launches per call (kernels of one name added), and the launch
-order of the last call (where a layer's time goes, kernel by kernel: how session
-10 found GEMM1's epilogue; docs/perf.md). CUTLASS's GEMM kernels get short labels
-(schedule, SwiGLU epilogue, output type) and a number; the legend at the end maps
-the numbers to the kernels' full names. On a CPU the runtime's thunks stand in for
-kernels: each of the layer's FFI calls is one.
+order of the last call (where a layer's time goes, kernel by kernel: such a list
+singled out GEMM1's SwiGLU epilogue before cd66041; docs/ledger.md, 2026-12-01).
+CUTLASS's GEMM kernels get short labels (schedule, SwiGLU epilogue, output type)
+and a number; the legend at the end maps the numbers to the kernels' full names.
+On a CPU the runtime's thunks stand in for kernels: each of the layer's FFI calls
+is one.
 
 `--load-max L` routes like a training run whose router has not balanced yet: expert
 0 gets L times the mean load (a share L*K/E of the tokens pick it; at most E/K,
 every token), the other experts share the rest evenly; `--hot-expert N` makes
-expert N the busy one instead (with MOK_JAX_GEMM_WGRAD_ORDER=expert the
-weight-gradient GEMM deals its groups' tiles in expert order, where expert 0 is
-one of the lucky cases; by default the busiest expert's go first: docs/perf.md,
-sessions 14 and 15). The default is the bench's
-routing (top-K of random logits: about even). In the h200 preset's first hundred
-steps the busiest expert's load falls from E/K = 8 times the mean to ~3.
+expert N the busy one instead (the weight-gradient GEMM deals its groups' tiles
+longest group first; dealt in expert order, expert 0 would be one of the lucky
+cases: docs/ledger.md, 2026-12-01, and scripts/wgrad_schedule_model.py). The
+default is the bench's routing (top-K of random logits: about even). In the h200
+preset's first hundred steps the busiest expert's load falls from E/K = 8 times
+the mean to ~3.
 """
 
 from __future__ import annotations

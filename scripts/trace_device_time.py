@@ -8,8 +8,7 @@ first to its last event on the stream lines, the time at least one event ran
 (kernels, memsets and copies of every module) and the rest (idle), per step;
 then the memsets by the HLO op that issued them (cuDNN's attention, for one,
 zeroes its workspace inside its custom call). `--profile`'s breakdown counts the
-train step's own kernels only; this counts everything on the streams
-(docs/perf.md, session 14).
+train step's own kernels only; this counts everything on the streams.
 """
 
 from __future__ import annotations

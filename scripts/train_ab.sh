@@ -8,7 +8,7 @@
 # BASE_DIR holds the base commit's Python, made where git is (the GPU machine's
 # copy of the tree has no .git):
 #   mkdir -p .ab/base && git archive BASE mok_jax examples | tar -x -C .ab/base
-# (.ab/ is git-ignored: name it in the device tool's carry.) The extension is
+# (.ab/ is git-ignored: copy it to the GPU machine with the tree.) The extension is
 # this tree's mok_jax/_mok*.so, or, with MOK_WHEEL=path/to/mok_jax-*.whl, the
 # one installed from that wheel; it is copied into BASE_DIR/mok_jax too, so the
 # comparison is of the Python alone (the C++ must not have changed in between).
@@ -18,10 +18,10 @@
 #
 # RUNS: one run per line, "TAG ROOT [NAME=VALUE ...] ARGS...", ROOT "new" (this tree)
 # or "base", NAME=VALUE words before the arguments set that run's environment
-# (e.g. a measurement knob: "one_expert new MOK_JAX_GEMM_WGRAD_ORDER=expert --dp 1");
+# (e.g. an XLA flag: "no_cmdbuf new XLA_FLAGS=--xla_gpu_enable_command_buffer= --dp 1");
 # TRAIN_ARGS: the arguments every run shares. OUTDIR gets summary.txt (each
-# run's closing line) and log_TAG.json (its full log). Session 8's calls
-# (docs/perf.md) are what the defaults are modelled on.
+# run's closing line) and log_TAG.json (its full log). The default RUNS follow
+# the runs behind docs/ledger.md, 2026-12-01 (53b3291, the bf16 weight copies).
 set -uo pipefail
 OUTDIR=$(realpath -m "${1:?usage: train_ab.sh OUTDIR BASE_DIR}")
 BASE=$(realpath "${2:?usage: train_ab.sh OUTDIR BASE_DIR}")

@@ -5,12 +5,14 @@ groups (dW_gate_up's E, then dW_down's E). Its persistent scheduler numbers the
 tiles group after group and CTA c takes tiles c, c + grid, c + 2 grid, ...; every
 tile of an expert reduces over that expert's rows, so its time is about the
 rows plus a fixed cost. This model gives each CTA the sum of its tiles' times
-and reports the longest CTA over the ideal (all work spread evenly), for the
-groups in expert order (`MOK_JAX_GEMM_WGRAD_ORDER=expert`) and in order of
-rows, most first (the default since session 15; ffi/kernels/cutlass_grouped.cuh).
-It is a model, not a measurement: it ignores memory contention, the epilogue's
-cost and the tile order inside a group (docs/perf.md, session 14; session 15
-measured the case it made: 1.41 ms in expert order, 1.18 longest first).
+and reports the longest CTA over the ideal (all work spread evenly), for two
+orders of the groups: expert order, as the groups come, and rows, most first
+(longest first), which is the order the GEMM uses (setup_groups in
+ffi/kernels/cutlass_grouped.cuh). It is a model, not a measurement: it ignores
+memory contention, the epilogue's cost and the tile order inside a group. The
+case it makes was measured with expert 17 at 8x the mean load: both weight
+gradients 1.41 ms in expert order, 1.18 longest first (docs/ledger.md,
+2026-12-01).
 
     python scripts/wgrad_schedule_model.py [--tokens 32768 --top-k 4 --experts 32
                                             --hidden 1024 --ffn 1024 --ctas 132]

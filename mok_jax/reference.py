@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from mok_jax.moe import MoEStats, capacity
+from mok_jax.recipe import Recipe
+from mok_jax.recipe import resolve as resolve_recipe
 
 
 def routing_masks(expert_ids: jax.Array, num_experts: int, capacity_factor: float | None):
@@ -41,8 +43,11 @@ def routing_masks(expert_ids: jax.Array, num_experts: int, capacity_factor: floa
 
 
 def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
-                  capacity_factor=None, return_stats=False):
-    """Same contract as `mok_jax.moe` for one device (no ``axis_name``)."""
+                  capacity_factor=None, recipe=None, return_stats=False):
+    """Same contract as `mok_jax.moe` for one device (no ``axis_name``); `recipe`
+    as `mok_jax.moe`'s (every recipe of this version: GEMMs in x.dtype)."""
+    if resolve_recipe(recipe, "moe_reference") != Recipe.NATIVE:
+        raise ValueError(f"moe_reference: recipe {recipe!r} has no reference")
     num_experts = w_gate_up.shape[0]
     ffn = w_down.shape[1]
     _, kept, stats = routing_masks(expert_ids, num_experts, capacity_factor)

@@ -638,7 +638,7 @@ def nvlink_fns(ep_size: int, experts: int) -> dict[str, Callable]:
     """
     from mok_jax import ep, primitives, transport  # pylint: disable=import-outside-toplevel
     e_local = experts // ep_size
-    cfg = ep.Config("ep", ep_size, primitives.NO_CAPACITY, ("ep",))
+    cfg = ep.Config("ep", ep_size, primitives.NO_CAPACITY, ("ep",), ep.Recipe.NATIVE)
     tr = transport.NvlinkTransport()
 
     def route(expert_ids):

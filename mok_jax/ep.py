@@ -68,7 +68,7 @@ class Config(NamedTuple):
     ep_size: int
     capacity: int
     token_axes: tuple[str, ...]
-    recipe: Recipe = Recipe.NATIVE
+    recipe: Recipe
 
 
 class Plan(NamedTuple):

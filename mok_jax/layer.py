@@ -44,7 +44,7 @@ class LocalPath:
     """The whole layer in one FFI call per pass (``mok_moe_fwd``, ``mok_moe_bwd``)."""
 
     capacity: int
-    recipe: Recipe = Recipe.NATIVE
+    recipe: Recipe
 
     def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)

@@ -248,7 +248,7 @@ def _choose_path(backend, axis_name, ep_size, cap, recipe, operands):
         return ep.ExchangePath(cfg, ep.transport_for(backend, _platform(), row_bytes))
     if axis_name is None and sharding.on_a_mesh(operands):
         sharding.check_layout(*operands)
-        return sharding.PartitionedPath(cap, backend, sharding.ep_bound(operands), recipe)
+        return sharding.PartitionedPath(cap, recipe, backend, sharding.ep_bound(operands))
     if backend == "xla":
         token_axes = () if axis_name is None else (axis_name,)
         return ep.ExchangePath(ep.Config(axis_name, 1, cap, token_axes, recipe), "xla")

@@ -432,9 +432,9 @@ class PartitionedPath:
     """`moe` on global (possibly sharded) arrays, for `mok_jax.layer.run`."""
 
     capacity: int
+    recipe: Recipe
     backend: str = "auto"  # picks each device's EP transport once the experts are placed
     ep_bound: int = 1      # the most devices the experts can be split over (see top)
-    recipe: Recipe = Recipe.NATIVE
 
     def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)

@@ -98,7 +98,7 @@ def _routes(axes, T, K, capacity, ids_global, x, pair_values, rows_in):
     el = E // Pep
     cfg = ep.Config(axis_name="ep", ep_size=Pep,
                     capacity=NO_CAPACITY if capacity is None else capacity,
-                    token_axes=token_axes)
+                    token_axes=token_axes, recipe=ep.Recipe.NATIVE)
     spec = P(token_axes)
 
     def local(ids, x, pv, rows):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_bitwise
+from conftest import assert_bitwise, assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -839,8 +839,11 @@ def test_rope_and_qkv_projection_compute_the_textbook_functions(dtype):
     """The attention's RoPE (a flip of each head's halves) and qkv projection (two
     GEMMs forward, a backward of its own) against their textbook forms, the
     halves split and concatenated and one ``x @ kernel`` split in three: the same
-    values and gradients (bitwise on a CPU, where the backward's barrier is
-    removed before fusing)."""
+    values and gradients. Each pair is two different XLA programs (a flip against
+    a split, two GEMMs and a custom backward against one GEMM and autodiff), whose
+    summation order and FMA contraction XLA chooses: equal to the contract's
+    tolerances, not bitwise (the kernel's gradient differed in its last bits on
+    AVX-512 CPUs)."""
     def rope_textbook(x, base=10000.0):
         _, seq, _, dim = x.shape
         inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
@@ -854,8 +857,8 @@ def test_rope_and_qkv_projection_compute_the_textbook_functions(dtype):
     ct = jax.random.normal(keys[1], x.shape, dtype)
     got, vjp = jax.vjp(lm.rope, x)
     want, vjp_want = jax.vjp(rope_textbook, x)
-    assert_bitwise(got, want, "rope")
-    assert_bitwise(vjp(ct)[0], vjp_want(ct)[0], "rope's gradient")
+    assert_close(got, want, dtype, what="rope")
+    assert_close(vjp(ct)[0], vjp_want(ct)[0], dtype, what="rope's gradient")
     # rotation: each head's halves as a complex number times e^{i angle}
     x1, x2 = np.split(np.asarray(x, np.float64), 2, axis=-1)
     angle = np.arange(16)[:, None] * 10000.0 ** (-np.arange(0, 32, 2) / 32)
@@ -875,4 +878,5 @@ def test_rope_and_qkv_projection_compute_the_textbook_functions(dtype):
     got, vjp = jax.vjp(lm.qkv_projection, h, kernel)
     want, vjp_want = jax.vjp(textbook, h, kernel)
     for a, b, what in zip(got + vjp(cts), want + vjp_want(cts), ("qk", "v", "dx", "dkernel")):
-        assert_bitwise(a, b, f"qkv_projection {what}")
+        assert a.dtype == b.dtype == dtype, (what, a.dtype, b.dtype)
+        assert_close(a, b, dtype, what=f"qkv_projection {what}")

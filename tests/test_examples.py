@@ -191,13 +191,15 @@ def test_sharded_optimizer_state_and_step(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_cpu_bits():
+def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_step():
     """--grad-reduce-lag ties layer i's expert weights to layer i-lag's input: the
     backward gains one optimization barrier per tied layer (what pins each
     data-parallel all-reduce inside the backward), in f32 and in bf16 (where the
-    weights are tied in the layer's compute dtype), on dp and dp x ep meshes. On
-    a CPU XLA removes barriers before fusing, so the step's loss, gradient norm
-    and new parameters are the same bits as without it."""
+    weights are tied in the layer's compute dtype), on dp and dp x ep meshes. The
+    step's loss, gradient norm and new parameters are those without it, to the
+    contract's tolerances: the two are different XLA programs, whose summation
+    order XLA chooses (on a CPU it removes the barriers before fusing, and the
+    bits have been the same; that is XLA's choice, not mok_jax's)."""
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 33)), jnp.int32)
     results = {}
     cases = [((2, 1), "float32", -1), ((2, 1), "float32", 0), ((2, 1), "float32", 1),
@@ -226,18 +228,20 @@ def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_cpu_bits():
                                               results[dp, ep, dtype, -1])
         where = f"mesh ({dp}, {ep}), {dtype}, lag {lag}"
         for name in ("loss", "grad_norm"):
-            assert_bitwise(metrics[name], ref[name], f"{where}: {name}")
+            assert_close(metrics[name], ref[name], jnp.dtype(dtype), what=f"{where}: {name}")
         for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
-            assert_bitwise(a, b, f"{where}: parameters")
+            assert_close(a, b, jnp.dtype(dtype), what=f"{where}: parameters")
 
 
 @pytest.mark.parametrize("mesh_shape, shard_optimizer", [((1, 1), False), ((2, 1), False),
                                                        ((2, 1), True), ((2, 2), False)])
 def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
     """Config.weight_copies (bf16): the train state keeps the expert stacks in bf16,
-    written by the update, and the forward takes them. Two steps give the same
-    losses, gradient norms, parameters and optimizer state, bit for bit, as
-    casting in the forward; the copies are the masters cast; f32 keeps none."""
+    written by the update, and the forward takes them. Two steps give the losses,
+    gradient norms, parameters and optimizer state of casting in the forward, to
+    the contract's bf16 tolerance (two XLA programs: the bits have been the same,
+    but their summation order is XLA's choice); the copies are exactly the masters
+    cast (a cast rounds one way); f32 keeps none."""
     dp, ep = mesh_shape
     mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
     rules = lm.mnn.logical_axis_rules(mesh.axis_names)
@@ -262,11 +266,12 @@ def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
     assert not jax.tree.leaves(runs["float32", True][0].copies)
     for m, r in zip(metrics, ref_metrics):
         for name in ("loss", "grad_norm"):
-            assert_bitwise(m[name], r[name], name)
+            assert_close(m[name], r[name], jnp.bfloat16, what=name)
     for what in ("params", "opt"):
         for a, b in zip(jax.tree.leaves(getattr(state, what)),
                         jax.tree.leaves(getattr(ref_state, what))):
-            assert_bitwise(a, b, what)
+            assert a.dtype == b.dtype and a.shape == b.shape, what
+            assert_close(a, b, jnp.bfloat16, what=what)
     want = lm.weight_copies(state.params, jnp.bfloat16)
     for (path, a), (_, b) in zip(lm.nnx.to_flat_state(state.copies),
                                  lm.nnx.to_flat_state(want)):

@@ -146,6 +146,7 @@ def test_make_inputs_routing():
     assert inputs["x"].dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_quick_run_writes_json(tmp_path):
     path = tmp_path / "sub" / "bench.json"
     bench.main(["--quick", "--repeats", "2", "--json", str(path)])
@@ -273,6 +274,7 @@ def _fused_expected_status(record):
             record["status"] in ("unavailable", "error") and record["error"]), record
 
 
+@pytest.mark.slow
 def test_ep_mode_times_moe_on_meshes_of_each_size(ep_run):
     result = ep_run
     by_impl = {r["impl"]: r for r in result["records"]}
@@ -328,6 +330,7 @@ def test_ep_mode_times_moe_on_meshes_of_each_size(ep_run):
                 r["bytes_per_device"] / (r["median_ms"] * 1e-3) / 1e9)
 
 
+@pytest.mark.slow
 def test_compute_only_record_is_one_ranks_work_with_e_over_p_experts(ep_run):
     shape = bench.QUICK_SHAPES["ep"]   # T=64, K=8, E=32
     for size in (2, 4):

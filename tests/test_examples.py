@@ -97,6 +97,7 @@ def test_log_json_and_loss_png(straight_run):
     assert os.path.getsize(out / "loss.png") > 10_000
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical(straight_run, resumed_run):
     straight_out, straight = straight_run
     resumed_out, first, resumed = resumed_run
@@ -124,7 +125,8 @@ def test_resume_is_bitwise_identical(straight_run, resumed_run):
         assert_bitwise(x, y, "final state, straight vs resumed")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow),
+                                   "bfloat16"])
 def test_checkpoint_round_trip_is_bitwise(tmp_path, dtype):
     """Every leaf comes back; in bf16 the expert stacks' copies are not saved but
     derived from the restored masters (not taken from ``like``)."""
@@ -164,6 +166,7 @@ def _two_steps(step, state, cfg, mesh):
     return state, metrics
 
 
+@pytest.mark.slow
 def test_sharded_optimizer_state_and_step(tmp_path):
     """--shard-optimizer (ZeRO stage 1): the moments of every matrix are split over
     dp (on a dimension not split already), scalars stay whole, and two steps give
@@ -191,6 +194,7 @@ def test_sharded_optimizer_state_and_step(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_step():
     """--grad-reduce-lag ties layer i's expert weights to layer i-lag's input: the
     backward gains one optimization barrier per tied layer (what pins each
@@ -233,6 +237,7 @@ def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_step():
             assert_close(a, b, jnp.dtype(dtype), what=f"{where}: parameters")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape, shard_optimizer", [((1, 1), False), ((2, 1), False),
                                                        ((2, 1), True), ((2, 2), False)])
 def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
@@ -279,6 +284,7 @@ def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
         assert_bitwise(a, b, f"copy {path}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape, lag", [((1, 1), -1), ((2, 1), 1), ((2, 2), -1)])
 def test_fused_norms_are_the_same_model(mesh_shape, lag):
     """--norm fused (mok_jax.add_rms_norm: each residual add with the norm after it,
@@ -329,6 +335,7 @@ def test_weight_copies_state_and_step_must_agree():
         jax.eval_shape(lm.make_train_step(cfg, graphdef, tx, schedule), bare, batch)
 
 
+@pytest.mark.slow
 def test_reduce_barrier_leaves_the_model_unchanged():
     """The tied weights run in a copy of the block: calling the model (eagerly, or
     closed over by jax.jit) neither changes its parameters nor fails."""
@@ -352,6 +359,7 @@ def test_reduce_barrier_leaves_the_model_unchanged():
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow
 def test_bench_model_parts_candidates_compute_the_same_function():
     """examples/bench_model_parts.py: every candidate form of the router, of the
     attention block and of the norm gives the example's outputs and gradients (to
@@ -369,6 +377,7 @@ def test_bench_model_parts_candidates_compute_the_same_function():
         assert r["median_ms"] > 0
 
 
+@pytest.mark.slow
 def test_pgle_untimed_steps_are_the_profiled_and_recompiling_ones(tmp_path):
     """With PGLE on, JAX compiles at the first call, profiles it and the next
     runs - 1 calls, and recompiles at call runs + 1: `untimed_steps` is that last
@@ -407,6 +416,7 @@ def test_pgle_untimed_steps_are_the_profiled_and_recompiling_ones(tmp_path):
     assert log["config"]["grad_reduce_lag"] == 1 and log["mesh"] == {"dp": 2, "ep": 1}
 
 
+@pytest.mark.slow
 def test_log_lines_wait_only_for_their_own_step(tmp_path, monkeypatch):
     """A log line of a step that neither evaluates nor saves is written after the
     next step has been dispatched: the host waits for the logged step only, and
@@ -452,6 +462,7 @@ def test_profile_refuses_pgle():
     assert lm.parse_args(["--profile", "p"]).profile == "p"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--ep", "2"], ["--shard-optimizer"]])
 def test_dp_default_lag_only_where_measured(tmp_path, extra):
     """The barrier's default (lag 1) is for dp > 1 with ep = 1 and a replicated
@@ -461,6 +472,7 @@ def test_dp_default_lag_only_where_measured(tmp_path, extra):
     assert log["config"]["grad_reduce_lag"] == -1 and log["mesh"]["dp"] == 2
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_run_and_a_foreign_log(tmp_path):
     """--resume continues the run that wrote the checkpoints: a command line that
     changes its model, data or schedule is refused before anything is restored (it
@@ -491,6 +503,7 @@ def test_resume_refuses_another_run_and_a_foreign_log(tmp_path):
         lm.parse_args(["--resume", "--overwrite"])
 
 
+@pytest.mark.slow
 def test_a_diverged_run_stops_without_a_checkpoint(tmp_path):
     """A non-finite train loss ends the run before the next checkpoint: a diverged
     state would otherwise push the good checkpoints out (two are kept)."""
@@ -607,6 +620,7 @@ def test_quickstart_agrees_with_the_reference(dtype, tol, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_smoke_command_line(tmp_path):
     proc = _run_script("train_moe_lm.py", "--host-devices", "2", "--dp", "2", "--steps", "4",
                        "--batch", "4", "--seq", "32", "--eval-every", "4", "--eval-batches", "1",
@@ -619,6 +633,7 @@ def test_train_smoke_command_line(tmp_path):
     assert (tmp_path / "loss.png").exists() and (tmp_path / "ckpt" / "4").exists()
 
 
+@pytest.mark.slow
 def test_mesh_experiments_smoke(tmp_path):
     proc = _run_script("mesh_experiments.py", "--host-devices", "2", "--batch", "4", "--seq",
                        "32", "--repeats", "1", "--out", str(tmp_path))
@@ -654,6 +669,7 @@ def test_factorisations():
     assert mesh_experiments.factorisations(1) == [(1, 1)]
 
 
+@pytest.mark.slow
 def test_profile_attributes_the_step_to_the_parts_of_the_model(tmp_path, monkeypatch):
     """--profile: the traced steps' device time goes to the model's parts through the
     name scopes, not to "other"; the MoE, attention and norm rows have per-layer

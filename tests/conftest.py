@@ -46,6 +46,7 @@ def pytest_configure(config):
     # `pytest tests` working from any directory with --strict-markers.
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU)")
     config.addinivalue_line("markers", "multigpu: needs at least 2 CUDA GPUs")
+    config.addinivalue_line("markers", "slow: CPU tests of several seconds each (-m slow)")
 
 
 def _num_gpus():

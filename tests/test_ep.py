@@ -28,7 +28,11 @@ CPUS = jax.devices("cpu")
 @pytest.mark.parametrize("backend", EP_BACKENDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("capacity_factor", [None, 0.6])
-@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+# EP=4 (experts and tokens split, capacity bites) stays in the fast set; the
+# other sizes run with -m slow.
+@pytest.mark.parametrize("ep", [pytest.param(1, marks=pytest.mark.slow),
+                                pytest.param(2, marks=pytest.mark.slow), 4,
+                                pytest.param(8, marks=pytest.mark.slow)])
 def test_shard_map_ep_is_bitwise_equal_to_one_device(ep, capacity_factor, dtype, backend):
     x, ids, w, wgu, wd = problem(dtype)
     y1, s1, g1 = single_device(x, ids, w, wgu, wd, capacity_factor)
@@ -234,8 +238,10 @@ def test_experts_not_divisible_by_the_ep_axis_is_an_error():
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
-@pytest.mark.parametrize("experts", ["split", "replicated", "split, tokens replicated",
-                                     "split, dp2 x ep2"])
+@pytest.mark.parametrize("experts", ["split", "replicated",
+                                     pytest.param("split, tokens replicated",
+                                                  marks=pytest.mark.slow),
+                                     pytest.param("split, dp2 x ep2", marks=pytest.mark.slow)])
 def test_tokens_not_dividing_their_mesh_axes_give_the_single_device_results(
         experts, capacity_factor):
     """XLA may split T tokens unevenly (a with_sharding_constraint of 30 tokens over 4
@@ -288,7 +294,8 @@ def test_unknown_axis_name_is_an_error():
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
-@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["ep4", "dp2xep2"])
+@pytest.mark.parametrize("mesh_shape", [(4,), pytest.param((2, 2), marks=pytest.mark.slow)],
+                         ids=["ep4", "dp2xep2"])
 def test_plain_jit_backward_uses_the_forward_residuals(axis_type, mesh_shape):
     """Under plain jit the forward's custom partitioning hands each device's grouped
     inputs and projections to the backward: the compiled forward+backward runs the
@@ -313,6 +320,7 @@ def test_plain_jit_backward_uses_the_forward_residuals(axis_type, mesh_shape):
         assert_same_bits(g[3], g1[3], "d_w_down")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["one device", "one device xla", "shard_map ep4",
                                    "plain jit ep8"])
 def test_x64_mode_gives_the_same_bits_and_int32_statistics(where):

@@ -41,6 +41,7 @@ def _assert_all_equal(code, out, processes, ep, backend="auto"):
     assert "MISMATCH" not in out and "all processes bitwise equal to one device" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,capacity", [("bf16", None), ("f32", "0.75")])
 def test_two_processes_of_two_host_devices_match_one_device(dtype, capacity):
     argv = ["--processes", "2", "--devices-per-process", "2", "--platform", "cpu",
@@ -51,6 +52,7 @@ def test_two_processes_of_two_host_devices_match_one_device(dtype, capacity):
     _assert_all_equal(code, out, 2, ep=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_axes", ["explicit", "auto"])
 def test_two_processes_on_both_mesh_axis_types(mesh_axes):
     """jax.make_mesh's Explicit axes and Auto axes: plain jit under jax.set_mesh

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_bitwise
+from conftest import assert_bitwise, assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -97,6 +97,7 @@ def test_log_json_and_loss_png(straight_run):
     assert os.path.getsize(out / "loss.png") > 10_000
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical(straight_run, resumed_run):
     straight_out, straight = straight_run
     resumed_out, first, resumed = resumed_run
@@ -124,7 +125,8 @@ def test_resume_is_bitwise_identical(straight_run, resumed_run):
         assert_bitwise(x, y, "final state, straight vs resumed")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow),
+                                   "bfloat16"])
 def test_checkpoint_round_trip_is_bitwise(tmp_path, dtype):
     """Every leaf comes back; in bf16 the expert stacks' copies are not saved but
     derived from the restored masters (not taken from ``like``)."""
@@ -164,6 +166,7 @@ def _two_steps(step, state, cfg, mesh):
     return state, metrics
 
 
+@pytest.mark.slow
 def test_sharded_optimizer_state_and_step(tmp_path):
     """--shard-optimizer (ZeRO stage 1): the moments of every matrix are split over
     dp (on a dimension not split already), scalars stay whole, and two steps give
@@ -191,13 +194,16 @@ def test_sharded_optimizer_state_and_step(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_cpu_bits():
+@pytest.mark.slow
+def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_step():
     """--grad-reduce-lag ties layer i's expert weights to layer i-lag's input: the
     backward gains one optimization barrier per tied layer (what pins each
     data-parallel all-reduce inside the backward), in f32 and in bf16 (where the
-    weights are tied in the layer's compute dtype), on dp and dp x ep meshes. On
-    a CPU XLA removes barriers before fusing, so the step's loss, gradient norm
-    and new parameters are the same bits as without it."""
+    weights are tied in the layer's compute dtype), on dp and dp x ep meshes. The
+    step's loss, gradient norm and new parameters are those without it, to the
+    contract's tolerances: the two are different XLA programs, whose summation
+    order XLA chooses (on a CPU it removes the barriers before fusing, and the
+    bits have been the same; that is XLA's choice, not mok_jax's)."""
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 33)), jnp.int32)
     results = {}
     cases = [((2, 1), "float32", -1), ((2, 1), "float32", 0), ((2, 1), "float32", 1),
@@ -226,18 +232,21 @@ def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_cpu_bits():
                                               results[dp, ep, dtype, -1])
         where = f"mesh ({dp}, {ep}), {dtype}, lag {lag}"
         for name in ("loss", "grad_norm"):
-            assert_bitwise(metrics[name], ref[name], f"{where}: {name}")
+            assert_close(metrics[name], ref[name], jnp.dtype(dtype), what=f"{where}: {name}")
         for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
-            assert_bitwise(a, b, f"{where}: parameters")
+            assert_close(a, b, jnp.dtype(dtype), what=f"{where}: parameters")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape, shard_optimizer", [((1, 1), False), ((2, 1), False),
                                                        ((2, 1), True), ((2, 2), False)])
 def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
     """Config.weight_copies (bf16): the train state keeps the expert stacks in bf16,
-    written by the update, and the forward takes them. Two steps give the same
-    losses, gradient norms, parameters and optimizer state, bit for bit, as
-    casting in the forward; the copies are the masters cast; f32 keeps none."""
+    written by the update, and the forward takes them. Two steps give the losses,
+    gradient norms, parameters and optimizer state of casting in the forward, to
+    the contract's bf16 tolerance (two XLA programs: the bits have been the same,
+    but their summation order is XLA's choice); the copies are exactly the masters
+    cast (a cast rounds one way); f32 keeps none."""
     dp, ep = mesh_shape
     mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
     rules = lm.mnn.logical_axis_rules(mesh.axis_names)
@@ -262,11 +271,12 @@ def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
     assert not jax.tree.leaves(runs["float32", True][0].copies)
     for m, r in zip(metrics, ref_metrics):
         for name in ("loss", "grad_norm"):
-            assert_bitwise(m[name], r[name], name)
+            assert_close(m[name], r[name], jnp.bfloat16, what=name)
     for what in ("params", "opt"):
         for a, b in zip(jax.tree.leaves(getattr(state, what)),
                         jax.tree.leaves(getattr(ref_state, what))):
-            assert_bitwise(a, b, what)
+            assert a.dtype == b.dtype and a.shape == b.shape, what
+            assert_close(a, b, jnp.bfloat16, what=what)
     want = lm.weight_copies(state.params, jnp.bfloat16)
     for (path, a), (_, b) in zip(lm.nnx.to_flat_state(state.copies),
                                  lm.nnx.to_flat_state(want)):
@@ -274,6 +284,7 @@ def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
         assert_bitwise(a, b, f"copy {path}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape, lag", [((1, 1), -1), ((2, 1), 1), ((2, 2), -1)])
 def test_fused_norms_are_the_same_model(mesh_shape, lag):
     """--norm fused (mok_jax.add_rms_norm: each residual add with the norm after it,
@@ -324,6 +335,7 @@ def test_weight_copies_state_and_step_must_agree():
         jax.eval_shape(lm.make_train_step(cfg, graphdef, tx, schedule), bare, batch)
 
 
+@pytest.mark.slow
 def test_reduce_barrier_leaves_the_model_unchanged():
     """The tied weights run in a copy of the block: calling the model (eagerly, or
     closed over by jax.jit) neither changes its parameters nor fails."""
@@ -347,6 +359,7 @@ def test_reduce_barrier_leaves_the_model_unchanged():
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow
 def test_bench_model_parts_candidates_compute_the_same_function():
     """examples/bench_model_parts.py: every candidate form of the router, of the
     attention block and of the norm gives the example's outputs and gradients (to
@@ -364,6 +377,7 @@ def test_bench_model_parts_candidates_compute_the_same_function():
         assert r["median_ms"] > 0
 
 
+@pytest.mark.slow
 def test_pgle_untimed_steps_are_the_profiled_and_recompiling_ones(tmp_path):
     """With PGLE on, JAX compiles at the first call, profiles it and the next
     runs - 1 calls, and recompiles at call runs + 1: `untimed_steps` is that last
@@ -402,6 +416,7 @@ def test_pgle_untimed_steps_are_the_profiled_and_recompiling_ones(tmp_path):
     assert log["config"]["grad_reduce_lag"] == 1 and log["mesh"] == {"dp": 2, "ep": 1}
 
 
+@pytest.mark.slow
 def test_log_lines_wait_only_for_their_own_step(tmp_path, monkeypatch):
     """A log line of a step that neither evaluates nor saves is written after the
     next step has been dispatched: the host waits for the logged step only, and
@@ -447,6 +462,7 @@ def test_profile_refuses_pgle():
     assert lm.parse_args(["--profile", "p"]).profile == "p"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--ep", "2"], ["--shard-optimizer"]])
 def test_dp_default_lag_only_where_measured(tmp_path, extra):
     """The barrier's default (lag 1) is for dp > 1 with ep = 1 and a replicated
@@ -456,6 +472,7 @@ def test_dp_default_lag_only_where_measured(tmp_path, extra):
     assert log["config"]["grad_reduce_lag"] == -1 and log["mesh"]["dp"] == 2
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_run_and_a_foreign_log(tmp_path):
     """--resume continues the run that wrote the checkpoints: a command line that
     changes its model, data or schedule is refused before anything is restored (it
@@ -486,6 +503,7 @@ def test_resume_refuses_another_run_and_a_foreign_log(tmp_path):
         lm.parse_args(["--resume", "--overwrite"])
 
 
+@pytest.mark.slow
 def test_a_diverged_run_stops_without_a_checkpoint(tmp_path):
     """A non-finite train loss ends the run before the next checkpoint: a diverged
     state would otherwise push the good checkpoints out (two are kept)."""
@@ -602,6 +620,7 @@ def test_quickstart_agrees_with_the_reference(dtype, tol, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_smoke_command_line(tmp_path):
     proc = _run_script("train_moe_lm.py", "--host-devices", "2", "--dp", "2", "--steps", "4",
                        "--batch", "4", "--seq", "32", "--eval-every", "4", "--eval-batches", "1",
@@ -614,6 +633,7 @@ def test_train_smoke_command_line(tmp_path):
     assert (tmp_path / "loss.png").exists() and (tmp_path / "ckpt" / "4").exists()
 
 
+@pytest.mark.slow
 def test_mesh_experiments_smoke(tmp_path):
     proc = _run_script("mesh_experiments.py", "--host-devices", "2", "--batch", "4", "--seq",
                        "32", "--repeats", "1", "--out", str(tmp_path))
@@ -649,6 +669,7 @@ def test_factorisations():
     assert mesh_experiments.factorisations(1) == [(1, 1)]
 
 
+@pytest.mark.slow
 def test_profile_attributes_the_step_to_the_parts_of_the_model(tmp_path, monkeypatch):
     """--profile: the traced steps' device time goes to the model's parts through the
     name scopes, not to "other"; the MoE, attention and norm rows have per-layer
@@ -839,8 +860,11 @@ def test_rope_and_qkv_projection_compute_the_textbook_functions(dtype):
     """The attention's RoPE (a flip of each head's halves) and qkv projection (two
     GEMMs forward, a backward of its own) against their textbook forms, the
     halves split and concatenated and one ``x @ kernel`` split in three: the same
-    values and gradients (bitwise on a CPU, where the backward's barrier is
-    removed before fusing)."""
+    values and gradients. Each pair is two different XLA programs (a flip against
+    a split, two GEMMs and a custom backward against one GEMM and autodiff), whose
+    summation order and FMA contraction XLA chooses: equal to the contract's
+    tolerances, not bitwise (the kernel's gradient differed in its last bits on
+    AVX-512 CPUs)."""
     def rope_textbook(x, base=10000.0):
         _, seq, _, dim = x.shape
         inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
@@ -854,8 +878,8 @@ def test_rope_and_qkv_projection_compute_the_textbook_functions(dtype):
     ct = jax.random.normal(keys[1], x.shape, dtype)
     got, vjp = jax.vjp(lm.rope, x)
     want, vjp_want = jax.vjp(rope_textbook, x)
-    assert_bitwise(got, want, "rope")
-    assert_bitwise(vjp(ct)[0], vjp_want(ct)[0], "rope's gradient")
+    assert_close(got, want, dtype, what="rope")
+    assert_close(vjp(ct)[0], vjp_want(ct)[0], dtype, what="rope's gradient")
     # rotation: each head's halves as a complex number times e^{i angle}
     x1, x2 = np.split(np.asarray(x, np.float64), 2, axis=-1)
     angle = np.arange(16)[:, None] * 10000.0 ** (-np.arange(0, 32, 2) / 32)
@@ -875,4 +899,5 @@ def test_rope_and_qkv_projection_compute_the_textbook_functions(dtype):
     got, vjp = jax.vjp(lm.qkv_projection, h, kernel)
     want, vjp_want = jax.vjp(textbook, h, kernel)
     for a, b, what in zip(got + vjp(cts), want + vjp_want(cts), ("qk", "v", "dx", "dkernel")):
-        assert_bitwise(a, b, f"qkv_projection {what}")
+        assert a.dtype == b.dtype == dtype, (what, a.dtype, b.dtype)
+        assert_close(a, b, dtype, what=f"qkv_projection {what}")

@@ -3,6 +3,7 @@ within the contract's tolerance and its statistics match a NumPy count exactly."
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,6 +32,7 @@ def problems(draw):
     return T, K, E, H, F, dtype, routing, capacity_factor, seed
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, derandomize=True, database=None, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(problems())

@@ -581,7 +581,8 @@ def test_a_huge_capacity_factor_drops_nothing(backend, factor):
     assert int(s1.dropped) == 1
 
 
-@pytest.mark.parametrize("backend", ["auto", "xla"])
+# backend="xla" runs op by op under disable_jit (4 s): with -m slow.
+@pytest.mark.parametrize("backend", ["auto", pytest.param("xla", marks=pytest.mark.slow)])
 def test_disable_jit_gives_the_jitted_bits(backend):
     """Under ``jax.disable_jit()`` (debugging) the layer still runs its kernels, forward
     and backward, with the bits of a jitted call."""

@@ -48,6 +48,7 @@ def np_softmax(z):
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_docstring_examples_run():
     result = doctest.testmod(mnn, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 8 and result.failed == 0, result
@@ -253,6 +254,7 @@ def test_router_logits_use_bf16_products_only_for_bf16_tokens():
         mnn.router_logits(jnp.ones((4, H), BF16), w, "bf16")
 
 
+@pytest.mark.slow
 def test_router_dot_choices_route_alike():
     # The layer in bf16 with either router dot: the same experts, and weights,
     # outputs and router gradients equal to f32 rounding.
@@ -611,7 +613,7 @@ def test_batch_axis_not_splitting_the_tokens_is_an_error():
     assert y.shape == (64, H) and int(np.sum(aux.tokens_per_expert)) == 64 * K
 
 
-@pytest.mark.parametrize("dp, ep", [(8, 1), (2, 4)])
+@pytest.mark.parametrize("dp, ep", [pytest.param(8, 1, marks=pytest.mark.slow), (2, 4)])
 def test_bf16_gradients_inside_shard_map_match_jit(dp, ep):
     # The bf16 router's custom VJP inside shard_map (check_vma): its kernel is
     # replicated, the tokens vary over (dp, ep); the kernel's gradient is summed.

@@ -60,6 +60,7 @@ def ptx(tmp_path_factory):
     return compile_ptx(SOURCE, tmp_path_factory.mktemp("ptx") / "moe_elementwise.ptx")
 
 
+@pytest.mark.slow  # compiles with nvcc
 def test_vectorised_row_kernels_store_only_vectors(ptx):
     checked = collections.Counter()
     bad = {}
@@ -93,6 +94,7 @@ def test_the_check_sees_element_wise_stores():
         True, True, False, False]
 
 
+@pytest.mark.slow  # compiles with nvcc
 def test_swiglu_gemm_epilogue_stores_only_16_byte_vectors(tmp_path):
     """GEMM1's SwiGLU epilogue (ffi/kernels/swiglu_epilogue.cuh) writes h and the
     gate/up residual as 16-byte stores; the rest of those kernels (CUTLASS's TMA

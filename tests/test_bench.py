@@ -484,7 +484,7 @@ def test_ragged_exchange_matches_exact_all_to_all_on_gpus():
 
 
 def test_auto_skip_spares_gpu_runs_ragged_dot_backwards_that_did_not_compile():
-    # Measured on an H200 (docs/perf.md): ragged_dot's backward failed to compile on
+    # Measured on an H200 (docs/performance.md): ragged_dot's backward failed to compile on
     # these three full shapes and compiled on mixtral-like.
     for name in ("small-experts", "deepseek-slice", "ep"):
         why = bench.auto_skip(bench.FULL_SHAPES[name], "ragged_dot", "fwdbwd", "gpu")

@@ -7,8 +7,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 import hlo_fusions  # noqa: E402
 
-# The shape of what aborted XLA's GPU compiler (docs/runs/2026-11-30/
-# issue10_scatter_fusion_hlo.txt): a scatter fusion whose combiner holds a custom call.
+# The shape of what aborted XLA's GPU compiler (seen on two H200s, 2026-11-30): a
+# scatter fusion whose combiner holds a custom call.
 _BAD = """\
 HloModule m, entry_computation_layout={(s32[4]{0})->s32[4]{0}}
 

@@ -91,7 +91,7 @@ def test_load_max_gives_expert_0_that_multiple_of_the_mean_load():
 
 
 def test_wgrad_schedule_model_puts_two_long_tiles_on_one_cta_only_in_expert_order():
-    """scripts/wgrad_schedule_model.py (the case for ordering the groups longest first, the default since session 15):
+    """scripts/wgrad_schedule_model.py (the case for ordering the groups longest first, as the weight-gradient GEMM does):
     with one busy expert, expert order loses for most busy experts (17 here: both
     problems' long tiles meet on some CTAs) but not for expert 0; longest first
     never loses and is the same schedule as expert order when the loads tie."""

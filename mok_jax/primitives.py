@@ -260,12 +260,12 @@ def ffi_lowering(platform: str, target: str, attrs: Callable[[dict], dict]):
     return lower
 
 
-def define(name: str, signature: Signature, *, lowerings: dict[str, Callable],
+def define(name: str, signature: Signature | None, *, lowerings: dict[str, Callable],
            sizes: Callable[[dict, dict], dict] | None = None,
            abstract_eval: Callable | None = None, per_call: bool = False) -> Primitive:
     """A primitive with multiple results: eager evaluation by jit, the abstract
     evaluation of `signature` (``sizes(factor_sizes, params)`` adds the results'
-    own factors; `abstract_eval` replaces the table's where operand ranks vary),
+    own factors; `abstract_eval`, with no signature, where operand ranks vary),
     one lowering per platform, and batching by a sequential map. `per_call`: every
     call is lowered on its own (JAX otherwise lowers equal calls of a module once
     and copies the result), for lowerings that tell calls apart (`call_site`)."""
@@ -287,7 +287,6 @@ def define(name: str, signature: Signature, *, lowerings: dict[str, Callable],
     for platform, rule in lowerings.items():
         mlir.register_lowering(prim, rule, platform=platform, cacheable=not per_call)
     batching.primitive_batchers[prim] = _map_batching(prim)
-    prim.signature = signature
     return prim
 
 
@@ -498,23 +497,13 @@ def _ep_combine_abstract_eval(rows, row_values, weights, kept, dest, *, axis_nam
             _Out((n,), row_values.dtype, (lead if n else None,)))
 
 
-EP_DISPATCH_SIGNATURE = Signature(
-    (Array("values", "t h", "values"), Array("pair_values", "t k", "pair_values"),
-     Array("entries", "u", "int32"), Array("dest", "u k", "int32")),
-    (Array("rows", "r h", "values"), Array("row_values", "r", "pair_values")))
-EP_COMBINE_SIGNATURE = Signature(
-    (Array("rows", "r h", "rows"), Array("row_values", "r", "row_values"),
-     Array("weights", "t k", "weights"), Array("kept", "t k", "int32"),
-     Array("dest", "r", "int32")),
-    (Array("out", "t h", "rows"), Array("pair_values", "p", "row_values")))
-
 ep_dispatch_p = define(
-    EP_DISPATCH, EP_DISPATCH_SIGNATURE, abstract_eval=_ep_dispatch_abstract_eval, per_call=True,
+    EP_DISPATCH, None, abstract_eval=_ep_dispatch_abstract_eval, per_call=True,
     lowerings={"cuda": _fused_lowering(EP_DISPATCH, _window_of_tokens, lambda params: {}),
                "cpu": _cpu_refusal})
 
 ep_combine_p = define(
-    EP_COMBINE, EP_COMBINE_SIGNATURE, abstract_eval=_ep_combine_abstract_eval, per_call=True,
+    EP_COMBINE, None, abstract_eval=_ep_combine_abstract_eval, per_call=True,
     lowerings={"cuda": _fused_lowering(EP_COMBINE, _window_of_rows,
                                        lambda params: {"weighted": bool(params["weighted"])}),
                "cpu": _cpu_refusal})

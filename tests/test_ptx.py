@@ -112,6 +112,6 @@ def test_swiglu_gemm_epilogue_stores_only_16_byte_vectors(tmp_path):
     kernels = {name: collections.Counter(m.group(1) for m in STORE.finditer(body))
                for name, body in entries(text)
                if "device_kernel" in name and "SwigluEpilogue" in name}
-    assert len(kernels) == 2, list(kernels)  # the cooperative and ping-pong instances
+    assert len(kernels) == 1, list(kernels)  # the one (cooperative) instance
     for name, stores in kernels.items():
         assert stores and all(VECTOR.search(k) and ".v4" in k for k in stores), (name, stores)

@@ -66,6 +66,16 @@ NB_MODULE(_mok, m) {
 #else
   m.attr("HAS_SM90A_KERNELS") = false;
 #endif
+  // What this build holds (mok_jax.build_info()).
+#ifdef MOK_WITH_CUDA
+  m.attr("CUDA_KERNELS") = true;
+  m.attr("CUDA_ARCHITECTURES") = MOK_CUDA_ARCHITECTURES;  // CMake's list, ';'-separated
+  m.attr("CUDA_VERSION") = MOK_CUDA_VERSION;              // of the nvcc that compiled them
+#else
+  m.attr("CUDA_KERNELS") = false;
+  m.attr("CUDA_ARCHITECTURES") = "";
+  m.attr("CUDA_VERSION") = "";
+#endif
   m.def("swiglu_epilogue_shape", &mok::swiglu_epilogue_shape, nb::arg("experts"),
         nb::arg("hidden"), nb::arg("ffn"), nb::arg("rows"),
         "Whether a bf16 forward on sm_90a of these sizes (rows = T*K) runs GEMM1 with "

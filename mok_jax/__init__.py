@@ -17,13 +17,14 @@ Submodules reachable after ``import mok_jax``:
 import importlib
 
 from mok_jax import _ext, reference
+from mok_jax.build import BuildInfo, build_info
 from mok_jax.moe import BACKENDS, MoEStats, capacity, moe
 from mok_jax.norm import add_rms_norm
 from mok_jax.recipe import Recipe
 
 __version__ = "0.1.0"
-__all__ = ["BACKENDS", "MoEStats", "Recipe", "add_rms_norm", "capacity", "moe", "nn",
-           "reference"]
+__all__ = ["BACKENDS", "BuildInfo", "MoEStats", "Recipe", "add_rms_norm", "build_info",
+           "capacity", "moe", "nn", "reference"]
 
 _LAZY_SUBMODULES = ("nn",)
 

@@ -68,7 +68,8 @@ def require_platform(platform: str) -> None:
     if platform == "cuda":
         raise RuntimeError(
             "mok_jax was built without its CUDA handlers, so mok_jax.moe cannot run on "
-            "this GPU. Rebuild on a machine with nvcc (CUDA >= 12.8) and Hopper or "
-            "newer: `pip install --force-reinstall --no-deps "
-            "-C cmake.define.MOK_ENABLE_CUDA=ON .` from the mok_jax source tree.")
+            "this GPU. Rebuild with CUDA 13 from PyPI: `MOK_CUDA=13 pip install "
+            "--force-reinstall --no-deps .` from the mok_jax source tree (or with "
+            "-C cmake.define.MOK_ENABLE_CUDA=ON and nvcc on PATH). This build: mok_jax "
+            "with CPU handlers only.")
     raise RuntimeError(f"mok_jax has no handlers for platform {platform!r}.")

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import os
 import threading
+import warnings
 
 import jax
 import numpy as np
@@ -78,11 +79,11 @@ def module():
         from mok_jax import _mok_comm
     except ImportError as err:
         raise Missing(
-            "mok_jax was built without its fused EP transport (mok_jax._mok_comm): it "
-            "needs the CUDA build and NCCL >= 2.28 with its device-API headers (the "
-            "nvidia-nccl-cu13 package JAX uses) when mok_jax is compiled. Use "
-            "backend='xla', or reinstall mok_jax on a machine with nvcc and that "
-            f"package. ({err})") from err
+            "mok_jax was built without its fused EP transport (mok_jax._mok_comm), or "
+            "its NCCL cannot be loaded: it needs the CUDA build and NCCL 2.28's "
+            "device-API headers when mok_jax is compiled. Use backend='xla', or "
+            "reinstall mok_jax with `MOK_CUDA=13 pip install --force-reinstall "
+            f"\".[cuda13]\"` from the mok_jax source tree. ({err})") from err
     for name, capsule in _mok_comm.registrations()["CUDA"].items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     atexit.register(_shutdown)
@@ -101,13 +102,40 @@ def available() -> bool:
 ROW_ALIGN = 16  # bytes: the transport moves rows as 16-byte vectors
 
 
+def nccl_version_string(code: int) -> str:
+    """NCCL's version code (``NCCL_VERSION_CODE``, e.g. 22809) as "2.28.9"."""
+    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+
+
+def nccl_versions() -> tuple[str, str]:
+    """(the NCCL the transport was built against, the NCCL loaded now)."""
+    mod = module()
+    return (nccl_version_string(int(mod.NCCL_HEADER_VERSION)),
+            nccl_version_string(int(mod.nccl_runtime_version())))
+
+
+def nccl_mismatch() -> str:
+    """Why the fused transport cannot run with the NCCL loaded now ('' when it can:
+    the device API it is compiled against differs between NCCL releases)."""
+    built, loaded = nccl_versions()
+    if built == loaded:
+        return ""
+    return (f"mok_jax's fused NVLink transport was built against NCCL {built}, but NCCL "
+            f"{loaded} is loaded (the device API differs between releases). Install the "
+            f"NCCL it was built for (pip install nvidia-nccl-cu13=={built}, as the cuda13 "
+            "extra does) or rebuild mok_jax against this one (MOK_CUDA=13 pip install "
+            "--force-reinstall --no-deps . from the mok_jax source tree).")
+
+
 @functools.cache
 def _auto_machine_ok() -> bool:
     if jax.process_count() != 1 or not available():
         return False
+    mismatch = nccl_mismatch()
+    if mismatch:  # create() would refuse it: stay on XLA's collectives, and say so once
+        warnings.warn(f"{mismatch} backend='auto' uses XLA's collectives.", stacklevel=3)
+        return False
     mod = module()
-    if mod.nccl_runtime_version() != mod.NCCL_HEADER_VERSION:
-        return False  # create() would refuse it: stay on XLA's collectives
     ordinals = [int(d.local_hardware_id) for d in jax.local_devices(backend="gpu")]
     return all(mod.can_access_peer(a, b) for a in ordinals for b in ordinals if a != b)
 

@@ -46,6 +46,9 @@ def transport_for(backend: str, platform: str, row_bytes: int) -> str:
                 f"{comm.ROW_ALIGN // 2} (bf16) or {comm.ROW_ALIGN // 4} (f32), or "
                 "backend='xla'.")
         comm.module()  # raises comm.Missing when this build has no fused transport
+        mismatch = comm.nccl_mismatch()
+        if mismatch:
+            raise ValueError(f"mok_jax.moe: backend='fused': {mismatch}")
         return "nvlink"
     if backend == "auto" and comm.auto_selects_fused(platform, row_bytes):
         return "nvlink"

@@ -69,7 +69,7 @@ NB_MODULE(_mok, m) {
   // What this build holds (mok_jax.build_info()).
 #ifdef MOK_WITH_CUDA
   m.attr("CUDA_KERNELS") = true;
-  m.attr("CUDA_ARCHITECTURES") = MOK_CUDA_ARCHITECTURES;  // CMake's list, ';'-separated
+  m.attr("CUDA_ARCHITECTURES") = MOK_CUDA_ARCHITECTURES;  // comma-separated
   m.attr("CUDA_VERSION") = MOK_CUDA_VERSION;              // of the nvcc that compiled them
 #else
   m.attr("CUDA_KERNELS") = false;

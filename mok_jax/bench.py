@@ -75,6 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mok_jax import baselines
+from mok_jax.recipe import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -638,7 +639,7 @@ def nvlink_fns(ep_size: int, experts: int) -> dict[str, Callable]:
     """
     from mok_jax import ep, primitives, transport  # pylint: disable=import-outside-toplevel
     e_local = experts // ep_size
-    cfg = ep.Config("ep", ep_size, primitives.NO_CAPACITY, ("ep",), ep.Recipe.NATIVE)
+    cfg = ep.Config("ep", ep_size, primitives.NO_CAPACITY, ("ep",), Recipe.NATIVE)
     tr = transport.NvlinkTransport()
 
     def route(expert_ids):

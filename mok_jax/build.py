@@ -64,7 +64,7 @@ def build_info() -> BuildInfo:
         problem = str(err)
     except Exception as err:  # a loaded module whose NCCL cannot answer  # noqa: BLE001
         problem = f"{type(err).__name__}: {err}"
-    archs = tuple(a for a in str(_mok.CUDA_ARCHITECTURES).split(";") if a)
+    archs = tuple(a for a in str(_mok.CUDA_ARCHITECTURES).split(",") if a)
     return BuildInfo(version=__version__, cuda_kernels=bool(_mok.CUDA_KERNELS),
                      cuda_architectures=archs, cuda_version=str(_mok.CUDA_VERSION),
                      tensor_core_kernels=bool(_mok.HAS_SM90A_KERNELS),

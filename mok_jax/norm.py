@@ -74,11 +74,11 @@ def _backward_math(dn, ds, s, rstd, scale):
 FORWARD_SIGNATURE = Signature(
     (Array("x", "r d", "x"), Array("branch", "r d", "x"), Array("scale", "d", "float32")),
     (Array("s", "r d", "x", like="x"), Array("n", "r d", "x", like="x"),
-     Array("rstd", "r", "float32", like="x")))
+     Array("rstd", "r", "float32")))
 BACKWARD_SIGNATURE = Signature(
     (Array("dn", "r d", "s"), Array("ds", "r d", "s"), Array("s", "r d", "s"),
      Array("rstd", "r", "float32"), Array("scale", "d", "float32")),
-    (Array("d", "r d", "s", like="s"), Array("dscale", "d", "float32", like="scale")))
+    (Array("d", "r d", "s", like="s"), Array("dscale", "d", "float32")))
 
 
 def _cuda_forward(ctx, x, branch, scale, *, epsilon):

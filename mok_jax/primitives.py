@@ -57,9 +57,12 @@ class Array(NamedTuple):
     """One operand or result of a primitive.
 
     factors: one letter per dim, space separated ("t h"); "" for a scalar.
-    dtype: the name of the operand whose dtype it has, or a dtype name ("int32").
-    like: results only: the operand whose sharding each dim follows (by factor);
-      None: for each factor, the first operand that has it.
+    dtype: results: the name of the operand whose dtype it has, or a dtype name
+      ("int32"); operands: what the caller's validation requires (documentation).
+    like: results only: the operand whose sharding the result has, dim by factor (a
+      gradient, or a result of the operand's own shape); None: only the row factors
+      (`ROW_FACTORS`) are split, like the first operand that has them, and only when
+      the dim is not empty.
     """
 
     name: str
@@ -70,6 +73,12 @@ class Array(NamedTuple):
     @property
     def dims(self) -> tuple[str, ...]:
         return tuple(self.factors.split())
+
+
+# Factors whose dims are split like the tokens: a result of these keeps its rows
+# where its operands' rows are; every other factor of a result without `like` is
+# typed unsplit (the kernels write whole rows).
+ROW_FACTORS = frozenset("tpqru")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,15 +120,20 @@ class Signature:
             return NamedSharding(mesh, PartitionSpec(*(split.get(f) for f in a.dims)))
         return tuple(spec(a) for a in self.operands), tuple(spec(a) for a in self.results)
 
-    def sizes(self, avals) -> dict[str, int]:
-        """Each factor's size, read off the operands."""
-        sizes = {}
+    def sizes(self, avals) -> dict[str, Any]:
+        """Each factor's size, read off the operands (which must agree on it)."""
+        sizes, seen_in = {}, {}
         for array, aval in zip(self.operands, avals):
             if len(array.dims) != len(aval.shape):
                 raise ValueError(f"{array.name}: expected rank {len(array.dims)} "
                                  f"({array.factors!r}), got shape {tuple(aval.shape)}")
             for f, n in zip(array.dims, aval.shape):
-                sizes.setdefault(f, int(n))
+                if f in sizes and sizes[f] != n:
+                    raise ValueError(
+                        f"{array.name} has {n} along {f!r} but {seen_in[f]} has {sizes[f]} "
+                        f"({self.rule()})")
+                sizes.setdefault(f, n)
+                seen_in.setdefault(f, array.name)
         return sizes
 
     def abstract_eval(self, avals, sizes: dict[str, int]) -> tuple["_Out", ...]:
@@ -130,8 +144,12 @@ class Signature:
         for r in self.results:
             shape = tuple(sizes[f] for f in r.dims)
             dtype = (by_name[r.dtype].dtype if r.dtype in by_name else np.dtype(r.dtype))
-            spec = tuple(None if n == 0 else self._split_of(follows.get(f, f), r.like, by_name)
-                         for f, n in zip(r.dims, shape))
+            if r.like is not None:
+                spec = tuple(self._split_of(follows.get(f, f), r.like, by_name) for f in r.dims)
+            else:
+                spec = tuple(self._split_of(follows.get(f, f), None, by_name)
+                             if f in ROW_FACTORS and n != 0 else None
+                             for f, n in zip(r.dims, shape))
             outs.append(_Out(shape, dtype, spec))
         return tuple(outs)
 
@@ -319,9 +337,9 @@ _STATS = (
 
 MOE_FORWARD = Signature(
     MOE_OPERANDS,
-    (Array("y", "t h", "x", like="x"),
-     Array("gate_up", "r g", "x", like="x"),
-     Array("x_rows", "r h", "x", like="x")) + _STATS,
+    (Array("y", "t h", "x"),
+     Array("gate_up", "r g", "x"),
+     Array("x_rows", "r h", "x")) + _STATS,
     follows=(("r", "t"),))
 MOE_BACKWARD = Signature(
     MOE_OPERANDS + (Array("gate_up", "p g", "x"), Array("x_rows", "p h", "x"),
@@ -356,7 +374,7 @@ EXPERT_WEIGHTS = MOE_OPERANDS[3:]
 EXPERT_FFN_FORWARD = Signature(
     (Array("x_rows", "r h", "x_rows"), Array("group_sizes", "e", "int32")) + EXPERT_WEIGHTS,
     (Array("out_rows", "r h", "x_rows", like="x_rows"),
-     Array("gate_up", "q g", "x_rows", like="x_rows")),
+     Array("gate_up", "q g", "x_rows")),
     follows=(("q", "r"),))
 EXPERT_FFN_BACKWARD = Signature(
     (Array("x_rows", "r h", "x_rows"), Array("dy_rows", "r h", "x_rows"),
@@ -367,7 +385,7 @@ EXPERT_FFN_BACKWARD = Signature(
 COMBINE = Signature(
     (Array("rows", "p h", "rows"), Array("weights", "t k", "weights"),
      Array("kept", "t k", "int32")),
-    (Array("out", "t h", "rows", like="kept"),))
+    (Array("out", "t h", "rows"),))
 
 expert_ffn_fwd_p = define(
     _ext.EXPERT_FFN_FORWARD, EXPERT_FFN_FORWARD,

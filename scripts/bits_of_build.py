@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     if args.compare:
         a, b = (json.load(open(f)) for f in args.compare)
         keys = sorted(k for k in set(a) | set(b) if "/" in k)
-        differ = [k for k in keys if a[k] != b.get(k)]
+        differ = [k for k in keys if a.get(k) != b.get(k)]
         print(f"{len(keys) - len(differ)} of {len(keys)} arrays bitwise equal")
         for k in differ:
             print("DIFFERS:", k)

@@ -56,7 +56,7 @@ def test_two_processes_of_two_host_devices_match_one_device(dtype, capacity):
 @pytest.mark.parametrize("mesh_axes", ["explicit", "auto"])
 def test_two_processes_on_both_mesh_axis_types(mesh_axes):
     """jax.make_mesh's Explicit axes and Auto axes: plain jit under jax.set_mesh
-    traces the partitioned code inside that mesh's context (see sharding._per_device)."""
+    traces the partitioned code inside that mesh's context (see sharding.per_device)."""
     code, out = _run("--processes", "2", "--devices-per-process", "2", "--platform", "cpu",
                      "--mesh-axes", mesh_axes, "--capacity-factor", "1.0", "--timeout", "400")
     _assert_all_equal(code, out, 2, ep=4)

@@ -15,9 +15,9 @@ import mok_jax
 from mok_jax import _ext
 from mok_jax.reference import moe_reference
 
-NATIVE = int(mok_jax.Recipe.NATIVE)  # the primitives' recipe parameter
-
 from conftest import assert_bitwise
+
+NATIVE = int(mok_jax.Recipe.NATIVE)  # the primitives' recipe parameter
 
 pytestmark = pytest.mark.gpu
 

@@ -11,9 +11,9 @@ import pytest
 import mok_jax
 from mok_jax.reference import moe_reference
 
-NATIVE = int(mok_jax.Recipe.NATIVE)  # the primitives' recipe parameter
-
 from conftest import assert_bitwise, assert_close, make_problem, np_stats
+
+NATIVE = int(mok_jax.Recipe.NATIVE)  # the primitives' recipe parameter
 
 DIFF_ARGNUMS = (0, 2, 3, 4)  # x, expert_weights, w_gate_up, w_down
 NAMES = ("dx", "d_expert_weights", "d_w_gate_up", "d_w_down")

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mok_jax import ep
 from mok_jax.primitives import NO_CAPACITY
+from mok_jax.recipe import Recipe
 from mok_jax.transport import NvlinkTransport, XlaTransport
 
 from conftest import np_stats
@@ -98,7 +99,7 @@ def _routes(axes, T, K, capacity, ids_global, x, pair_values, rows_in):
     el = E // Pep
     cfg = ep.Config(axis_name="ep", ep_size=Pep,
                     capacity=NO_CAPACITY if capacity is None else capacity,
-                    token_axes=token_axes, recipe=ep.Recipe.NATIVE)
+                    token_axes=token_axes, recipe=Recipe.NATIVE)
     spec = P(token_axes)
 
     def local(ids, x, pv, rows):

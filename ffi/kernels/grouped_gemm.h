@@ -62,11 +62,11 @@ struct SwigluGemm {
   void* h;                      // [R, F]
   void* gate_up_out;            // [R, 2F] or null
 };
-// Bytes of the interleaved weight, 0 where the fused kernel is not used for that size.
 // Turns the SwiGLU epilogue off (false) or back on for every later call in this
 // process; returns the previous setting. The unfused path (GEMM1 to f32, then the
 // SwiGLU kernel) gives the same bits: the switch exists so that tests can show it.
 bool set_swiglu_epilogue(bool enabled);
+// Bytes of the interleaved weight, 0 where the fused kernel is not used for that size.
 size_t swiglu_interleave_bytes(int64_t experts, int64_t hidden, int64_t ffn, int64_t rows);
 // Runs the fused kernel and sets *ran when it applies to `p` on this device (and
 // set_swiglu_epilogue has not turned it off); leaves *ran false, running nothing,

@@ -45,8 +45,7 @@ def transport_for(backend: str, platform: str, row_bytes: int) -> str:
                 f"here is {row_bytes} bytes (H times x's item size). Use H a multiple of "
                 f"{comm.ROW_ALIGN // 2} (bf16) or {comm.ROW_ALIGN // 4} (f32), or "
                 "backend='xla'.")
-        comm.module()  # raises comm.Missing when this build has no fused transport
-        mismatch = comm.nccl_mismatch()
+        mismatch = comm.nccl_mismatch()  # comm.Missing when this build has no transport
         if mismatch:
             raise ValueError(f"mok_jax.moe: backend='fused': {mismatch}")
         return "nvlink"

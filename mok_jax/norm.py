@@ -124,6 +124,11 @@ def _row_axes(mesh, arg_shape) -> tuple[str, ...]:
     return axes if axes and arg_shape.shape[0] % size == 0 else ()
 
 
+def _row_split(mesh, arg_shape) -> dict:
+    """How the signatures' factors are split: rows ("r") as `_row_axes` says."""
+    return {"r": _row_axes(mesh, arg_shape) or None}
+
+
 def _bind_forward(x, branch, scale, epsilon):
     return tuple(fwd_p.bind(x, branch, scale, epsilon=epsilon))
 
@@ -137,13 +142,13 @@ _forward_cp = custom_partitioning(_bind_forward, static_argnums=(3,))
 
 def _forward_infer(epsilon, mesh, arg_shapes, result_shape):
     del epsilon, result_shape
-    split = {"r": _row_axes(mesh, arg_shapes[0]) or None}
+    split = _row_split(mesh, arg_shapes[0])
     return FORWARD_SIGNATURE.shardings(mesh, split)[1]
 
 
 def _forward_partition(epsilon, mesh, arg_shapes, result_shape):
     del result_shape
-    split = {"r": _row_axes(mesh, arg_shapes[0]) or None}
+    split = _row_split(mesh, arg_shapes[0])
     operand_shardings, result_shardings = FORWARD_SIGNATURE.shardings(mesh, split)
     lower_fn = functools.partial(_bind_forward, epsilon=epsilon)
     return mesh, sharding.per_device(lower_fn), result_shardings, operand_shardings
@@ -152,7 +157,7 @@ def _forward_partition(epsilon, mesh, arg_shapes, result_shape):
 _forward_cp.def_partition(
     partition=_forward_partition, infer_sharding_from_operands=_forward_infer,
     sharding_rule=FORWARD_SIGNATURE.rule(),
-    need_replication_factors=FORWARD_SIGNATURE.replicated_factors({"r"}))
+    need_replication_factors=FORWARD_SIGNATURE.replicated_factors(("r",)))
 
 
 _backward_cp = custom_partitioning(_bind_backward)
@@ -160,14 +165,15 @@ _backward_cp = custom_partitioning(_bind_backward)
 
 def _backward_infer(mesh, arg_shapes, result_shape):
     del result_shape
-    split = {"r": _row_axes(mesh, arg_shapes[2]) or None}
+    split = _row_split(mesh, arg_shapes[2])
     return BACKWARD_SIGNATURE.shardings(mesh, split)[1]
 
 
 def _backward_partition(mesh, arg_shapes, result_shape):
     del result_shape
-    axes = _row_axes(mesh, arg_shapes[2])
-    operand_shardings, result_shardings = BACKWARD_SIGNATURE.shardings(mesh, {"r": axes or None})
+    split = _row_split(mesh, arg_shapes[2])
+    axes = split["r"]
+    operand_shardings, result_shardings = BACKWARD_SIGNATURE.shardings(mesh, split)
 
     def lower_fn(dn, ds, s, rstd, scale):
         d, dscale = _bind_backward(dn, ds, s, rstd, scale)
@@ -179,7 +185,7 @@ def _backward_partition(mesh, arg_shapes, result_shape):
 _backward_cp.def_partition(
     partition=_backward_partition, infer_sharding_from_operands=_backward_infer,
     sharding_rule=BACKWARD_SIGNATURE.rule(),
-    need_replication_factors=BACKWARD_SIGNATURE.replicated_factors({"r"}))
+    need_replication_factors=BACKWARD_SIGNATURE.replicated_factors(("r",)))
 
 
 def _forward(x, branch, scale, epsilon):

@@ -38,7 +38,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Collection, NamedTuple
 
 import jax
 import numpy as np
@@ -78,7 +78,7 @@ class Array(NamedTuple):
 # Factors whose dims are split like the tokens: a result of these keeps its rows
 # where its operands' rows are; every other factor of a result without `like` is
 # typed unsplit (the kernels write whole rows).
-ROW_FACTORS = frozenset("tpqru")
+ROW_FACTORS = frozenset("tpqr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +103,9 @@ class Signature:
             return ", ".join(a.factors for a in arrays)
         return f"{side(self.operands)} -> {side(self.results)}"
 
-    def replicated_factors(self, split: dict[str, Any]) -> tuple[str, ...]:
-        """The rule's factors never split (``need_replication_factors``), in order
-        of first use."""
+    def replicated_factors(self, split: Collection[str]) -> tuple[str, ...]:
+        """The rule's factors other than the `split` ones (``need_replication_factors``),
+        in order of first use."""
         seen = []
         for a in self.operands + self.results:
             for f in a.dims:

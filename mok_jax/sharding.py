@@ -63,6 +63,7 @@ _RESIDUALS = (Array("x_rows", "t r h", "x"), Array("gate_up", "t r g", "x"))
 FORWARD = Signature(MOE_OPERANDS, (_Y, _PACKED_STATS))
 FORWARD_SAVING = Signature(MOE_OPERANDS, (_Y, _PACKED_STATS) + _RESIDUALS)
 BACKWARD = Signature(MOE_OPERANDS + (Array("dy", "t h", "x"),) + _RESIDUALS, MOE_GRADIENTS)
+_SPLIT_FACTORS = ("t", "e")  # the factors `_placement` may split: tokens and experts
 
 
 def mesh_axes(spec, dim) -> tuple[str, ...]:
@@ -198,7 +199,7 @@ def _placement(cap, recipe, mesh, arg_shapes):
                                   arg_shapes[3].shape[0])
     cfg = ep.Config(axis_name=ep_axis, ep_size=mesh.shape[ep_axis] if ep_axis else 1,
                      capacity=cap, token_axes=token_axes, recipe=recipe)
-    return cfg, {"t": token_axes or None, "e": ep_axis}
+    return cfg, dict(zip(_SPLIT_FACTORS, (token_axes or None, ep_axis)))
 
 
 def _unmanaged_size(mesh) -> int:
@@ -314,7 +315,7 @@ _forward.def_partition(
     partition=_forward_partition,
     infer_sharding_from_operands=_forward_infer,
     sharding_rule=FORWARD.rule(),
-    need_replication_factors=FORWARD.replicated_factors({"t", "e"}))
+    need_replication_factors=FORWARD.replicated_factors(_SPLIT_FACTORS))
 
 
 # --- forward saving residuals, backward using them ----------------------------
@@ -373,7 +374,7 @@ _forward_saving.def_partition(
     partition=_forward_saving_partition,
     infer_sharding_from_operands=_forward_saving_infer,
     sharding_rule=FORWARD_SAVING.rule(),
-    need_replication_factors=FORWARD_SAVING.replicated_factors({"t", "e"}))
+    need_replication_factors=FORWARD_SAVING.replicated_factors(_SPLIT_FACTORS))
 
 
 @functools.partial(custom_partitioning, static_argnums=(8, 9, 10, 11))
@@ -422,7 +423,7 @@ _backward.def_partition(
     partition=_backward_partition,
     infer_sharding_from_operands=_backward_infer,
     sharding_rule=BACKWARD.rule(),
-    need_replication_factors=BACKWARD.replicated_factors({"t", "e"}))
+    need_replication_factors=BACKWARD.replicated_factors(_SPLIT_FACTORS))
 
 
 # --- the path -------------------------------------------------------------------

@@ -50,7 +50,9 @@ nb::dict registrations() {
 
 nb::dict recipes() {
   nb::dict out;
-  out[mok::recipe_name(mok::Recipe::kNative)] = static_cast<int32_t>(mok::Recipe::kNative);
+  for (mok::Recipe r : {mok::Recipe::kNative, mok::Recipe::kFp8}) {
+    out[mok::recipe_name(r)] = static_cast<int32_t>(r);
+  }
   return out;
 }
 

@@ -18,13 +18,18 @@ enum class DType : int32_t {
 // mok_jax._mok.recipes()) through one handler attribute to every launcher.
 //   kNative: every GEMM in the activations' dtype (bf16 or f32), f32 accumulation
 //            (the numerics of docs/contract.md).
+//   kFp8:    every expert GEMM in float8_e4m3fn with f32 block scales (1x128 along
+//            the reduction for activations, 128x128 for weights) and f32
+//            accumulation; bf16 activations and weights (docs/contract.md).
 enum class Recipe : int32_t {
   kNative = 0,
+  kFp8 = 1,
 };
 
 inline const char* recipe_name(Recipe r) {
   switch (r) {
     case Recipe::kNative: return "native";
+    case Recipe::kFp8: return "fp8";
   }
   return "unknown";
 }
@@ -33,6 +38,7 @@ inline const char* recipe_name(Recipe r) {
 inline bool to_recipe(int32_t value, Recipe* out) {
   switch (static_cast<Recipe>(value)) {
     case Recipe::kNative:
+    case Recipe::kFp8:
       *out = static_cast<Recipe>(value);
       return true;
   }

@@ -15,6 +15,8 @@ if(_cutlass_rc EQUAL 0 AND EXISTS "${CUTLASS_INCLUDE_DIR}/cutlass/cutlass.h"
    AND EXISTS "${CUTLASS_UTIL_INCLUDE_DIR}/cutlass/util/packed_stride.hpp")
   set(Cutlass_FOUND TRUE)
   message(STATUS "CUTLASS headers: ${CUTLASS_INCLUDE_DIR}")
+  mok_stable_copy("${CUTLASS_INCLUDE_DIR}" cutlass CUTLASS_INCLUDE_DIR)
+  mok_stable_copy("${CUTLASS_UTIL_INCLUDE_DIR}" cutlass_util CUTLASS_UTIL_INCLUDE_DIR)
   add_library(Cutlass::headers INTERFACE IMPORTED)
   target_include_directories(Cutlass::headers INTERFACE
     "${CUTLASS_INCLUDE_DIR}" "${CUTLASS_UTIL_INCLUDE_DIR}")

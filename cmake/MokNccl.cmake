@@ -28,7 +28,7 @@ if(MOK_WITH_CUDA AND NOT MOK_ENABLE_NCCL STREQUAL "OFF")
   if(NCCL_HOME AND EXISTS "${NCCL_HOME}/include/nccl_device.h"
      AND EXISTS "${NCCL_HOME}/lib/libnccl.so.2" AND _nccl_code MATCHES "^228[0-9][0-9]$")
     set(MOK_WITH_NCCL ON)
-    set(MOK_NCCL_INCLUDE_DIR "${NCCL_HOME}/include")
+    mok_stable_copy("${NCCL_HOME}/include" nccl_include MOK_NCCL_INCLUDE_DIR)
     set(MOK_NCCL_LIBRARY "${NCCL_HOME}/lib/libnccl.so.2")
     message(STATUS "mok_jax fused EP transport: NCCL ${_nccl_code} at ${NCCL_HOME}")
   elseif(MOK_ENABLE_NCCL STREQUAL "ON")

@@ -1,5 +1,11 @@
-"""mok_jax.build_info, and the fused transport's refusal of an NCCL it was not built for."""
+"""mok_jax.build_info, the fused transport's refusal of an NCCL it was not built for, and
+the reuse of a build from a new pip build environment."""
 
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -60,3 +66,62 @@ def test_auto_backend_takes_xla_with_one_warning_on_an_nccl_mismatch(nccl_2_32_l
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call is silent
         assert ep.transport_for("auto", "gpu", row_bytes=64) == "xla"
+
+
+def _tool(name):
+    """`name` beside this Python (a venv's cmake/ninja packages) or on PATH."""
+    return shutil.which(name, path=os.pathsep.join(
+        [os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+
+
+@pytest.mark.slow
+def test_a_build_from_a_new_pip_environment_recompiles_nothing(tmp_path):
+    # pip builds each install in a new environment: the same dependency files at a
+    # new path with new timestamps, and scikit-build-core then clears CMakeCache.txt
+    # and the top-level CMakeFiles/. A CPU-only build of this tree under those
+    # conditions must find nothing to recompile, and must recompile when a
+    # dependency's content does change.
+    import jax.ffi
+    import nanobind
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cmake, ninja = _tool("cmake"), _tool("ninja")
+    if cmake is None or ninja is None:
+        pytest.skip("needs cmake and ninja (pip install cmake ninja)")
+    build = tmp_path / "build"
+
+    def environment(name):  # copies with new paths and new file times
+        env_dir = tmp_path / name
+        shutil.copytree(os.path.dirname(nanobind.__file__), env_dir / "nanobind",
+                        copy_function=shutil.copy)
+        shutil.copytree(jax.ffi.include_dir(), env_dir / "ffi_include",
+                        copy_function=shutil.copy)
+        return env_dir
+
+    def configure(env_dir):
+        (build / "CMakeCache.txt").unlink(missing_ok=True)
+        shutil.rmtree(build / "CMakeFiles", ignore_errors=True)
+        subprocess.run(
+            [cmake, "-S", str(root), "-B", str(build), "-G", "Ninja",
+             f"-DCMAKE_MAKE_PROGRAM={ninja}", "-DMOK_ENABLE_CUDA=OFF",
+             f"-DPython_EXECUTABLE={sys.executable}",
+             f"-DXLA_FFI_INCLUDE_DIR={env_dir / 'ffi_include'}"],
+            check=True, capture_output=True, text=True,
+            env=dict(os.environ, PYTHONPATH=str(env_dir)))
+
+    def pending():
+        out = subprocess.run([ninja, "-C", str(build), "-n"], check=True,
+                             capture_output=True, text=True).stdout
+        return [line for line in out.splitlines() if "Building" in line]
+
+    configure(environment("first"))
+    subprocess.run([ninja, "-C", str(build)], check=True, capture_output=True)
+    assert pending() == []
+    second = environment("second")
+    configure(second)
+    assert pending() == []
+    # The control: a dependency whose content changed recompiles what includes it.
+    with open(second / "ffi_include" / "xla" / "ffi" / "api" / "ffi.h", "a") as f:
+        f.write("\n// changed\n")
+    configure(second)
+    assert any("handlers/moe_cpu.cc" in line for line in pending())

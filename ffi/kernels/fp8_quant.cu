@@ -42,13 +42,32 @@ unsigned grid_for(int64_t threads) {
       1, std::min<int64_t>((threads + kThreads - 1) / kThreads, kMaxBlocks)));
 }
 
+// Where the scale of row r's block c goes: row-major, or per group M-major (the
+// group of r by binary search: the last g with group_begin[g] <= r; empty groups
+// share their successor's begin and are passed over so).
+__device__ __forceinline__ int64_t scale_index(int64_t r, int64_t c, int64_t per_row,
+                                               int64_t row_stride,
+                                               const int64_t* __restrict__ group_begin,
+                                               int64_t groups) {
+  if (group_begin == nullptr) return r * row_stride + c;
+  int64_t lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (group_begin[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  const int64_t begin = group_begin[lo];
+  const int64_t g_rows = group_begin[lo + 1] - begin;
+  return begin * per_row + c * g_rows + (r - begin);
+}
+
 // One warp per (row, half, 128-block); each lane holds 4 consecutive elements.
 template <typename X>
 __global__ void __launch_bounds__(kThreads)
 quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, int64_t half,
                      const int64_t* __restrict__ num_rows, uint8_t* __restrict__ q,
                      int64_t out_half, int64_t out_row_stride, float* __restrict__ scales,
-                     int64_t scale_row_stride) {
+                     int64_t scale_row_stride, const int64_t* __restrict__ group_begin,
+                     int64_t groups) {
   const int64_t n_rows = num_rows != nullptr ? min(*num_rows, rows) : rows;
   const int64_t blocks_per_half = (out_half + kFp8Block - 1) / kFp8Block;
   const int64_t per_row = halves * blocks_per_half;
@@ -82,7 +101,10 @@ quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, in
       const int64_t j = j0 + t;
       if (j < out_half) q_row[j] = j < half ? q8(v[t], s) : uint8_t(0);
     }
-    if (lane == 0) scales[r * scale_row_stride + h * blocks_per_half + blk] = s;
+    if (lane == 0) {
+      scales[scale_index(r, h * blocks_per_half + blk, per_row, scale_row_stride, group_begin,
+                         groups)] = s;
+    }
   }
 }
 
@@ -93,7 +115,8 @@ __global__ void __launch_bounds__(kThreads)
 swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restrict__ num_rows,
                        int64_t max_rows, int64_t ffn, int64_t ffn_pad,
                        bf16* __restrict__ gate_up_out, uint8_t* __restrict__ hq,
-                       float* __restrict__ h_scales) {
+                       float* __restrict__ h_scales, const int64_t* __restrict__ group_begin,
+                       int64_t groups) {
   const int64_t n_rows = min(*num_rows, max_rows);
   const int64_t per_row = ffn_pad / kFp8Block;
   const int64_t items = n_rows * per_row;
@@ -135,7 +158,9 @@ swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restr
     }
     // ffn_pad is a multiple of 128 and f0 of 4: 4-byte aligned.
     *reinterpret_cast<uint32_t*>(hq + r * ffn_pad + f0) = packed;
-    if (lane == 0) h_scales[r * per_row + blk] = s;
+    if (lane == 0) {
+      h_scales[scale_index(r, blk, per_row, per_row, group_begin, groups)] = s;
+    }
   }
 }
 
@@ -202,7 +227,7 @@ quantize_weight_kernel(WeightQuant p) {
           packed;
     }
     if (threadIdx.x == 0) {
-      p.scales[e * p.scale_expert_stride + (p.offset / 128 + b) * p.scale_ld + a] = s;
+      p.scales[e * p.scale_expert_stride + (p.offset / 128 + b) * p.scale_n + a * p.scale_k] = s;
     }
   } else {
     // dst[i * ld + offset + j] for rows i < p, 4 consecutive j per thread.
@@ -219,7 +244,7 @@ quantize_weight_kernel(WeightQuant p) {
           packed;
     }
     if (threadIdx.x == 0) {
-      p.scales[e * p.scale_expert_stride + a * p.scale_ld + p.offset / 128 + b] = s;
+      p.scales[e * p.scale_expert_stride + a * p.scale_n + (p.offset / 128 + b) * p.scale_k] = s;
     }
   }
 }
@@ -316,6 +341,7 @@ quantize_transposed_kernel(TransposeQuant p) {
 
 std::string quantize_rows_fp8(const RowQuant& p, cudaStream_t stream) {
   if (p.halves != 1 && p.halves != 2) return "quantize_rows_fp8: halves must be 1 or 2";
+  if (p.group_begin != nullptr && p.groups < 1) return "quantize_rows_fp8: no groups";
   if (p.out_half < p.half) return "quantize_rows_fp8: output half shorter than the input's";
   if (p.src_dtype != DType::kBF16 && p.src_dtype != DType::kF32) {
     return "quantize_rows_fp8: rows must be bfloat16 or float32";
@@ -326,11 +352,11 @@ std::string quantize_rows_fp8(const RowQuant& p, cudaStream_t stream) {
   if (p.src_dtype == DType::kBF16) {
     quantize_rows_kernel<bf16><<<grid, kThreads, 0, stream>>>(
         static_cast<const bf16*>(p.src), p.rows, p.halves, p.half, p.num_rows, p.q, p.out_half,
-        p.out_row_stride, p.scales, p.scale_row_stride);
+        p.out_row_stride, p.scales, p.scale_row_stride, p.group_begin, p.groups);
   } else {
     quantize_rows_kernel<float><<<grid, kThreads, 0, stream>>>(
         static_cast<const float*>(p.src), p.rows, p.halves, p.half, p.num_rows, p.q, p.out_half,
-        p.out_row_stride, p.scales, p.scale_row_stride);
+        p.out_row_stride, p.scales, p.scale_row_stride, p.group_begin, p.groups);
   }
   MOK_CUDA_RETURN_IF_LAUNCH_FAILED("quantize_rows_kernel");
   return {};
@@ -339,13 +365,14 @@ std::string quantize_rows_fp8(const RowQuant& p, cudaStream_t stream) {
 std::string swiglu_forward_quantize_fp8(const float* gate_up_f32, const int64_t* num_rows,
                                         int64_t max_rows, int64_t ffn, int64_t ffn_pad,
                                         void* gate_up_out, uint8_t* hq, float* h_scales,
+                                        const int64_t* group_begin, int64_t groups,
                                         cudaStream_t stream) {
   if (ffn_pad % kFp8Block != 0 || ffn_pad < ffn) return "SwiGLU fp8: bad padded width";
   const int64_t items = max_rows * (ffn_pad / kFp8Block);
   if (items == 0) return {};
   swiglu_quantize_kernel<<<grid_for(items * 32), kThreads, 0, stream>>>(
       gate_up_f32, num_rows, max_rows, ffn, ffn_pad, static_cast<bf16*>(gate_up_out), hq,
-      h_scales);
+      h_scales, group_begin, groups);
   MOK_CUDA_RETURN_IF_LAUNCH_FAILED("swiglu_quantize_kernel");
   return {};
 }

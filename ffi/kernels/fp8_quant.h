@@ -28,6 +28,11 @@ inline int64_t fp8_blocks(int64_t v) { return (v + kFp8Block - 1) / kFp8Block; }
 // [half, out_half) are written as zeros (pad = true); with out_half = half (one
 // half) nothing is padded. Rows at or past *num_rows (when num_rows is not null)
 // are left untouched.
+// Scales: row-major (row r's block c at scales[r * scale_row_stride + c]), or, with
+// group_begin set, per group as CUTLASS's M-major SFA wants them: the rows of group
+// g (rows group_begin[g] .. group_begin[g + 1]) hold the scales
+// [begin * C + c * rows_g + (r - begin)], C = scales per row (a row's group is
+// found by binary search).
 struct RowQuant {
   DType src_dtype;             // bf16 or f32
   const void* src;             // [rows, halves * half]
@@ -39,29 +44,35 @@ struct RowQuant {
   int64_t out_half;            // columns per output half
   int64_t out_row_stride;      // bytes per output row
   float* scales;
-  int64_t scale_row_stride;    // floats per scale row
+  int64_t scale_row_stride;    // floats per scale row (row-major scales)
+  const int64_t* group_begin = nullptr;  // device [groups + 1], or null
+  int64_t groups = 0;
 };
 std::string quantize_rows_fp8(const RowQuant& p, cudaStream_t stream);
 
 // SwiGLU forward and the quantized h: gate_up_f32 [R, 2 * ffn_pad] (gate at
 // column f, up at ffn_pad + f, the fp8 GEMM1's padded output) gives h = silu(g) u
 // in f32 (today's formula), its e4m3 values hq [R, ffn_pad] (zero past ffn) and
-// scales [R, ffn_pad / 128]; gate_up_out [R, 2 * ffn] (bf16) when not null.
+// scales (ffn_pad / 128 per row, laid out as RowQuant's: row-major, or per group
+// with group_begin set); gate_up_out [R, 2 * ffn] (bf16) when not null.
 std::string swiglu_forward_quantize_fp8(const float* gate_up_f32, const int64_t* num_rows,
                                         int64_t max_rows, int64_t ffn, int64_t ffn_pad,
                                         void* gate_up_out, uint8_t* hq, float* h_scales,
+                                        const int64_t* group_begin, int64_t groups,
                                         cudaStream_t stream);
 
 // One bf16 weight matrix per expert, [p, q] at src + e * src_expert_stride + i * ld
 // + col_offset + j, blocked 128x128 (row blocks a over p, column blocks b over q).
 // transposed = true (the forward's B = W^T, K = p contiguous):
 //   q8 at dst + e * dst_expert_stride + (n_offset + j) * dst_ld + i for
-//   j < round_up(q, 128), i < round_up(p, 128) (zeros outside [p, q]); scale of
-//   block (a, b) at scales[e * scale_expert_stride + (n_offset / 128 + b) * scale_ld + a].
+//   j < round_up(q, 128), i < round_up(p, 128) (zeros outside [p, q]); the scale
+//   of block (a, b) is that of (N block nb = n_offset / 128 + b, K block kb = a).
 // transposed = false (the dgrad's B = W as stored, K = q contiguous):
 //   q8 at dst + e * dst_expert_stride + i * dst_ld + k_offset + j for i < p,
-//   j < round_up(q, 128) (zeros past q); scale at
-//   scales[e * scale_expert_stride + a * scale_ld + k_offset / 128 + b].
+//   j < round_up(q, 128) (zeros past q); the scale of block (a, b) is that of
+//   (N block nb = a, K block kb = k_offset / 128 + b).
+// The scale of (nb, kb) goes to scales[e * scale_expert_stride + nb * scale_n + kb *
+// scale_k] (CUTLASS's N-major SFB: scale_n = 1, scale_k = N blocks).
 struct WeightQuant {
   const void* src;  // bf16
   int64_t experts, p, q;
@@ -71,7 +82,7 @@ struct WeightQuant {
   int64_t dst_expert_stride, dst_ld;
   int64_t offset;  // n_offset (transposed) or k_offset; a multiple of 128
   float* scales;
-  int64_t scale_expert_stride, scale_ld;
+  int64_t scale_expert_stride, scale_n, scale_k;
 };
 std::string quantize_weight_fp8(const WeightQuant& p, cudaStream_t stream);
 

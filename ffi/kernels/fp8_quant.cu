@@ -17,7 +17,7 @@ constexpr int64_t kMaxBlocks = 8192;
 // The scale of a block: amax / 448 (IEEE division), 1 for an all-zero block, NaN
 // when the block holds a NaN (so that every value of the block becomes NaN).
 __device__ __forceinline__ float block_scale(float amax, bool any_nan) {
-  if (any_nan) return __int_as_float(0x7fffffff);
+  if (any_nan) return __int_as_float(0x7fc00000);  // the canonical quiet NaN
   if (amax == 0.0f) return 1.0f;
   return amax / kE4m3Max;
 }

@@ -224,7 +224,7 @@ std::string quantize_trans(const void* src, int64_t cols, const Dims& d, const E
 
 std::string fp8_supported(const ExpertFfnShape& s, DType dtype) {
   if (dtype != DType::kBF16) {
-    return std::string("recipe fp8 needs bfloat16 activations and weights, got ") +
+    return std::string("recipe fp8 needs bfloat16 x and expert weights; got ") +
            dtype_name(dtype);
   }
 #ifdef MOK_HAVE_SM90A

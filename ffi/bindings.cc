@@ -8,6 +8,7 @@
 #ifdef MOK_WITH_CUDA
 #include "handlers/moe_cuda.h"
 #include "handlers/norm_cuda.h"
+#include "handlers/quantize_cuda.h"
 #include "kernels/grouped_gemm.h"
 #endif
 #include "mok/swiglu_rule.h"
@@ -43,6 +44,7 @@ nb::dict registrations() {
   gpu["mok_combine"] = encapsulate(MokCombineCuda);
   gpu["mok_add_rms_norm_fwd"] = encapsulate(MokAddRmsNormForwardCuda);
   gpu["mok_add_rms_norm_bwd"] = encapsulate(MokAddRmsNormBackwardCuda);
+  gpu["mok_quantize_rows_fp8"] = encapsulate(MokQuantizeRowsFp8Cuda);
   out["CUDA"] = gpu;
 #endif
   return out;

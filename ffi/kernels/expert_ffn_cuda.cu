@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "cuda_check.h"
+#include "expert_ffn_fp8.h"
 #include "grouped_gemm.h"
 #include "moe_elementwise.h"
 #include "routing.h"
@@ -13,9 +14,10 @@ namespace {
 
 size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
-// The recipes these kernels implement (the expert GEMMs in the activations' dtype).
+// The recipes these kernels implement: the expert GEMMs in the activations' dtype
+// (kNative) and in e4m3 with block scales (kFp8, expert_ffn_fp8.h).
 std::string check_recipe(Recipe recipe, const char* what) {
-  if (recipe == Recipe::kNative) return {};
+  if (recipe == Recipe::kNative || recipe == Recipe::kFp8) return {};
   return std::string(what) + ": recipe " + recipe_name(recipe) + " has no CUDA kernels";
 }
 
@@ -117,7 +119,7 @@ std::string launch_groups(const SizedGroups& g, const int32_t* sizes, const Expe
 // --- the expert FFN over grouped rows ---------------------------------------------
 
 size_t expert_ffn_forward_rows_bytes(const ExpertFfnShape& s, Recipe recipe, DType dtype) {
-  (void)recipe;
+  if (recipe == Recipe::kFp8) return expert_ffn_forward_rows_fp8_bytes(s);
   Carver c(nullptr);
   carve_forward(c, s, dtype);
   return c.used();
@@ -129,6 +131,12 @@ std::string expert_ffn_forward_rows(const ExpertFfnShape& s, Recipe recipe, DTyp
                                     void* gate_up_out, void* scratch, size_t scratch_bytes,
                                     cudaStream_t stream) {
   MOK_RETURN_IF_MESSAGE(check_recipe(recipe, "expert FFN forward"));
+  if (recipe == Recipe::kFp8) {
+    const std::string why = fp8_supported(s, dtype);
+    if (!why.empty()) return "expert FFN forward: " + why;
+    return expert_ffn_forward_rows_fp8(s, g, x_rows, w_gate_up, w_down, out_rows, gate_up_out,
+                                       scratch, scratch_bytes, stream);
+  }
   if (expert_ffn_forward_rows_bytes(s, recipe, dtype) > scratch_bytes) {
     return "expert FFN forward: scratch too small";
   }
@@ -156,7 +164,7 @@ std::string expert_ffn_forward_rows(const ExpertFfnShape& s, Recipe recipe, DTyp
 }
 
 size_t expert_ffn_backward_rows_bytes(const ExpertFfnShape& s, Recipe recipe, DType dtype) {
-  (void)recipe;
+  if (recipe == Recipe::kFp8) return expert_ffn_backward_rows_fp8_bytes(s);
   Carver c(nullptr);
   carve_backward(c, s, dtype);
   return c.used();
@@ -170,6 +178,13 @@ std::string expert_ffn_backward_rows(const ExpertFfnShape& s, Recipe recipe, DTy
                                      void* d_w_down, void* scratch, size_t scratch_bytes,
                                      cudaStream_t stream) {
   MOK_RETURN_IF_MESSAGE(check_recipe(recipe, "expert FFN backward"));
+  if (recipe == Recipe::kFp8) {
+    const std::string why = fp8_supported(s, dtype);
+    if (!why.empty()) return "expert FFN backward: " + why;
+    return expert_ffn_backward_rows_fp8(s, g, w, x_rows, dy_rows, w_gate_up, w_down, gate_up,
+                                        dx_rows, d_w_gate_up, d_w_down, scratch, scratch_bytes,
+                                        stream);
+  }
   if (expert_ffn_backward_rows_bytes(s, recipe, dtype) > scratch_bytes) {
     return "expert FFN backward: scratch too small";
   }

@@ -1,0 +1,412 @@
+#include "fp8_quant.h"
+
+#include <cuda_fp8.h>
+
+#include <algorithm>
+
+#include "cuda_check.h"
+#include "mok/bf16.h"
+
+namespace mok::cuda {
+namespace {
+
+constexpr float kE4m3Max = 448.0f;
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 8192;
+
+// The scale of a block: amax / 448 (IEEE division), 1 for an all-zero block, NaN
+// when the block holds a NaN (so that every value of the block becomes NaN).
+__device__ __forceinline__ float block_scale(float amax, bool any_nan) {
+  if (any_nan) return __int_as_float(0x7fc00000);  // the canonical quiet NaN
+  if (amax == 0.0f) return 1.0f;
+  return amax / kE4m3Max;
+}
+
+// q8(v, s): the f32 quotient (IEEE, round to nearest; the build has no fast-math)
+// rounded to e4m3 with round-to-nearest-even, saturated to +-448, NaN kept.
+__device__ __forceinline__ uint8_t q8(float v, float s) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v / s, __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ float load_f(const bf16* p, int64_t i) { return to_float(p[i]); }
+__device__ __forceinline__ float load_f(const float* p, int64_t i) { return p[i]; }
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+unsigned grid_for(int64_t threads) {
+  return static_cast<unsigned>(std::max<int64_t>(
+      1, std::min<int64_t>((threads + kThreads - 1) / kThreads, kMaxBlocks)));
+}
+
+// Where the scale of row r's block c goes: row-major, or per group M-major (the
+// group of r by binary search: the last g with group_begin[g] <= r; empty groups
+// share their successor's begin and are passed over so).
+__device__ __forceinline__ int64_t scale_index(int64_t r, int64_t c, int64_t per_row,
+                                               int64_t row_stride,
+                                               const int64_t* __restrict__ group_begin,
+                                               int64_t groups) {
+  if (group_begin == nullptr) return r * row_stride + c;
+  int64_t lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (group_begin[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  const int64_t begin = group_begin[lo];
+  const int64_t g_rows = group_begin[lo + 1] - begin;
+  return begin * per_row + c * g_rows + (r - begin);
+}
+
+// One warp per (row, half, 128-block); each lane holds 4 consecutive elements.
+template <typename X>
+__global__ void __launch_bounds__(kThreads)
+quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, int64_t half,
+                     const int64_t* __restrict__ num_rows, uint8_t* __restrict__ q,
+                     int64_t out_half, int64_t out_row_stride, float* __restrict__ scales,
+                     int64_t scale_row_stride, const int64_t* __restrict__ group_begin,
+                     int64_t groups) {
+  const int64_t n_rows = num_rows != nullptr ? min(*num_rows, rows) : rows;
+  const int64_t blocks_per_half = (out_half + kFp8Block - 1) / kFp8Block;
+  const int64_t per_row = halves * blocks_per_half;
+  const int64_t items = n_rows * per_row;
+  const int lane = threadIdx.x & 31;
+  const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t stride = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t item = first; item < items; item += stride) {
+    const int64_t r = item / per_row;
+    const int64_t rest = item - r * per_row;
+    const int64_t h = rest / blocks_per_half;
+    const int64_t blk = rest - h * blocks_per_half;
+    const X* s_row = src + r * halves * half + h * half;
+    const int64_t j0 = blk * kFp8Block + lane * 4;
+    float v[4];
+    float amax = 0.0f;
+    bool nan = false;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int64_t j = j0 + t;
+      v[t] = j < half ? load_f(s_row, j) : 0.0f;
+      amax = fmaxf(amax, fabsf(v[t]));
+      nan |= isnan(v[t]);
+    }
+    amax = warp_max(amax);
+    const bool any_nan = __any_sync(0xffffffffu, nan);
+    const float s = block_scale(amax, any_nan);
+    uint8_t* q_row = q + r * out_row_stride + h * out_half;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int64_t j = j0 + t;
+      if (j < out_half) q_row[j] = j < half ? q8(v[t], s) : uint8_t(0);
+    }
+    if (lane == 0) {
+      scales[scale_index(r, h * blocks_per_half + blk, per_row, scale_row_stride, group_begin,
+                         groups)] = s;
+    }
+  }
+}
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+// One warp per (row, 128-block of h); h as in swiglu_forward (moe_elementwise.cu).
+__global__ void __launch_bounds__(kThreads)
+swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restrict__ num_rows,
+                       int64_t max_rows, int64_t ffn, int64_t ffn_pad,
+                       bf16* __restrict__ gate_up_out, uint8_t* __restrict__ hq,
+                       float* __restrict__ h_scales, const int64_t* __restrict__ group_begin,
+                       int64_t groups) {
+  const int64_t n_rows = min(*num_rows, max_rows);
+  const int64_t per_row = ffn_pad / kFp8Block;
+  const int64_t items = n_rows * per_row;
+  const int lane = threadIdx.x & 31;
+  const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t stride = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t item = first; item < items; item += stride) {
+    const int64_t r = item / per_row;
+    const int64_t blk = item - r * per_row;
+    const float* g_row = gate_up + r * 2 * ffn_pad;
+    const float* u_row = g_row + ffn_pad;
+    const int64_t f0 = blk * kFp8Block + lane * 4;
+    float h[4];
+    float amax = 0.0f;
+    bool nan = false;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int64_t f = f0 + t;
+      h[t] = 0.0f;
+      if (f < ffn) {
+        const float g = g_row[f], u = u_row[f];
+        h[t] = g * sigmoid(g) * u;  // the f32 formula of swiglu_forward_kernel
+        if (gate_up_out != nullptr) {
+          gate_up_out[r * 2 * ffn + f] = float_to_bf16(g);
+          gate_up_out[r * 2 * ffn + ffn + f] = float_to_bf16(u);
+        }
+      }
+      amax = fmaxf(amax, fabsf(h[t]));
+      nan |= isnan(h[t]);
+    }
+    amax = warp_max(amax);
+    const bool any_nan = __any_sync(0xffffffffu, nan);
+    const float s = block_scale(amax, any_nan);
+    uint32_t packed = 0;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const uint8_t b = f0 + t < ffn ? q8(h[t], s) : uint8_t(0);
+      packed |= uint32_t(b) << (8 * t);
+    }
+    // ffn_pad is a multiple of 128 and f0 of 4: 4-byte aligned.
+    *reinterpret_cast<uint32_t*>(hq + r * ffn_pad + f0) = packed;
+    if (lane == 0) {
+      h_scales[scale_index(r, blk, per_row, per_row, group_begin, groups)] = s;
+    }
+  }
+}
+
+// Block (a, b) of one expert's weight: 128 x 128, one thread block. The tile is
+// kept in shared memory as bf16 bits (its values are exact there) with one
+// column of padding against bank conflicts on the transposed reads.
+constexpr int kTileLd = 130;
+
+// Max and NaN flag of a thread block (8 warps).
+__device__ __forceinline__ float block_amax(float amax, bool nan, bool* any_nan) {
+  __shared__ float warp_amax[kThreads / 32];
+  __shared__ int warp_nan[kThreads / 32];
+  amax = warp_max(amax);
+  const bool wn = __any_sync(0xffffffffu, nan);
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+    warp_amax[warp] = amax;
+    warp_nan[warp] = wn;
+  }
+  __syncthreads();
+  float m = 0.0f;
+  bool n = false;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) {
+    m = fmaxf(m, warp_amax[w]);
+    n |= warp_nan[w] != 0;
+  }
+  *any_nan = n;
+  return m;
+}
+
+__global__ void __launch_bounds__(kThreads)
+quantize_weight_kernel(WeightQuant p) {
+  __shared__ uint16_t tile[128 * kTileLd];
+  const int64_t b = blockIdx.x, a = blockIdx.y, e = blockIdx.z;
+  const bf16* src = static_cast<const bf16*>(p.src) + e * p.src_expert_stride + p.col_offset;
+  float amax = 0.0f;
+  bool nan = false;
+  for (int idx = threadIdx.x; idx < 128 * 128; idx += kThreads) {
+    const int i = idx >> 7, j = idx & 127;
+    const int64_t gi = a * 128 + i, gj = b * 128 + j;
+    uint16_t bits = 0;
+    if (gi < p.p && gj < p.q) bits = src[gi * p.ld + gj].bits;
+    tile[i * kTileLd + j] = bits;
+    const float v = to_float(bf16{bits});
+    amax = fmaxf(amax, fabsf(v));
+    nan |= isnan(v);
+  }
+  bool any_nan = false;
+  amax = block_amax(amax, nan, &any_nan);  // its __syncthreads also orders the tile
+  const float s = block_scale(amax, any_nan);
+  uint8_t* dst = p.dst + e * p.dst_expert_stride;
+  if (p.transposed) {
+    // dst[(offset + j) * ld + i], 4 consecutive i per thread.
+    for (int u = threadIdx.x; u < 128 * 32; u += kThreads) {
+      const int j = u >> 5, i0 = (u & 31) * 4;
+      uint32_t packed = 0;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t v = q8(to_float(bf16{tile[(i0 + t) * kTileLd + j]}), s);
+        packed |= uint32_t(v) << (8 * t);
+      }
+      *reinterpret_cast<uint32_t*>(dst + (p.offset + b * 128 + j) * p.dst_ld + a * 128 + i0) =
+          packed;
+    }
+    if (threadIdx.x == 0) {
+      p.scales[e * p.scale_expert_stride + (p.offset / 128 + b) * p.scale_n + a * p.scale_k] = s;
+    }
+  } else {
+    // dst[i * ld + offset + j] for rows i < p, 4 consecutive j per thread.
+    for (int u = threadIdx.x; u < 128 * 32; u += kThreads) {
+      const int i = u >> 5, j0 = (u & 31) * 4;
+      if (a * 128 + i >= p.p) continue;
+      uint32_t packed = 0;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t v = q8(to_float(bf16{tile[i * kTileLd + j0 + t]}), s);
+        packed |= uint32_t(v) << (8 * t);
+      }
+      *reinterpret_cast<uint32_t*>(dst + (a * 128 + i) * p.dst_ld + p.offset + b * 128 + j0) =
+          packed;
+    }
+    if (threadIdx.x == 0) {
+      p.scales[e * p.scale_expert_stride + a * p.scale_n + (p.offset / 128 + b) * p.scale_k] = s;
+    }
+  }
+}
+
+__global__ void padded_begin_kernel(const int64_t* __restrict__ expert_begin, int64_t experts,
+                                    int64_t* __restrict__ padded_begin) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int64_t at = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    padded_begin[e] = at;
+    at += (expert_begin[e + 1] - expert_begin[e] + kFp8Block - 1) / kFp8Block * kFp8Block;
+  }
+  padded_begin[experts] = at;
+}
+
+// One thread block per (128-row block of the padded row space, 64 columns).
+constexpr int kTCols = 64;
+constexpr int kTLd = kTCols + 2;
+
+__global__ void __launch_bounds__(kThreads)
+quantize_transposed_kernel(TransposeQuant p) {
+  __shared__ uint16_t tile[128 * kTLd];
+  __shared__ float part_amax[4][kTCols];
+  __shared__ int part_nan[4][kTCols];
+  __shared__ float col_scale[kTCols];
+  const int64_t rb = blockIdx.y;
+  const int64_t pstart = rb * kFp8Block;
+  if (pstart >= p.padded_begin[p.experts]) return;
+  // The expert whose padded rows hold pstart: the last e with padded_begin[e] <= pstart
+  // (experts without rows share their successor's begin and are skipped so).
+  int64_t lo = 0, hi = p.experts;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (p.padded_begin[mid] <= pstart) lo = mid; else hi = mid - 1;
+  }
+  const int64_t e = lo;
+  const int64_t r0 = p.expert_begin[e] + (pstart - p.padded_begin[e]);
+  const int64_t count = min(int64_t(kFp8Block), p.expert_begin[e + 1] - r0);
+  const int64_t c0 = int64_t(blockIdx.x) * kTCols;
+  const bf16* src = static_cast<const bf16*>(p.src);
+  for (int idx = threadIdx.x; idx < 128 * kTCols; idx += kThreads) {
+    const int i = idx / kTCols, j = idx % kTCols;
+    uint16_t bits = 0;
+    if (i < count && c0 + j < p.cols) bits = src[(r0 + i) * p.ld + c0 + j].bits;
+    tile[i * kTLd + j] = bits;
+  }
+  __syncthreads();
+  {
+    const int c = threadIdx.x % kTCols, quarter = threadIdx.x / kTCols;
+    float amax = 0.0f;
+    bool nan = false;
+    for (int i = quarter * 32; i < quarter * 32 + 32; ++i) {
+      const float v = to_float(bf16{tile[i * kTLd + c]});
+      amax = fmaxf(amax, fabsf(v));
+      nan |= isnan(v);
+    }
+    part_amax[quarter][c] = amax;
+    part_nan[quarter][c] = nan;
+  }
+  __syncthreads();
+  if (threadIdx.x < kTCols) {
+    const int c = threadIdx.x;
+    float amax = 0.0f;
+    bool nan = false;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) amax = fmaxf(amax, part_amax[k][c]), nan |= part_nan[k][c] != 0;
+    const float s = block_scale(amax, nan);
+    col_scale[c] = s;
+    if (c0 + c < p.cols) p.scales[rb * p.cols + c0 + c] = s;
+  }
+  __syncthreads();
+  {
+    const int c = threadIdx.x / 4, seg = threadIdx.x % 4;
+    if (c0 + c < p.cols) {
+      const float s = col_scale[c];
+      uint32_t* out =
+          reinterpret_cast<uint32_t*>(p.dst + (c0 + c) * p.dst_ld + pstart + seg * 32);
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
+        uint32_t packed = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int i = seg * 32 + w * 4 + t;
+          const uint8_t v = q8(to_float(bf16{tile[i * kTLd + c]}), s);  // zero rows give 0
+          packed |= uint32_t(v) << (8 * t);
+        }
+        out[w] = packed;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::string quantize_rows_fp8(const RowQuant& p, cudaStream_t stream) {
+  if (p.halves != 1 && p.halves != 2) return "quantize_rows_fp8: halves must be 1 or 2";
+  if (p.group_begin != nullptr && p.groups < 1) return "quantize_rows_fp8: no groups";
+  if (p.out_half < p.half) return "quantize_rows_fp8: output half shorter than the input's";
+  if (p.src_dtype != DType::kBF16 && p.src_dtype != DType::kF32) {
+    return "quantize_rows_fp8: rows must be bfloat16 or float32";
+  }
+  const int64_t items = p.rows * p.halves * fp8_blocks(p.out_half);
+  if (items == 0) return {};
+  const unsigned grid = grid_for(items * 32);
+  if (p.src_dtype == DType::kBF16) {
+    quantize_rows_kernel<bf16><<<grid, kThreads, 0, stream>>>(
+        static_cast<const bf16*>(p.src), p.rows, p.halves, p.half, p.num_rows, p.q, p.out_half,
+        p.out_row_stride, p.scales, p.scale_row_stride, p.group_begin, p.groups);
+  } else {
+    quantize_rows_kernel<float><<<grid, kThreads, 0, stream>>>(
+        static_cast<const float*>(p.src), p.rows, p.halves, p.half, p.num_rows, p.q, p.out_half,
+        p.out_row_stride, p.scales, p.scale_row_stride, p.group_begin, p.groups);
+  }
+  MOK_CUDA_RETURN_IF_LAUNCH_FAILED("quantize_rows_kernel");
+  return {};
+}
+
+std::string swiglu_forward_quantize_fp8(const float* gate_up_f32, const int64_t* num_rows,
+                                        int64_t max_rows, int64_t ffn, int64_t ffn_pad,
+                                        void* gate_up_out, uint8_t* hq, float* h_scales,
+                                        const int64_t* group_begin, int64_t groups,
+                                        cudaStream_t stream) {
+  if (ffn_pad % kFp8Block != 0 || ffn_pad < ffn) return "SwiGLU fp8: bad padded width";
+  const int64_t items = max_rows * (ffn_pad / kFp8Block);
+  if (items == 0) return {};
+  swiglu_quantize_kernel<<<grid_for(items * 32), kThreads, 0, stream>>>(
+      gate_up_f32, num_rows, max_rows, ffn, ffn_pad, static_cast<bf16*>(gate_up_out), hq,
+      h_scales, group_begin, groups);
+  MOK_CUDA_RETURN_IF_LAUNCH_FAILED("swiglu_quantize_kernel");
+  return {};
+}
+
+std::string quantize_weight_fp8(const WeightQuant& p, cudaStream_t stream) {
+  if (p.offset % kFp8Block != 0 || p.dst_ld % 4 != 0) {
+    return "quantize_weight_fp8: offsets and rows must be aligned";
+  }
+  if (p.experts == 0 || p.p == 0 || p.q == 0) return {};
+  if (fp8_blocks(p.p) > 65535 || p.experts > 65535) return "quantize_weight_fp8: too large";
+  const dim3 grid(static_cast<unsigned>(fp8_blocks(p.q)), static_cast<unsigned>(fp8_blocks(p.p)),
+                  static_cast<unsigned>(p.experts));
+  quantize_weight_kernel<<<grid, kThreads, 0, stream>>>(p);
+  MOK_CUDA_RETURN_IF_LAUNCH_FAILED("quantize_weight_kernel");
+  return {};
+}
+
+std::string fp8_padded_begin(const int64_t* expert_begin, int64_t experts, int64_t* padded_begin,
+                             cudaStream_t stream) {
+  padded_begin_kernel<<<1, 32, 0, stream>>>(expert_begin, experts, padded_begin);
+  MOK_CUDA_RETURN_IF_LAUNCH_FAILED("padded_begin_kernel");
+  return {};
+}
+
+std::string quantize_transposed_fp8(const TransposeQuant& p, cudaStream_t stream) {
+  if (p.dst_ld % kFp8Block != 0) return "quantize_transposed_fp8: padded rows not aligned";
+  if (p.cols == 0 || p.dst_ld == 0) return {};
+  const int64_t row_blocks = p.dst_ld / kFp8Block;
+  if (row_blocks > 65535) return "quantize_transposed_fp8: too many rows";
+  const dim3 grid(static_cast<unsigned>((p.cols + kTCols - 1) / kTCols),
+                  static_cast<unsigned>(row_blocks));
+  quantize_transposed_kernel<<<grid, kThreads, 0, stream>>>(p);
+  MOK_CUDA_RETURN_IF_LAUNCH_FAILED("quantize_transposed_kernel");
+  return {};
+}
+
+}  // namespace mok::cuda

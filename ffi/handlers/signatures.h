@@ -87,4 +87,11 @@ auto combine(Binding b) {
       .template Ret<ffi::AnyBuffer>();      // out [T, H]
 }
 
+template <typename Binding>
+auto quantize_rows_fp8(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()   // x [N, K] f32 or bf16
+      .template Ret<ffi::AnyBuffer>()       // q [N, K] float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>();  // scales [N, ceil(K / 128)]
+}
+
 }  // namespace mok::signatures

@@ -73,7 +73,7 @@ void fp8_quantize(const float* v, int64_t rows, int64_t cols,
       for (int64_t i = row_bounds[a]; i < row_bounds[a + 1]; ++i) {
         for (int64_t j = c0; j < c1; ++j) {
           const float m = std::fabs(v[i * cols + j]);
-          if (!(m <= amax)) amax = m;  // a NaN stays
+          if (m > amax || m != m) amax = m;  // a NaN stays
         }
       }
       const float scale = fp8_scale(amax);
@@ -125,7 +125,7 @@ void quantize_rows(const X* x, int64_t rows, int64_t cols, uint8_t* q, float* sc
       float amax = 0.0f;
       for (int64_t j = c0; j < c1; ++j) {
         const float m = std::fabs(to_float(row[j]));
-        if (!(m <= amax)) amax = m;
+        if (m > amax || m != m) amax = m;  // a NaN stays
       }
       const float scale = fp8_scale(amax);
       scales[r * nb + b] = scale;

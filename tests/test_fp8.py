@@ -215,7 +215,7 @@ def emulate(x, ids, w, wgu, wd, dy=None, capacity=None):
     return bf16(acc), (bf16(dacc), dw.astype(np.float32), dwgu, dwd)
 
 
-# --- helpers -----------------------------------------------------------------------
+# --- problems and runners -----------------------------------------------------------
 
 def problem(seed=0, tokens=T, top_k=K, experts=E, hid=H, ffn=F, **kw):
     return make_problem(seed, tokens, top_k, experts, hid, ffn, jnp.bfloat16, **kw)

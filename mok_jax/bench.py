@@ -201,17 +201,14 @@ RECIPES = ("native", "fp8")
 MOK_IMPLS = ("moe", "moe_xla")
 
 
-def resolve_impl(name: str, recipe: str = "native") -> tuple[MoEFn | None, str | None]:
-    """The pipeline called `name`, or (None, why it is unavailable). `recipe` is
-    mok_jax.moe's (the baselines have none)."""
+def resolve_impl(name: str) -> tuple[MoEFn | None, str | None]:
+    """The pipeline called `name`, or (None, why it is unavailable)."""
     if name in MOK_IMPLS:
         try:
             import mok_jax  # pylint: disable=import-outside-toplevel
             moe = mok_jax.moe
         except Exception as err:  # pylint: disable=broad-except
             return None, f"mok_jax.moe not importable: {type(err).__name__}: {err}"
-        if recipe != "native":
-            moe = functools.partial(moe, recipe=recipe)
         return (moe if name == "moe" else functools.partial(moe, backend="xla")), None
     if name == "ragged_dot":
         return baselines.ragged_dot_moe, None
@@ -227,6 +224,13 @@ def resolve_impl(name: str, recipe: str = "native") -> tuple[MoEFn | None, str |
         impl = None if jax.default_backend() == "cpu" else "mosaic"
         return functools.partial(baselines.tokamax_moe, implementation=impl), None
     raise ValueError(f"unknown impl {name!r}; choose from {IMPLS + EXTRA_IMPLS}")
+
+
+def with_recipe(fn: MoEFn, impl: str, recipe: str) -> MoEFn:
+    """mok_jax's pipelines with `recipe` (their `recipe=`); the baselines as they are."""
+    if impl in MOK_IMPLS and recipe != "native":
+        return functools.partial(fn, recipe=recipe)
+    return fn
 
 
 def _input_keys(seed: int) -> jax.Array:
@@ -422,10 +426,11 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
     if why:
         record.update(status="skipped", error=why)
         return record
-    fn, why = resolve_impl(impl, recipe)
+    fn, why = resolve_impl(impl)
     if fn is None:
         record.update(status="unavailable", error=why)
         return record
+    fn = with_recipe(fn, impl, recipe)
     if impl == "tokamax":
         record["note"] = baselines.tokamax_available()[1] or None
     try:
@@ -567,10 +572,11 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
         record.update(status="unavailable", error=why)
         return record
     try:
-        fn, why = resolve_impl(MOK, recipe)
+        fn, why = resolve_impl(MOK)
         if fn is None:
             record.update(status="unavailable", error=why)
             return record
+        fn = with_recipe(fn, MOK, recipe)
         fn = functools.partial(fn, backend=backend)
         global_shape = dataclasses.replace(shape, tokens=shape.tokens * ep_size)
         inputs = make_inputs(global_shape, dtype, seed)

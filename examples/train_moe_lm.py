@@ -72,6 +72,7 @@ class Config:
     dtype: str = "float32"           # computation dtype; parameters are float32
     attention: str = "auto"          # "auto": cuDNN flash attention on GPU (bf16), else XLA
     moe_backend: str = "auto"        # mok_jax.moe's backend ("fused": NVLink transport under EP)
+    recipe: str = "native"           # the expert GEMMs' recipe ("fp8": needs dtype bfloat16)
     norm: str = "auto"               # "auto": mok_jax.add_rms_norm on GPU, else nnx.RMSNorm
     grad_reduce_lag: int = -1        # >= 0: see reduce_barrier (data-parallel overlap); -1 off
     weight_copies: bool = True       # keep the expert stacks in `dtype` between steps (TrainState)
@@ -310,7 +311,7 @@ class Block(nnx.Module):
                            num_experts=cfg.n_experts, top_k=cfg.top_k, score_fn=cfg.score_fn,
                            renormalize=cfg.top_k > 1, balance_bias=cfg.balance == "bias",
                            shared_ffn_size=cfg.shared_ffn, capacity_factor=cfg.capacity_factor,
-                           backend=cfg.moe_backend, dtype=dtype, rngs=rngs,
+                           backend=cfg.moe_backend, recipe=cfg.recipe, dtype=dtype, rngs=rngs,
                            **(moe_kwargs or {}))
 
     def __call__(self, x: jax.Array, pending: jax.Array | None = None
@@ -792,7 +793,8 @@ def config_from_args(args) -> Config:
     cfg = PRESETS[args.preset]
     overrides = {name: getattr(args, name) for name in
                  ("steps", "batch", "seq", "lr", "seed", "balance", "eval_every", "ckpt_every",
-                  "log_every", "eval_batches", "attention", "dtype", "moe_backend", "norm",
+                  "log_every", "eval_batches", "attention", "dtype", "moe_backend", "recipe",
+                  "norm",
                   "grad_reduce_lag", "weight_copies")
                  if getattr(args, name, None) is not None}
     if overrides.get("steps") is not None:
@@ -824,6 +826,10 @@ def parse_args(argv=None):
     parser.add_argument("--moe-backend", choices=["auto", "fused", "xla"],
                         help="mok_jax.moe's backend (default auto: under --ep on GPUs of one "
                              "process, the fused NVLink transport; xla: XLA's all_to_all)")
+    parser.add_argument("--recipe", choices=["native", "fp8"],
+                        help="the expert GEMMs' numeric recipe (default native: in the "
+                             "computation dtype; fp8: float8_e4m3fn with block scales, "
+                             "needs --dtype bfloat16)")
     parser.add_argument("--grad-reduce-lag", type=int, metavar="N",
                         help="data parallelism: finish layer i's expert-gradient all-reduce "
                              "before the backward of layer i-N-1 starts (an optimization "
@@ -880,6 +886,9 @@ def parse_args(argv=None):
     if args.trace_only and (args.dp is not None or args.ep != 1 or args.host_devices):
         parser.error("--trace-only traces the one-device step (jax.eval_shape, no mesh): "
                      "--dp, --ep and --host-devices are not used there")
+    if args.recipe == "fp8" and (args.dtype or PRESETS[args.preset].dtype) != "bfloat16":
+        parser.error("--recipe fp8 runs the expert GEMMs from bfloat16 operands: add "
+                     "--dtype bfloat16")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out and --overwrite starts it over: "
                      "give one")

@@ -33,6 +33,7 @@ nb::dict registrations() {
   cpu["mok_expert_ffn_fwd"] = encapsulate(MokExpertFfnForwardCpu);
   cpu["mok_expert_ffn_bwd"] = encapsulate(MokExpertFfnBackwardCpu);
   cpu["mok_combine"] = encapsulate(MokCombineCpu);
+  cpu["mok_quantize_rows_fp8"] = encapsulate(MokQuantizeRowsFp8Cpu);
   nb::dict out;
   out["cpu"] = cpu;
 #ifdef MOK_WITH_CUDA

@@ -18,13 +18,14 @@ import importlib
 
 from mok_jax import _ext, reference
 from mok_jax.build import BuildInfo, build_info
+from mok_jax.fp8 import quantize_rows_fp8
 from mok_jax.moe import BACKENDS, MoEStats, capacity, moe
 from mok_jax.norm import add_rms_norm
 from mok_jax.recipe import Recipe
 
 __version__ = "0.1.0"
 __all__ = ["BACKENDS", "BuildInfo", "MoEStats", "Recipe", "add_rms_norm", "build_info",
-           "capacity", "moe", "nn", "reference"]
+           "capacity", "moe", "nn", "quantize_rows_fp8", "reference"]
 
 _LAZY_SUBMODULES = ("nn",)
 

@@ -20,6 +20,7 @@ MOE_BACKWARD = "mok_moe_bwd"
 EXPERT_FFN_FORWARD = "mok_expert_ffn_fwd"
 EXPERT_FFN_BACKWARD = "mok_expert_ffn_bwd"
 COMBINE = "mok_combine"
+QUANTIZE_ROWS_FP8 = "mok_quantize_rows_fp8"
 
 # jax.ffi platform name -> the platform key used by _mok.registrations().
 _PLATFORM_KEYS = {"cpu": "cpu", "cuda": "CUDA"}

@@ -43,11 +43,17 @@ Examples::
     python -m mok_jax.bench --shapes ep --impls moe,tokamax --passes fwd --json out.json
     python -m mok_jax.bench --shape 4096,8,64,2048,1024    # one custom problem only
     python -m mok_jax.bench --check                        # + errors vs the reference
+    python -m mok_jax.bench --impls moe,ragged_dot --recipe fp8  # moe's fp8 recipe
     python -m mok_jax.bench --shapes ep --impls moe --ep 2  # + EP=2 (xla, fused) and
                                                            #   its compute-only reference
 
 --check also compares every pipeline's y and gradients with the dense reference
 (relative Frobenius error per output), so that a fast but wrong pipeline shows.
+
+`--recipe fp8` runs `moe` (and its EP records) with the fp8 recipe (bf16 only);
+the baselines and the --check reference keep computing in --dtype, so `moe`'s
+errors there include the recipe's own (a few percent). Records carry `recipe`
+(None for the baselines) and the table marks `moe [fp8]`.
 
 On CPU the full shapes take very long; without --full-on-cpu a CPU run uses the
 --quick shapes.
@@ -191,9 +197,13 @@ def platform_skip(name: str, backend: str) -> str | None:
 MoEFn = Callable[..., jax.Array]
 
 
+RECIPES = ("native", "fp8")
+MOK_IMPLS = ("moe", "moe_xla")
+
+
 def resolve_impl(name: str) -> tuple[MoEFn | None, str | None]:
     """The pipeline called `name`, or (None, why it is unavailable)."""
-    if name in ("moe", "moe_xla"):
+    if name in MOK_IMPLS:
         try:
             import mok_jax  # pylint: disable=import-outside-toplevel
             moe = mok_jax.moe
@@ -214,6 +224,13 @@ def resolve_impl(name: str) -> tuple[MoEFn | None, str | None]:
         impl = None if jax.default_backend() == "cpu" else "mosaic"
         return functools.partial(baselines.tokamax_moe, implementation=impl), None
     raise ValueError(f"unknown impl {name!r}; choose from {IMPLS + EXTRA_IMPLS}")
+
+
+def with_recipe(fn: MoEFn, impl: str, recipe: str) -> MoEFn:
+    """mok_jax's pipelines with `recipe` (their `recipe=`); the baselines as they are."""
+    if impl in MOK_IMPLS and recipe != "native":
+        return functools.partial(fn, recipe=recipe)
+    return fn
 
 
 def _input_keys(seed: int) -> jax.Array:
@@ -376,6 +393,7 @@ def new_record(shape: Shape, impl: str, pass_name: str, *, dtype_name: str, warm
         "warmup": warmup, "repeats": repeats, "status": "ok", "error": None,
         "compile_s": None, "median_ms": None, "min_ms": None, "mean_ms": None,
         "tflops": None, "times_ms": None, "rel_err": None, "check_error": None,
+        "recipe": None,
     }
 
 
@@ -392,15 +410,18 @@ def finish_record(record: dict, times_ms: list[float], compile_s: float | None) 
 def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
               dtype_name: str, warmup: int, repeats: int,
               reference: list[jax.Array] | None = None,
-              verbose: bool = False) -> dict:
+              verbose: bool = False, recipe: str = "native") -> dict:
     """One record: timings of `impl` on `shape` for `pass_name`, or its error.
 
     With `reference` (the oracle's flat outputs), one more untimed run is compared
     with it and the record gets `rel_err` per output (or `check_error`).
-    `verbose` prints the traceback of a failure to stderr.
+    `verbose` prints the traceback of a failure to stderr. `recipe`: mok_jax.moe's
+    (recorded on its records; the baselines have none).
     """
     record = new_record(shape, impl, pass_name, dtype_name=dtype_name, warmup=warmup,
                         repeats=repeats)
+    if impl in MOK_IMPLS:
+        record["recipe"] = recipe
     why = platform_skip(impl, jax.default_backend())
     if why:
         record.update(status="skipped", error=why)
@@ -409,6 +430,7 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
     if fn is None:
         record.update(status="unavailable", error=why)
         return record
+    fn = with_recipe(fn, impl, recipe)
     if impl == "tokamax":
         record["note"] = baselines.tokamax_available()[1] or None
     try:
@@ -469,7 +491,7 @@ def ep_impl(ep_size: int, backend: str) -> str:
 
 def bench_compute_only(shape: Shape, ep_size: int, pass_name: str, *, dtype,
                        dtype_name: str, seed: int, warmup: int, repeats: int,
-                       verbose: bool = False) -> dict:
+                       verbose: bool = False, recipe: str = "native") -> dict:
     """`moe` on one device with compute_only_shape(shape, ep_size): the compute-only
     time of one EP rank (its rows and its E/P experts, no communication), the
     reference of the EP records' `ep_time_ratio`. Record impl `moe_compute_epN`; its
@@ -492,11 +514,12 @@ def bench_compute_only(shape: Shape, ep_size: int, pass_name: str, *, dtype,
             record.update(status="error", error=error_string(err))
         else:
             record = bench_one(local, MOK, pass_name, inputs, dtype_name=dtype_name,
-                               warmup=warmup, repeats=repeats, verbose=verbose)
+                               warmup=warmup, repeats=repeats, verbose=verbose,
+                               recipe=recipe)
             del inputs
         record["impl"] = impl
     record.update(compute_only_for_ep=ep_size, experts_global=shape.experts,
-                  backend="auto")
+                  backend="auto", recipe=recipe)
     if record["T"] != shape.tokens:
         record["note"] = (f"K={shape.top_k} > E/P={shape.experts // ep_size}: "
                           f"{record['T']} tokens x {record['K']} picks keep the "
@@ -528,7 +551,7 @@ def fused_skip(backend: str) -> tuple[str, str] | None:
 
 def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: str,
              seed: int, warmup: int, repeats: int, backend: str = "xla",
-             verbose: bool = False) -> dict:
+             verbose: bool = False, recipe: str = "native") -> dict:
     """`mok_jax.moe(..., backend=backend)` under jit on a mesh of `ep_size` devices
     (experts sharded; "xla": XLA's all_to_all, "fused": the NVLink transport), with
     `shape.tokens` tokens per device: the per-device work of the compute-only record
@@ -538,7 +561,7 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
     record = new_record(shape, impl, pass_name, dtype_name=dtype_name, warmup=warmup,
                         repeats=repeats)
     record.update(ep_size=ep_size, backend=backend,
-                  experts_per_device=shape.experts // ep_size)
+                  experts_per_device=shape.experts // ep_size, recipe=recipe)
     if backend == "fused":
         skip = fused_skip(jax.default_backend())
         if skip:
@@ -553,6 +576,7 @@ def bench_ep(shape: Shape, ep_size: int, pass_name: str, *, dtype, dtype_name: s
         if fn is None:
             record.update(status="unavailable", error=why)
             return record
+        fn = with_recipe(fn, MOK, recipe)
         fn = functools.partial(fn, backend=backend)
         global_shape = dataclasses.replace(shape, tokens=shape.tokens * ep_size)
         inputs = make_inputs(global_shape, dtype, seed)
@@ -945,6 +969,12 @@ def ep_ratio_text(record: dict) -> str:
     return text
 
 
+def impl_label(record: dict) -> str:
+    """The impl as the table shows it: mok_jax's with its recipe unless native."""
+    recipe = record.get("recipe")
+    return record["impl"] if recipe in (None, "native") else f"{record['impl']} [{recipe}]"
+
+
 def format_table(records: list[dict]) -> str:
     """A text table: one row per record; errors shortened to one line.
 
@@ -964,12 +994,12 @@ def format_table(records: list[dict]) -> str:
             first_line = ((r["error"] or "").splitlines() or [""])[0][:300]
             where = notes.setdefault(f"{r['impl']}: {r['status']}: {first_line}", [])
             where.append(f"{r['shape']}/{r['pass']}")
-            rows.append((r["shape"], r["impl"], r["pass"], r["status"])
+            rows.append((r["shape"], impl_label(r), r["pass"], r["status"])
                         + ("-",) * (len(header) - 4))
             continue
         speedup = r.get("mok_speedup")
         tflops = r["tflops"]
-        row = (r["shape"], r["impl"], r["pass"], f"{r['median_ms']:.3f}",
+        row = (r["shape"], impl_label(r), r["pass"], f"{r['median_ms']:.3f}",
                f"{r['min_ms']:.3f}",
                f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.4f}",
                "-" if speedup is None else f"{speedup:.2f}x")
@@ -1298,6 +1328,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed runs after compilation (default 3)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    parser.add_argument("--recipe", choices=RECIPES, default="native",
+                        help="mok_jax.moe's recipe (default native: GEMMs in --dtype; fp8: "
+                             "float8_e4m3fn with block scales, bf16 only); the baselines "
+                             "always compute in --dtype")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true",
                         help="also compare each pipeline's outputs (and gradients) "
@@ -1366,6 +1400,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     fail = parser.error
     if args.repeats < 1 or args.warmup < 0:
         fail("--repeats must be >= 1 and --warmup >= 0")
+    if args.recipe == "fp8" and args.dtype != "bf16":
+        fail("--recipe fp8 takes bfloat16 inputs: use --dtype bf16")
     names = [shape.name for shape in args.shape]
     twice = _dedupe(n for n in names if names.count(n) > 1)
     if twice:
@@ -1585,6 +1621,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "machine": info,
             "argv": argv,
             "settings": {"quick": quick, "check": args.check, "dtype": args.dtype,
+                         "recipe": args.recipe,
                          "warmup": args.warmup,
                          "repeats": args.repeats, "seed": args.seed,
                          "shapes": args.shapes,
@@ -1630,7 +1667,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     record = bench_one(shape, impl, pass_name, inputs,
                                        dtype_name=args.dtype, warmup=args.warmup,
                                        repeats=args.repeats, reference=reference,
-                                       verbose=args.verbose)
+                                       verbose=args.verbose, recipe=args.recipe)
                 if args.check:
                     record["check_reference"] = check_name
                     record["check_error"] = record["check_error"] or check_error
@@ -1643,7 +1680,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     continue  # EP=1 is the single-device record above
                 common = {"dtype": DTYPES[args.dtype], "dtype_name": args.dtype,
                           "seed": args.seed, "warmup": args.warmup,
-                          "repeats": args.repeats, "verbose": args.verbose}
+                          "repeats": args.repeats, "verbose": args.verbose,
+                          "recipe": args.recipe}
                 # The reference first: one rank's expert work on one device, then
                 # the EP layer over each exchange backend (each saved as it ends).
                 runs = [functools.partial(bench_compute_only, shape, ep_size, pass_name,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mok_jax import ep, layer, primitives, sharding
-from mok_jax.recipe import Recipe, resolve
+from mok_jax.recipe import Recipe, check_dtypes, resolve
 
 BACKENDS = ("auto", "fused", "xla")
 _X_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
@@ -89,9 +89,11 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
       backend: "fused" (mok_jax's NVLink transport between GPUs under EP; on one
         GPU the layer's CUDA kernels), "xla" (the same local kernels, XLA
         collectives for the exchange) or "auto".
-      recipe: how the expert GEMMs compute (static). None: in x.dtype with f32
-        accumulation (the numerics above), the only recipe of this version;
-        `mok_jax.Recipe` lists the values.
+      recipe: how the expert GEMMs compute (static). None (or "native"): in
+        x.dtype with f32 accumulation (the numerics above). "fp8": every expert
+        GEMM in float8_e4m3fn with f32 block scales and f32 accumulation, for
+        bfloat16 x and weights (docs/contract.md, "The fp8 recipe"; a ValueError
+        for other dtypes). `mok_jax.Recipe` lists the values.
       return_stats: also return `MoEStats`.
       check_mesh: inside ``jax.shard_map`` (with ``check_vma``), check at trace
         time that the operands vary over the mesh axes as ``axis_name`` says
@@ -119,6 +121,7 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
                           backend=backend, recipe=recipe, return_stats=return_stats,
                           check_mesh=check_mesh)
     recipe = resolve(recipe)
+    check_dtypes(recipe, "mok_jax.moe", x=x, w_gate_up=w_gate_up, w_down=w_down)
     num_experts, ep_size = _validate(x, expert_ids, expert_weights, w_gate_up, w_down,
                                      axis_name=axis_name, capacity_factor=capacity_factor,
                                      backend=backend)

@@ -354,7 +354,10 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
     if not _is_real(route_scale) or not math.isfinite(route_scale) or route_scale <= 0:
         raise ValueError(f"MoE: route_scale must be a positive finite number, got {route_scale!r}")
     check_option_values("MoE", capacity_factor=capacity_factor, backend=backend)
-    resolve_recipe(recipe, where="MoE")
+    if (resolve_recipe(recipe, where="MoE") == Recipe.FP8 and dtype is not None
+            and jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"MoE: recipe 'fp8' needs bfloat16 dtype (the experts' "
+                         f"computation dtype); got {jnp.dtype(dtype)}")
     if router_dot not in ROUTER_DOTS:
         raise ValueError(f"MoE: router_dot must be one of {ROUTER_DOTS}, got {router_dot!r}")
     if dtype is not None:
@@ -427,7 +430,8 @@ class MoE(nnx.Module):
         ``jax.jit``.
       backend: passed to `mok_jax.moe`.
       recipe: how the expert GEMMs compute, passed to `mok_jax.moe` (None: in the
-        computation dtype, f32 accumulation).
+        computation dtype, f32 accumulation; "fp8": float8_e4m3fn with block
+        scales, for a bfloat16 computation dtype).
       router_dot: how the f32 router logits are computed (`router_logits`):
         "auto" (bf16 tensor-core products, exact, for bfloat16 inputs; XLA's f32
         ``HIGHEST`` dot otherwise) or "highest" (always XLA's f32 dot). The two

@@ -8,11 +8,19 @@ bindings; nothing here restates them.
 
 * ``Recipe.NATIVE`` (``recipe=None``): every expert GEMM in x.dtype (bf16 or f32)
   with f32 accumulation -- the numerics of docs/contract.md.
+* ``Recipe.FP8`` (``recipe="fp8"``): every expert GEMM in float8_e4m3fn with f32
+  block scales (1x128 along the reduction for activations, 128x128 for weights,
+  128x1 along the expert's rows for the weight gradients) and f32 accumulation;
+  x and the expert weights must be bfloat16 (docs/contract.md, "The fp8 recipe").
+  `mok_jax.quantize_rows_fp8` is its quantizer.
 """
 
 from __future__ import annotations
 
 import enum
+
+import jax.numpy as jnp
+import numpy as np
 
 from mok_jax import _ext
 
@@ -34,3 +42,16 @@ def resolve(recipe, where: str = "mok_jax.moe") -> Recipe:
     known = ", ".join(["None"] + [repr(m.name.lower()) for m in Recipe])
     raise ValueError(f"{where}: recipe must be one of {known} (or a mok_jax.Recipe); got "
                      f"{recipe!r}, which this version of mok_jax does not implement")
+
+
+def check_dtypes(recipe: Recipe, where: str, **arrays) -> None:
+    """ValueError naming the first of `arrays` whose dtype `recipe` does not take:
+    the fp8 recipe takes bfloat16 x and expert weights only. Arrays without a
+    dtype are left to the caller's own checks."""
+    if recipe != Recipe.FP8:
+        return
+    for name, a in arrays.items():
+        dtype = getattr(a, "dtype", None)
+        if dtype is not None and np.dtype(dtype) != np.dtype(jnp.bfloat16):
+            raise ValueError(f"{where}: recipe 'fp8' needs bfloat16 {name}; got "
+                             f"{np.dtype(dtype)}")

@@ -10,8 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mok_jax.fp8 import expert_outputs_fp8
 from mok_jax.moe import MoEStats, capacity
-from mok_jax.recipe import Recipe
+from mok_jax.recipe import Recipe, check_dtypes
 from mok_jax.recipe import resolve as resolve_recipe
 
 
@@ -45,19 +46,29 @@ def routing_masks(expert_ids: jax.Array, num_experts: int, capacity_factor: floa
 def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
                   capacity_factor=None, recipe=None, return_stats=False):
     """Same contract as `mok_jax.moe` for one device (no ``axis_name``); `recipe`
-    as `mok_jax.moe`'s (every recipe of this version: GEMMs in x.dtype)."""
-    if resolve_recipe(recipe, "moe_reference") != Recipe.NATIVE:
-        raise ValueError(f"moe_reference: recipe {recipe!r} has no reference")
+    as `mok_jax.moe`'s.
+
+    With ``recipe="fp8"`` (bfloat16 x and weights) the experts follow the fp8
+    recipe's forward (`mok_jax.fp8.expert_outputs_fp8`: the same blocks, scales,
+    e4m3 values and f32 accumulation per block; the sums inside a block may be
+    added in another order than the kernels'). Its ``jax.grad`` differentiates
+    that jnp code (straight through the float8 conversions), which is not the
+    recipe's backward: compare gradients with an emulation of the backward."""
+    recipe = resolve_recipe(recipe, "moe_reference")
+    check_dtypes(recipe, "moe_reference", x=x, w_gate_up=w_gate_up, w_down=w_down)
     num_experts = w_gate_up.shape[0]
     ffn = w_down.shape[1]
     _, kept, stats = routing_masks(expert_ids, num_experts, capacity_factor)
 
-    # Every expert on every token: [E, T, 2F] in f32.
-    gate_up = jnp.einsum("th,ehf->etf", x, w_gate_up, preferred_element_type=jnp.float32)
-    g, u = gate_up[..., :ffn], gate_up[..., ffn:]
-    h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)
-    o = jnp.einsum("etf,efh->eth", h, w_down, preferred_element_type=jnp.float32)
-    o = o.astype(x.dtype).astype(jnp.float32)                        # [E, T, H]
+    if recipe == Recipe.FP8:
+        o = expert_outputs_fp8(x, w_gate_up, w_down)                # [E, T, H]
+    else:
+        # Every expert on every token: [E, T, 2F] in f32.
+        gate_up = jnp.einsum("th,ehf->etf", x, w_gate_up, preferred_element_type=jnp.float32)
+        g, u = gate_up[..., :ffn], gate_up[..., ffn:]
+        h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)
+        o = jnp.einsum("etf,efh->eth", h, w_down, preferred_element_type=jnp.float32)
+        o = o.astype(x.dtype).astype(jnp.float32)                    # [E, T, H]
 
     safe_ids = jnp.where(kept, expert_ids, 0)
     tokens = jnp.arange(x.shape[0])

@@ -741,3 +741,26 @@ def test_gpu_only_baselines_are_skipped_on_cpu_with_a_note(monkeypatch, capsys, 
         assert records[name]["error"] == bench.platform_skip(name, "cpu")
         assert f"note: {name} is not attempted on cpu" in captured.err
         assert f"{name}: skipped: needs a CUDA GPU" in captured.out  # the table's note
+
+
+def test_recipe_fp8_reaches_moe_only_and_is_recorded(tmp_path, capsys):
+    path = tmp_path / "fp8.json"
+    result = bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe,ragged_dot",
+                         "--passes", "fwd", "--repeats", "1", "--warmup", "0",
+                         "--recipe", "fp8", "--check", "--json", str(path)])
+    assert result["settings"]["recipe"] == "fp8"
+    records = json.loads(path.read_text())["records"]
+    assert [(r["impl"], r["recipe"]) for r in records] == [("moe", "fp8"),
+                                                           ("ragged_dot", None)]
+    moe, ragged = records
+    assert moe["status"] == "ok", moe
+    # fp8 against the dense bf16 reference: the recipe's few percent, well above
+    # the bf16 pipelines' rounding
+    assert moe["rel_err"]["y"] > 2 * ragged["rel_err"]["y"]
+    assert "moe [fp8]" in capsys.readouterr().out
+
+
+def test_recipe_fp8_needs_bf16():
+    with pytest.raises(SystemExit):
+        bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe", "--recipe", "fp8",
+                    "--dtype", "f32"])

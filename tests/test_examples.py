@@ -901,3 +901,14 @@ def test_rope_and_qkv_projection_compute_the_textbook_functions(dtype):
     for a, b, what in zip(got + vjp(cts), want + vjp_want(cts), ("qk", "v", "dx", "dkernel")):
         assert a.dtype == b.dtype == dtype, (what, a.dtype, b.dtype)
         assert_close(a, b, dtype, what=f"qkv_projection {what}")
+
+
+def test_recipe_flag_reaches_the_moe_layers():
+    import mok_jax
+    from flax import nnx
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--recipe", "fp8"])  # the tiny preset computes in float32
+    cfg = lm.config_from_args(lm.parse_args(["--recipe", "fp8", "--dtype", "bfloat16"]))
+    assert cfg.recipe == "fp8" and lm.Config().recipe == "native"
+    block = lm.Block(cfg, rngs=nnx.Rngs(0))
+    assert block.moe.recipe is mok_jax.Recipe.FP8

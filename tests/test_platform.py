@@ -19,7 +19,8 @@ def _tiny_problem():
 def test_cpu_handlers_are_registered():
     regs = _mok.registrations()
     assert set(regs["cpu"]) == {_ext.MOE_FORWARD, _ext.MOE_BACKWARD, _ext.EXPERT_FFN_FORWARD,
-                                _ext.EXPERT_FFN_BACKWARD, _ext.COMBINE}
+                                _ext.EXPERT_FFN_BACKWARD, _ext.COMBINE,
+                                _ext.QUANTIZE_ROWS_FP8}
     assert "cpu" in _ext.registered_platforms()
 
 

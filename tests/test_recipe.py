@@ -41,12 +41,16 @@ def test_the_native_recipe_is_the_default():
                    mok_jax.moe(x, ids, w, wgu, wd), "y")
 
 
-def test_the_recipe_reaches_the_handlers_as_an_attribute():
-    x, ids, w, wgu, wd = make_problem(2, 16, 2, 4, 16, 8, jnp.float32)
-    text = jax.jit(jax.grad(lambda *a: mok_jax.moe(*a).sum(), argnums=(0, 2, 3, 4))).lower(
-        x, ids, w, wgu, wd).as_text()
-    calls = re.findall(r"custom_call @(mok_moe_\w+).*?recipe = (\d+) : i32", text)
-    assert sorted(calls) == [("mok_moe_bwd", "0"), ("mok_moe_fwd", "0")]
+@pytest.mark.parametrize("recipe, dtype, value", [(None, jnp.float32, "0"),
+                                                  ("fp8", jnp.bfloat16, "1")])
+@pytest.mark.parametrize("backend, targets", [("auto", "mok_moe"), ("xla", "mok_expert_ffn")])
+def test_the_recipe_reaches_the_handlers_as_an_attribute(recipe, dtype, value, backend,
+                                                         targets):
+    x, ids, w, wgu, wd = make_problem(2, 16, 2, 4, 16, 8, dtype)
+    loss = lambda *a: mok_jax.moe(*a, recipe=recipe, backend=backend).astype(jnp.float32).sum()
+    text = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4))).lower(x, ids, w, wgu, wd).as_text()
+    calls = re.findall(rf"custom_call @({targets}_\w+).*?recipe = (\d+) : i32", text)
+    assert sorted(calls) == [(f"{targets}_bwd", value), (f"{targets}_fwd", value)]
 
 
 def test_a_handler_refuses_a_recipe_value_it_does_not_know():

@@ -5,6 +5,7 @@
 #include <exception>
 #include <vector>
 
+#include "fp8.h"
 #include "gemm.h"
 #include "mok/bf16.h"
 #include "parallel.h"
@@ -39,17 +40,69 @@ void gather_rows(const T* src, const RowMap& map, int64_t begin, int64_t n, int6
   for (int64_t r = 0; r < n; ++r) load_f32(src + map.token(begin + r) * cols, dst + r * cols, cols);
 }
 
+// The fp8 recipe's blocks for one problem size (docs/contract.md, "The fp8 recipe"):
+// K-blocks of 128 along H, F and 2F (the gate and up halves blocked separately),
+// each element its own block (for the column blocks along rows), and which block
+// each column is in.
+struct Fp8Layout {
+  std::vector<int64_t> h, f, gu;           // blocks of 128 along H, F, 2F (halves)
+  std::vector<int64_t> each_h, each_f, each_gu;  // one block per element
+  std::vector<int32_t> col_h, col_f, col_gu;     // block of each column
+  std::vector<int32_t> id_h, id_gu;              // identity maps
+  Fp8Layout(int64_t H, int64_t F)
+      : h(fp8_bounds(H, kFp8Block)), f(fp8_bounds(F, kFp8Block)),
+        gu(fp8_bounds(2 * F, kFp8Block, 2)), each_h(fp8_bounds(H, 1)),
+        each_f(fp8_bounds(F, 1)), each_gu(fp8_bounds(2 * F, 1)), col_h(fp8_col_blocks(h)),
+        col_f(fp8_col_blocks(f)), col_gu(fp8_col_blocks(gu)), id_h(fp8_col_blocks(each_h)),
+        id_gu(fp8_col_blocks(each_gu)) {}
+  int64_t nh() const { return static_cast<int64_t>(h.size()) - 1; }
+  int64_t nf() const { return static_cast<int64_t>(f.size()) - 1; }
+  int64_t ngu() const { return static_cast<int64_t>(gu.size()) - 1; }
+};
+
+// Quantizes rows [n, cols] in row blocks along cols (`bounds`): q, s [n, nb].
+inline void fp8_rows(const float* v, int64_t n, int64_t cols, const std::vector<int64_t>& bounds,
+                     std::vector<float>* q, std::vector<float>* s) {
+  q->resize(n * cols);
+  s->resize(n * (bounds.size() - 1));
+  fp8_quantize(v, n, cols, fp8_bounds(n, 1), bounds, q->data(), s->data());
+}
+
+// Quantizes an expert's rows [n, cols] in column blocks along rows (128 rows from
+// its first) and transposes them for the weight-gradient GEMM's A operand:
+// qt [cols, n], st [cols, nrb].
+inline void fp8_cols_t(const float* v, int64_t n, int64_t cols,
+                       const std::vector<int64_t>& each_col, std::vector<float>* q,
+                       std::vector<float>* s, std::vector<float>* qt, std::vector<float>* st) {
+  const std::vector<int64_t> rb = fp8_bounds(n, kFp8Block);
+  const int64_t nrb = static_cast<int64_t>(rb.size()) - 1;
+  q->resize(n * cols);
+  s->resize(nrb * cols);
+  fp8_quantize(v, n, cols, rb, each_col, q->data(), s->data());
+  if (qt != nullptr) {
+    qt->resize(n * cols);
+    st->resize(nrb * cols);
+    transpose_f32(q->data(), qt->data(), n, cols);
+    transpose_f32(s->data(), st->data(), nrb, cols);
+  }
+}
+
 // Per-expert SwiGLU FFN over grouped rows: out[pair(r)] = round_x(FFN_e(x[token(r)]))
 // and, when gate_up_out is given, gate_up_out[r] = round_x(x @ Wgu_e).
+// With Recipe::kFp8 the two GEMMs are the block-scaled fp8 ones and h stays f32
+// (it is quantized, not rounded to x.dtype).
 template <typename X>
 void expert_ffn_forward(const X* x, const RowMap& map, const int64_t* expert_begin,
                         int64_t experts, int64_t H, int64_t F, const X* wgu, const X* wd, X* out,
-                        X* gate_up_out) {
+                        X* gate_up_out, Recipe recipe) {
   struct Scratch {
     std::vector<float> w_gu, w_d, xe, gu, h, o;
+    std::vector<float> wgu_q, wgu_s, wd_q, wd_s, a_q, a_s, tmp;  // fp8 only
   };
   const int workers = cpu_threads();
   std::vector<Scratch> scratch(workers);
+  const bool fp8 = recipe == Recipe::kFp8;
+  const Fp8Layout L = fp8 ? Fp8Layout(H, F) : Fp8Layout(0, 0);
 
   // Experts are independent and write disjoint rows: one work item each.
   parallel_for(experts, workers, [&](int64_t e, int worker) {
@@ -66,19 +119,38 @@ void expert_ffn_forward(const X* x, const RowMap& map, const int64_t* expert_beg
     load_f32(wd + e * F * H, s.w_d.data(), F * H);
     gather_rows(x, map, begin, n, H, s.xe.data());
 
-    gemm_f32(s.xe.data(), s.w_gu.data(), s.gu.data(), n, 2 * F, H);
+    if (fp8) {
+      s.wgu_q.resize(H * 2 * F);
+      s.wgu_s.resize(L.nh() * L.ngu());
+      fp8_quantize(s.w_gu.data(), H, 2 * F, L.h, L.gu, s.wgu_q.data(), s.wgu_s.data());
+      s.wd_q.resize(F * H);
+      s.wd_s.resize(L.nf() * L.nh());
+      fp8_quantize(s.w_d.data(), F, H, L.f, L.h, s.wd_q.data(), s.wd_s.data());
+      fp8_rows(s.xe.data(), n, H, L.h, &s.a_q, &s.a_s);
+      fp8_gemm(s.a_q.data(), s.a_s.data(), s.wgu_q.data(), s.wgu_s.data(), L.col_gu.data(),
+               L.ngu(), L.h, n, 2 * F, s.gu.data(), &s.tmp);
+    } else {
+      gemm_f32(s.xe.data(), s.w_gu.data(), s.gu.data(), n, 2 * F, H);
+    }
     for (int64_t r = 0; r < n; ++r) {
       const float* g = s.gu.data() + r * 2 * F;
       const float* u = g + F;
       for (int64_t f = 0; f < F; ++f) {
-        s.h[r * F + f] = round_to<X>(g[f] * sigmoid(g[f]) * u[f]);
+        const float hv = g[f] * sigmoid(g[f]) * u[f];
+        s.h[r * F + f] = fp8 ? hv : round_to<X>(hv);
       }
       if (gate_up_out != nullptr) {
         X* dst = gate_up_out + (begin + r) * 2 * F;
         for (int64_t j = 0; j < 2 * F; ++j) dst[j] = from_float<X>(g[j]);
       }
     }
-    gemm_f32(s.h.data(), s.w_d.data(), s.o.data(), n, H, F);
+    if (fp8) {
+      fp8_rows(s.h.data(), n, F, L.f, &s.a_q, &s.a_s);
+      fp8_gemm(s.a_q.data(), s.a_s.data(), s.wd_q.data(), s.wd_s.data(), L.col_h.data(), L.nh(),
+               L.f, n, H, s.o.data(), &s.tmp);
+    } else {
+      gemm_f32(s.h.data(), s.w_d.data(), s.o.data(), n, H, F);
+    }
     for (int64_t r = 0; r < n; ++r) {
       X* dst = out + map.pair(begin + r) * H;
       for (int64_t j = 0; j < H; ++j) dst[j] = from_float<X>(s.o[r * H + j]);
@@ -95,13 +167,16 @@ template <typename X, typename W>
 void expert_ffn_backward(const X* x, const X* x_rows, const X* dy, const W* w, const RowMap& map,
                          const int64_t* expert_begin, int64_t experts, int64_t H, int64_t F,
                          const X* wgu, const X* wd, const X* gate_up, X* dx_out, W* dw_out,
-                         X* dwgu, X* dwd) {
+                         X* dwgu, X* dwd, Recipe recipe) {
   struct Scratch {
     std::vector<float> w_gu, w_gu_t, w_d, w_d_t, xe, xe_t, dye, dh, gu, hr, hr_t, dgu, dxe,
         acc_gu, acc_d;
+    std::vector<float> wq, ws, ws_t, a_q, a_s, a_qt, a_st, b_q, b_s, tmp;  // fp8 only
   };
   const int workers = cpu_threads();
   std::vector<Scratch> scratch(workers);
+  const bool fp8 = recipe == Recipe::kFp8;
+  const Fp8Layout L = fp8 ? Fp8Layout(H, F) : Fp8Layout(0, 0);
 
   parallel_for(experts, workers, [&](int64_t e, int worker) {
     const int64_t begin = expert_begin[e], n = expert_begin[e + 1] - begin;
@@ -141,7 +216,20 @@ void expert_ffn_backward(const X* x, const X* x_rows, const X* dy, const W* w, c
     load_f32(gate_up + begin * 2 * F, s.gu.data(), n * 2 * F);
 
     // dh_raw = dy @ Wd^T: the gradient of h before the combine weight.
-    gemm_f32(s.dye.data(), s.w_d_t.data(), s.dh.data(), n, F, H);
+    if (fp8) {
+      // Wd's 128x128 blocks (the forward's values), transposed with their scales.
+      s.wq.resize(F * H);
+      s.ws.resize(L.nf() * L.nh());
+      s.ws_t.resize(L.nh() * L.nf());
+      fp8_quantize(s.w_d.data(), F, H, L.f, L.h, s.wq.data(), s.ws.data());
+      transpose_f32(s.wq.data(), s.w_d_t.data(), F, H);
+      transpose_f32(s.ws.data(), s.ws_t.data(), L.nf(), L.nh());
+      fp8_rows(s.dye.data(), n, H, L.h, &s.a_q, &s.a_s);
+      fp8_gemm(s.a_q.data(), s.a_s.data(), s.w_d_t.data(), s.ws_t.data(), L.col_f.data(),
+               L.nf(), L.h, n, F, s.dh.data(), &s.tmp);
+    } else {
+      gemm_f32(s.dye.data(), s.w_d_t.data(), s.dh.data(), n, F, H);
+    }
     for (int64_t r = 0; r < n; ++r) {
       const int64_t p = map.pair(begin + r);
       const float wv = to_float(w[p]);
@@ -163,17 +251,42 @@ void expert_ffn_backward(const X* x, const X* x_rows, const X* dy, const W* w, c
     }
 
     // dx rows = dgu @ Wgu^T, rounded to x.dtype like the forward's expert outputs.
-    gemm_f32(s.dgu.data(), s.w_gu_t.data(), s.dxe.data(), n, H, 2 * F);
+    if (fp8) {
+      s.wq.resize(H * 2 * F);
+      s.ws.resize(L.nh() * L.ngu());
+      s.ws_t.resize(L.ngu() * L.nh());
+      fp8_quantize(s.w_gu.data(), H, 2 * F, L.h, L.gu, s.wq.data(), s.ws.data());
+      transpose_f32(s.wq.data(), s.w_gu_t.data(), H, 2 * F);
+      transpose_f32(s.ws.data(), s.ws_t.data(), L.nh(), L.ngu());
+      fp8_rows(s.dgu.data(), n, 2 * F, L.gu, &s.a_q, &s.a_s);
+      fp8_gemm(s.a_q.data(), s.a_s.data(), s.w_gu_t.data(), s.ws_t.data(), L.col_h.data(),
+               L.nh(), L.gu, n, H, s.dxe.data(), &s.tmp);
+    } else {
+      gemm_f32(s.dgu.data(), s.w_gu_t.data(), s.dxe.data(), n, H, 2 * F);
+    }
     for (int64_t r = 0; r < n; ++r) {
       X* dst = dx_out + map.pair(begin + r) * H;
       for (int64_t j = 0; j < H; ++j) dst[j] = from_float<X>(s.dxe[r * H + j]);
     }
 
     // Weight gradients reduce over the expert's rows in canonical (token, k) order.
-    transpose_f32(s.hr.data(), s.hr_t.data(), n, F);
-    gemm_f32(s.hr_t.data(), s.dye.data(), s.acc_d.data(), F, H, n);
-    transpose_f32(s.xe.data(), s.xe_t.data(), n, H);
-    gemm_f32(s.xe_t.data(), s.dgu.data(), s.acc_gu.data(), H, 2 * F, n);
+    if (fp8) {
+      // Both operands in column blocks of 128 rows from the expert's first row.
+      const std::vector<int64_t> rb = fp8_bounds(n, kFp8Block);
+      fp8_cols_t(s.hr.data(), n, F, L.each_f, &s.b_q, &s.b_s, &s.a_qt, &s.a_st);
+      fp8_cols_t(s.dye.data(), n, H, L.each_h, &s.b_q, &s.b_s, nullptr, nullptr);
+      fp8_gemm(s.a_qt.data(), s.a_st.data(), s.b_q.data(), s.b_s.data(), L.id_h.data(), H, rb,
+               F, H, s.acc_d.data(), &s.tmp);
+      fp8_cols_t(s.xe.data(), n, H, L.each_h, &s.b_q, &s.b_s, &s.a_qt, &s.a_st);
+      fp8_cols_t(s.dgu.data(), n, 2 * F, L.each_gu, &s.b_q, &s.b_s, nullptr, nullptr);
+      fp8_gemm(s.a_qt.data(), s.a_st.data(), s.b_q.data(), s.b_s.data(), L.id_gu.data(), 2 * F,
+               rb, H, 2 * F, s.acc_gu.data(), &s.tmp);
+    } else {
+      transpose_f32(s.hr.data(), s.hr_t.data(), n, F);
+      gemm_f32(s.hr_t.data(), s.dye.data(), s.acc_d.data(), F, H, n);
+      transpose_f32(s.xe.data(), s.xe_t.data(), n, H);
+      gemm_f32(s.xe_t.data(), s.dgu.data(), s.acc_gu.data(), H, 2 * F, n);
+    }
     for (int64_t i = 0; i < H * 2 * F; ++i) dwgu_e[i] = from_float<X>(s.acc_gu[i]);
     for (int64_t i = 0; i < F * H; ++i) dwd_e[i] = from_float<X>(s.acc_d[i]);
   });
@@ -223,7 +336,7 @@ void forward(const MoeForwardArgs& a, X* x_rows_out) {
   const RowMap map{plan.row_pair.data(), K};
   expert_ffn_forward<X>(static_cast<const X*>(a.x), map, plan.expert_begin.data(), E, H, F,
                         static_cast<const X*>(a.w_gate_up), static_cast<const X*>(a.w_down),
-                        o_pair.data(), static_cast<X*>(a.gate_up_out));
+                        o_pair.data(), static_cast<X*>(a.gate_up_out), a.recipe);
   combine<X, W>(o_pair.data(), static_cast<const W*>(a.expert_weights),
                 [&](int64_t p) { return plan.pair_row[p] >= 0; }, T, K, H, static_cast<X*>(a.y));
 }
@@ -242,7 +355,7 @@ void backward(const MoeBackwardArgs& a, const X* x_rows) {
       static_cast<const W*>(a.expert_weights), map, plan.expert_begin.data(), E, H, F,
       static_cast<const X*>(a.w_gate_up), static_cast<const X*>(a.w_down),
       static_cast<const X*>(a.gate_up), dx_pair.data(), dew, static_cast<X*>(a.d_w_gate_up),
-      static_cast<X*>(a.d_w_down));
+      static_cast<X*>(a.d_w_down), a.recipe);
   combine<X, W>(dx_pair.data(), nullptr, [&](int64_t p) { return plan.pair_row[p] >= 0; }, T, K,
                 H, static_cast<X*>(a.dx));
 }
@@ -283,30 +396,36 @@ std::string dispatch(DType x_dtype, DType weight_dtype, Fn&& fn) {
   return {};
 }
 
-// The recipes this file implements (the expert GEMMs in the activations' dtype).
-std::string check_recipe(Recipe recipe) {
+// The recipes this file implements: kNative (the expert GEMMs in the activations'
+// dtype) for f32 and bf16, kFp8 for bf16 activations and weights.
+std::string check_recipe(Recipe recipe, DType x_dtype) {
   if (recipe == Recipe::kNative) return {};
+  if (recipe == Recipe::kFp8) {
+    if (x_dtype == DType::kBF16) return {};
+    return std::string("recipe fp8 needs bfloat16 x and expert weights; got ") +
+           dtype_name(x_dtype);
+  }
   return std::string("recipe ") + recipe_name(recipe) + " has no CPU implementation";
 }
 
 }  // namespace
 
 std::string moe_forward(const MoeForwardArgs& args, void* x_rows_out) {
-  if (std::string err = check_recipe(args.recipe); !err.empty()) return err;
+  if (std::string err = check_recipe(args.recipe, args.x_dtype); !err.empty()) return err;
   return dispatch(args.x_dtype, args.weight_dtype, [&]<typename X, typename W>() {
     forward<X, W>(args, static_cast<X*>(x_rows_out));
   });
 }
 
 std::string moe_backward(const MoeBackwardArgs& args, const void* x_rows) {
-  if (std::string err = check_recipe(args.recipe); !err.empty()) return err;
+  if (std::string err = check_recipe(args.recipe, args.x_dtype); !err.empty()) return err;
   return dispatch(args.x_dtype, args.weight_dtype, [&]<typename X, typename W>() {
     backward<X, W>(args, static_cast<const X*>(x_rows));
   });
 }
 
 std::string expert_ffn_forward(const ExpertFfnForwardArgs& a) {
-  if (std::string err = check_recipe(a.recipe); !err.empty()) return err;
+  if (std::string err = check_recipe(a.recipe, a.x_dtype); !err.empty()) return err;
   std::vector<int64_t> begin;
   std::string err = group_offsets(a.group_sizes, a.experts, a.rows, &begin);
   if (!err.empty()) return err;
@@ -318,12 +437,12 @@ std::string expert_ffn_forward(const ExpertFfnForwardArgs& a) {
                                           static_cast<const X*>(a.w_gate_up),
                                           static_cast<const X*>(a.w_down),
                                           static_cast<X*>(a.out_rows),
-                                          static_cast<X*>(a.gate_up_out));
+                                          static_cast<X*>(a.gate_up_out), a.recipe);
                   });
 }
 
 std::string expert_ffn_backward(const ExpertFfnBackwardArgs& a) {
-  if (std::string err = check_recipe(a.recipe); !err.empty()) return err;
+  if (std::string err = check_recipe(a.recipe, a.x_dtype); !err.empty()) return err;
   std::vector<int64_t> begin;
   std::string err = group_offsets(a.group_sizes, a.experts, a.rows, &begin);
   if (!err.empty()) return err;
@@ -333,7 +452,8 @@ std::string expert_ffn_backward(const ExpertFfnBackwardArgs& a) {
         static_cast<const W*>(a.w_rows), RowMap{}, begin.data(), a.experts, a.hidden, a.ffn,
         static_cast<const X*>(a.w_gate_up), static_cast<const X*>(a.w_down),
         static_cast<const X*>(a.gate_up), static_cast<X*>(a.dx_rows),
-        static_cast<W*>(a.dw_rows), static_cast<X*>(a.d_w_gate_up), static_cast<X*>(a.d_w_down));
+        static_cast<W*>(a.dw_rows), static_cast<X*>(a.d_w_gate_up), static_cast<X*>(a.d_w_down),
+        a.recipe);
   });
 }
 

@@ -9,7 +9,27 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
+
 namespace mok::cpu {
+
+// IEEE subnormals (no flush to zero, no denormals-are-zero) while alive; restores
+// the thread's previous mode. XLA's CPU threads flush subnormals, threads started
+// here do not: every work item runs in the same mode, so results never depend on
+// which thread ran an item.
+class IeeeSubnormals {
+ public:
+#if defined(__x86_64__) || defined(_M_X64)
+  IeeeSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kFlushBits); }
+  ~IeeeSubnormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFlushBits = 0x8040u;  // MXCSR FTZ | DAZ
+  unsigned saved_;
+#endif
+};
 
 // Number of worker threads: MOK_CPU_THREADS if set (>= 1), else the hardware's.
 int cpu_threads();
@@ -17,10 +37,11 @@ int cpu_threads();
 // Calls fn(item, worker) for item in [0, n) on up to cpu_threads() threads;
 // worker in [0, workers) identifies per-thread scratch. Items are handed out
 // dynamically (balance), which is safe because items share no output.
-// Rethrows the first exception a worker raised.
+// Rethrows the first exception a worker raised. Items run with IEEE subnormals.
 template <typename Fn>
 void parallel_for(int64_t n, int workers, Fn&& fn) {
   workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(workers, n)));
+  IeeeSubnormals ieee;  // the calling thread (worker 0); each other worker sets its own
   if (workers == 1) {
     for (int64_t i = 0; i < n; ++i) fn(i, 0);
     return;
@@ -28,6 +49,7 @@ void parallel_for(int64_t n, int workers, Fn&& fn) {
   std::atomic<int64_t> next{0};
   std::vector<std::exception_ptr> errors(workers);
   auto run = [&](int worker) {
+    IeeeSubnormals worker_ieee;
     try {
       for (int64_t i = next++; i < n; i = next++) fn(i, worker);
     } catch (...) {

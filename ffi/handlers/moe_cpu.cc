@@ -5,6 +5,7 @@
 #include "checks.h"
 #include "decode.h"
 #include "signatures.h"
+#include "cpu/fp8.h"
 #include "cpu/moe_cpu.h"
 
 namespace mok {
@@ -186,3 +187,41 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokCombineCpu, mok::CombineCpu,
     mok::signatures::combine(xla::ffi::Ffi::Bind()));
+
+// --- the fp8 recipe's quantizer (mok_jax.quantize_rows_fp8) --------------------
+
+namespace mok {
+namespace {
+
+ffi::Error QuantizeRowsFp8Cpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
+                              ffi::Result<ffi::Buffer<ffi::F32>> scales) {
+  constexpr const char* op = "mok_quantize_rows_fp8";
+  if (x.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": x must be rank 2, got " +
+                                       ffi_checks::dims_str(x.dimensions()));
+  }
+  auto dt = ffi_checks::to_mok_dtype(x.element_type());
+  if (!dt) return ffi::Error::InvalidArgument(std::string(op) + ": x must be f32 or bf16");
+  const int64_t N = x.dimensions()[0], K = x.dimensions()[1];
+  const int64_t blocks = (K + cpu::kFp8Block - 1) / cpu::kFp8Block;
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "q", *q, {N, K}));
+  if (q->element_type() != ffi::DataType::F8E4M3FN) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": q must be float8_e4m3fn");
+  }
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "scales", *scales, {N, blocks}));
+  cpu::QuantizeRowsArgs a{};
+  a.rows = N;
+  a.cols = K;
+  a.x_dtype = *dt;
+  a.x = x.untyped_data();
+  a.q = static_cast<uint8_t*>(q->untyped_data());
+  a.scales = scales->typed_data();
+  return ffi_checks::launcher_result(op, cpu::quantize_rows_fp8(a));
+}
+
+}  // namespace
+}  // namespace mok
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokQuantizeRowsFp8Cpu, mok::QuantizeRowsFp8Cpu,
+    mok::signatures::quantize_rows_fp8(xla::ffi::Ffi::Bind()));

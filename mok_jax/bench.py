@@ -43,14 +43,15 @@ Examples::
     python -m mok_jax.bench --shapes ep --impls moe,tokamax --passes fwd --json out.json
     python -m mok_jax.bench --shape 4096,8,64,2048,1024    # one custom problem only
     python -m mok_jax.bench --check                        # + errors vs the reference
-    python -m mok_jax.bench --impls moe,ragged_dot --recipe fp8  # moe's fp8 recipe
+    python -m mok_jax.bench --impls moe,ragged_dot --recipe native,fp8  # both recipes
     python -m mok_jax.bench --shapes ep --impls moe --ep 2  # + EP=2 (xla, fused) and
                                                            #   its compute-only reference
 
 --check also compares every pipeline's y and gradients with the dense reference
 (relative Frobenius error per output), so that a fast but wrong pipeline shows.
 
-`--recipe fp8` runs `moe` (and its EP records) with the fp8 recipe (bf16 only);
+`--recipe native,fp8` runs `moe` (and its EP records) with each recipe named (fp8:
+bf16 only); the fp8 rows' speedup column is the native moe's median over theirs;
 the baselines and the --check reference keep computing in --dtype, so `moe`'s
 errors there include the recipe's own (a few percent). Records carry `recipe`
 (None for the baselines) and the table marks `moe [fp8]`.
@@ -199,6 +200,17 @@ MoEFn = Callable[..., jax.Array]
 
 RECIPES = ("native", "fp8")
 MOK_IMPLS = ("moe", "moe_xla")
+
+
+def _recipes(text: str) -> tuple[str, ...]:
+    """--recipe's value: recipe names, comma-separated, each known, none twice."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in RECIPES]
+    if not names or unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"--recipe takes distinct names of {', '.join(RECIPES)}, comma-separated; "
+            f"got {text!r}")
+    return names
 
 
 def resolve_impl(name: str) -> tuple[MoEFn | None, str | None]:
@@ -901,6 +913,9 @@ LEGEND = {
     "mok_speedup": "baseline median / moe median, same shape, pass and process "
                    "(> 1: moe is faster); single-device baselines only, absent from "
                    "EP records and None on compute-only records",
+    "recipe_speedup": "on moe records of a recipe other than native: the native moe "
+                      "median / this median, same shape, pass and process (the table's "
+                      "speedup column shows it for those rows)",
     "compute_only_for_ep": "on moe_compute_epN records: N. moe on one device with T "
                            "tokens, K picks of E/N experts (its E field; experts_global "
                            "is the EP problem's E): exactly one EP rank's expert work, "
@@ -931,13 +946,15 @@ def add_speedups(records: list[dict]) -> None:
     `ep_reference`), and `ep_time_ratio_all_experts` = EP median / the one-device
     moe median (`one_device_ms`)."""
     mok_ms = {(r["shape"], r["pass"]): r["median_ms"] for r in records
-              if r["impl"] == MOK and r["median_ms"]}
-    compute_ms = {(r["shape"], r["pass"], r["compute_only_for_ep"]): r["median_ms"]
+              if r["impl"] == MOK and r["median_ms"]
+              and r.get("recipe") in (None, "native")}
+    compute_ms = {(r["shape"], r["pass"], r["compute_only_for_ep"], r.get("recipe")):
+                  r["median_ms"]
                   for r in records if is_compute_only_record(r) and r["median_ms"]}
     for r in records:
         one = mok_ms.get((r["shape"], r["pass"]))
         if is_ep_record(r):
-            ref = compute_ms.get((r["shape"], r["pass"], r["ep_size"]))
+            ref = compute_ms.get((r["shape"], r["pass"], r["ep_size"], r.get("recipe")))
             ms = r["median_ms"]
             r.pop("mok_speedup", None)
             r["ep_reference"] = compute_only_impl(r["ep_size"])
@@ -945,6 +962,11 @@ def add_speedups(records: list[dict]) -> None:
             r["ep_time_ratio"] = ms / ref if ref and ms else None
             r["one_device_ms"] = one
             r["ep_time_ratio_all_experts"] = ms / one if one and ms else None
+            continue
+        if r["impl"] == MOK and r.get("recipe") not in (None, "native"):
+            # Another recipe of moe: the native moe's median over this one's.
+            r["mok_speedup"] = None
+            r["recipe_speedup"] = one / r["median_ms"] if one and r["median_ms"] else None
             continue
         r["mok_speedup"] = (r["median_ms"] / one
                             if one and r["median_ms"] and r["impl"] != MOK
@@ -998,6 +1020,8 @@ def format_table(records: list[dict]) -> str:
                         + ("-",) * (len(header) - 4))
             continue
         speedup = r.get("mok_speedup")
+        if speedup is None:
+            speedup = r.get("recipe_speedup")
         tflops = r["tflops"]
         row = (r["shape"], impl_label(r), r["pass"], f"{r['median_ms']:.3f}",
                f"{r['min_ms']:.3f}",
@@ -1328,8 +1352,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed runs after compilation (default 3)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    parser.add_argument("--recipe", choices=RECIPES, default="native",
-                        help="mok_jax.moe's recipe (default native: GEMMs in --dtype; fp8: "
+    parser.add_argument("--recipe", type=_recipes, default=("native",),
+                        help="mok_jax.moe's recipes, comma-separated, each timed in the "
+                             "same process (default native: GEMMs in --dtype; fp8: "
                              "float8_e4m3fn with block scales, bf16 only); the baselines "
                              "always compute in --dtype")
     parser.add_argument("--seed", type=int, default=0)
@@ -1400,7 +1425,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     fail = parser.error
     if args.repeats < 1 or args.warmup < 0:
         fail("--repeats must be >= 1 and --warmup >= 0")
-    if args.recipe == "fp8" and args.dtype != "bf16":
+    if "fp8" in args.recipe and args.dtype != "bf16":
         fail("--recipe fp8 takes bfloat16 inputs: use --dtype bf16")
     names = [shape.name for shape in args.shape]
     twice = _dedupe(n for n in names if names.count(n) > 1)
@@ -1621,7 +1646,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "machine": info,
             "argv": argv,
             "settings": {"quick": quick, "check": args.check, "dtype": args.dtype,
-                         "recipe": args.recipe,
+                         "recipe": ",".join(args.recipe),
                          "warmup": args.warmup,
                          "repeats": args.repeats, "seed": args.seed,
                          "shapes": args.shapes,
@@ -1663,31 +1688,37 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     record = new_record(shape, impl, pass_name, dtype_name=args.dtype,
                                         warmup=args.warmup, repeats=args.repeats)
                     record.update(status="skipped", error=why_not)
-                else:
+                    records.append(record)
+                    _print_progress(record)
+                    save(records + pre_records)
+                    continue
+                for recipe in (args.recipe if impl in MOK_IMPLS else ("native",)):
                     record = bench_one(shape, impl, pass_name, inputs,
                                        dtype_name=args.dtype, warmup=args.warmup,
                                        repeats=args.repeats, reference=reference,
-                                       verbose=args.verbose, recipe=args.recipe)
-                if args.check:
-                    record["check_reference"] = check_name
-                    record["check_error"] = record["check_error"] or check_error
-                records.append(record)
-                _print_progress(record)
-                save(records + pre_records)
+                                       verbose=args.verbose, recipe=recipe)
+                    if args.check:
+                        record["check_reference"] = check_name
+                        record["check_error"] = record["check_error"] or check_error
+                    records.append(record)
+                    _print_progress(record)
+                    save(records + pre_records)
             del reference
             for ep_size in (args.ep if shape.name in args.ep_shapes else []):
                 if ep_size < 2:
                     continue  # EP=1 is the single-device record above
-                common = {"dtype": DTYPES[args.dtype], "dtype_name": args.dtype,
-                          "seed": args.seed, "warmup": args.warmup,
-                          "repeats": args.repeats, "verbose": args.verbose,
-                          "recipe": args.recipe}
-                # The reference first: one rank's expert work on one device, then
-                # the EP layer over each exchange backend (each saved as it ends).
-                runs = [functools.partial(bench_compute_only, shape, ep_size, pass_name,
-                                          **common)]
-                runs += [functools.partial(bench_ep, shape, ep_size, pass_name, backend=b,
-                                           **common) for b in EP_BACKENDS]
+                runs = []
+                for recipe in args.recipe:
+                    common = {"dtype": DTYPES[args.dtype], "dtype_name": args.dtype,
+                              "seed": args.seed, "warmup": args.warmup,
+                              "repeats": args.repeats, "verbose": args.verbose,
+                              "recipe": recipe}
+                    # The reference first: one rank's expert work on one device, then
+                    # the EP layer over each exchange backend (each saved as it ends).
+                    runs += [functools.partial(bench_compute_only, shape, ep_size,
+                                               pass_name, **common)]
+                    runs += [functools.partial(bench_ep, shape, ep_size, pass_name,
+                                               backend=b, **common) for b in EP_BACKENDS]
                 for run in runs:
                     record = run()
                     records.append(record)

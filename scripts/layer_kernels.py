@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import sys
 import tempfile
@@ -80,10 +81,12 @@ def kernel_table(ops, calls: int) -> tuple[str, dict[str, str]]:
     return "\n".join(lines), names
 
 
-def profile_pass(inputs: dict, pass_name: str, *, calls: int, warmup: int, trace_dir: str):
-    """Trace `calls` calls of one pass of `mok_jax.moe` on `inputs` (bench.make_inputs'
-    names); the trace's ops."""
-    step, arg_names = bench.build_step(mok_jax.moe, pass_name)
+def profile_pass(inputs: dict, pass_name: str, *, calls: int, warmup: int, trace_dir: str,
+                 recipe: str = "native"):
+    """Trace `calls` calls of one pass of `mok_jax.moe` (with `recipe`) on `inputs`
+    (bench.make_inputs' names); the trace's ops."""
+    step, arg_names = bench.build_step(functools.partial(mok_jax.moe, recipe=recipe),
+                                       pass_name)
     args = [inputs[n] for n in arg_names]
     for _ in range(warmup):
         jax.block_until_ready(step(*args))
@@ -102,6 +105,8 @@ def main(argv=None) -> int:
                         help=f"bench shapes by name: {', '.join(bench.FULL_SHAPES)}")
     parser.add_argument("--passes", default="fwd,fwdbwd", help="fwd, fwdbwd or both")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--recipe", choices=bench.RECIPES, default="native",
+                        help="mok_jax.moe's recipe (fp8: bf16 only)")
     parser.add_argument("--calls", type=int, default=5, help="traced calls per pass")
     parser.add_argument("--warmup", type=int, default=3, help="untraced calls first")
     parser.add_argument("--load-max", type=float, default=None,
@@ -139,13 +144,14 @@ def main(argv=None) -> int:
         for pass_name in passes:
             with tempfile.TemporaryDirectory() as trace_dir:
                 ops = profile_pass(inputs, pass_name, calls=args.calls, warmup=args.warmup,
-                                   trace_dir=trace_dir)
+                                   trace_dir=trace_dir, recipe=args.recipe)
             text, names = kernel_table(ops, args.calls)
             legend.update(names)
             routing = ("" if args.load_max is None
                        else f", expert {args.hot_expert} at {args.load_max:g}x the mean")
             print(f"## {shape.name} (T {shape.tokens}, K {shape.top_k}, E {shape.experts}, "
-                  f"H {shape.hidden}, F {shape.ffn}){routing}, {args.dtype}, {pass_name} on "
+                  f"H {shape.hidden}, F {shape.ffn}){routing}, {args.dtype}, recipe "
+                  f"{args.recipe}, {pass_name} on "
                   f"{jax.devices()[0].device_kind}\n{text}\n", flush=True)
     for name, kernel in legend.items():
         if name != kernel:

@@ -760,6 +760,27 @@ def test_recipe_fp8_reaches_moe_only_and_is_recorded(tmp_path, capsys):
     assert "moe [fp8]" in capsys.readouterr().out
 
 
+def test_recipes_run_in_one_process_and_fp8_rows_compare_with_native(tmp_path):
+    path = tmp_path / "both.json"
+    bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe,ragged_dot",
+                "--passes", "fwd", "--repeats", "1", "--warmup", "0",
+                "--recipe", "native,fp8", "--json", str(path)])
+    records = json.loads(path.read_text())["records"]
+    assert [(r["impl"], r["recipe"]) for r in records] == [
+        ("moe", "native"), ("moe", "fp8"), ("ragged_dot", None)]
+    native, fp8, ragged = records
+    assert fp8["recipe_speedup"] == pytest.approx(native["median_ms"] / fp8["median_ms"])
+    assert fp8["mok_speedup"] is None
+    # the baselines compare with the native moe
+    assert ragged["mok_speedup"] == pytest.approx(ragged["median_ms"] / native["median_ms"])
+
+
+@pytest.mark.parametrize("recipes", ["fp8,fp8", "fp4", ""])
+def test_recipe_list_rejects_unknown_or_repeated_names(recipes):
+    with pytest.raises(SystemExit):
+        bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe", "--recipe", recipes])
+
+
 def test_recipe_fp8_needs_bf16():
     with pytest.raises(SystemExit):
         bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe", "--recipe", "fp8",

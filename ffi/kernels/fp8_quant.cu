@@ -28,8 +28,6 @@ __device__ __forceinline__ uint8_t q8(float v, float s) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v / s, __NV_SATFINITE, __NV_E4M3));
 }
 
-__device__ __forceinline__ float load_f(const bf16* p, int64_t i) { return to_float(p[i]); }
-__device__ __forceinline__ float load_f(const float* p, int64_t i) { return p[i]; }
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -60,7 +58,45 @@ __device__ __forceinline__ int64_t scale_index(int64_t r, int64_t c, int64_t per
   return begin * per_row + c * g_rows + (r - begin);
 }
 
-// One warp per (row, half, 128-block); each lane holds 4 consecutive elements.
+// Four consecutive source elements as f32 (vector load when `vec`: 4 | half and
+// the row start aligned, so the four are all inside or all past the half).
+__device__ __forceinline__ void load4(const bf16* p, int64_t j, int64_t half, bool vec,
+                                      float v[4]) {
+  if (vec) {
+    if (j < half) {
+      const uint2 w = *reinterpret_cast<const uint2*>(p + j);
+      v[0] = bits_float(w.x << 16), v[1] = bits_float(w.x & 0xffff0000u);
+      v[2] = bits_float(w.y << 16), v[3] = bits_float(w.y & 0xffff0000u);
+    } else {
+      v[0] = v[1] = v[2] = v[3] = 0.0f;
+    }
+    return;
+  }
+#pragma unroll
+  for (int t = 0; t < 4; ++t) v[t] = j + t < half ? to_float(p[j + t]) : 0.0f;
+}
+
+__device__ __forceinline__ void load4(const float* p, int64_t j, int64_t half, bool vec,
+                                      float v[4]) {
+  if (vec) {
+    if (j < half) {
+      const float4 w = *reinterpret_cast<const float4*>(p + j);
+      v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
+    } else {
+      v[0] = v[1] = v[2] = v[3] = 0.0f;
+    }
+    return;
+  }
+#pragma unroll
+  for (int t = 0; t < 4; ++t) v[t] = j + t < half ? p[j + t] : 0.0f;
+}
+
+__device__ __forceinline__ bool aligned(const void* p, unsigned bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+// One warp per (row, half, 128-block); each lane holds 4 consecutive elements,
+// loaded and stored as one vector where the sizes allow (decided once per launch).
 template <typename X>
 __global__ void __launch_bounds__(kThreads)
 quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, int64_t half,
@@ -72,6 +108,8 @@ quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, in
   const int64_t blocks_per_half = (out_half + kFp8Block - 1) / kFp8Block;
   const int64_t per_row = halves * blocks_per_half;
   const int64_t items = n_rows * per_row;
+  const bool vec_in = half % 4 == 0 && aligned(src, 4 * sizeof(X));
+  const bool vec_out = (out_half | out_row_stride) % 4 == 0 && aligned(q, 4);
   const int lane = threadIdx.x & 31;
   const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t stride = (int64_t(gridDim.x) * blockDim.x) >> 5;
@@ -83,12 +121,11 @@ quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, in
     const X* s_row = src + r * halves * half + h * half;
     const int64_t j0 = blk * kFp8Block + lane * 4;
     float v[4];
+    load4(s_row, j0, half, vec_in, v);
     float amax = 0.0f;
     bool nan = false;
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      const int64_t j = j0 + t;
-      v[t] = j < half ? load_f(s_row, j) : 0.0f;
       amax = fmaxf(amax, fabsf(v[t]));
       nan |= isnan(v[t]);
     }
@@ -96,10 +133,21 @@ quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, in
     const bool any_nan = __any_sync(0xffffffffu, nan);
     const float s = block_scale(amax, any_nan);
     uint8_t* q_row = q + r * out_row_stride + h * out_half;
+    if (vec_out) {
+      if (j0 < out_half) {  // 4 | out_half: all four inside
+        uint32_t packed = 0;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const int64_t j = j0 + t;
-      if (j < out_half) q_row[j] = j < half ? q8(v[t], s) : uint8_t(0);
+        for (int t = 0; t < 4; ++t) {
+          packed |= uint32_t(j0 + t < half ? q8(v[t], s) : uint8_t(0)) << (8 * t);
+        }
+        *reinterpret_cast<uint32_t*>(q_row + j0) = packed;
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int64_t j = j0 + t;
+        if (j < out_half) q_row[j] = j < half ? q8(v[t], s) : uint8_t(0);
+      }
     }
     if (lane == 0) {
       scales[scale_index(r, h * blocks_per_half + blk, per_row, scale_row_stride, group_begin,
@@ -119,6 +167,9 @@ swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restr
                        int64_t groups) {
   const int64_t n_rows = min(*num_rows, max_rows);
   const int64_t per_row = ffn_pad / kFp8Block;
+  // gate_up rows are 128-float aligned; 4 | ffn keeps 4-element groups whole.
+  const bool vec = ffn % 4 == 0 && aligned(gate_up, 16) &&
+                   (gate_up_out == nullptr || aligned(gate_up_out, 8));
   const int64_t items = n_rows * per_row;
   const int lane = threadIdx.x & 31;
   const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -129,23 +180,37 @@ swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restr
     const float* g_row = gate_up + r * 2 * ffn_pad;
     const float* u_row = g_row + ffn_pad;
     const int64_t f0 = blk * kFp8Block + lane * 4;
+    float g[4], u[4];
+    load4(g_row, f0, ffn, vec, g);
+    load4(u_row, f0, ffn, vec, u);
     float h[4];
     float amax = 0.0f;
     bool nan = false;
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      const int64_t f = f0 + t;
-      h[t] = 0.0f;
-      if (f < ffn) {
-        const float g = g_row[f], u = u_row[f];
-        h[t] = g * sigmoid(g) * u;  // the f32 formula of swiglu_forward_kernel
-        if (gate_up_out != nullptr) {
-          gate_up_out[r * 2 * ffn + f] = float_to_bf16(g);
-          gate_up_out[r * 2 * ffn + ffn + f] = float_to_bf16(u);
-        }
-      }
+      h[t] = f0 + t < ffn ? g[t] * sigmoid(g[t]) * u[t] : 0.0f;  // swiglu_forward_kernel's
       amax = fmaxf(amax, fabsf(h[t]));
       nan |= isnan(h[t]);
+    }
+    if (gate_up_out != nullptr) {
+      bf16* out_g = gate_up_out + r * 2 * ffn + f0;
+      bf16* out_u = out_g + ffn;
+      if (vec) {
+        if (f0 < ffn) {
+          uint2 wg, wu;
+          wg.x = uint32_t(float_to_bf16(g[0]).bits) | uint32_t(float_to_bf16(g[1]).bits) << 16;
+          wg.y = uint32_t(float_to_bf16(g[2]).bits) | uint32_t(float_to_bf16(g[3]).bits) << 16;
+          wu.x = uint32_t(float_to_bf16(u[0]).bits) | uint32_t(float_to_bf16(u[1]).bits) << 16;
+          wu.y = uint32_t(float_to_bf16(u[2]).bits) | uint32_t(float_to_bf16(u[3]).bits) << 16;
+          *reinterpret_cast<uint2*>(out_g) = wg;
+          *reinterpret_cast<uint2*>(out_u) = wu;
+        }
+      } else {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          if (f0 + t < ffn) out_g[t] = float_to_bf16(g[t]), out_u[t] = float_to_bf16(u[t]);
+        }
+      }
     }
     amax = warp_max(amax);
     const bool any_nan = __any_sync(0xffffffffu, nan);
@@ -165,9 +230,10 @@ swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restr
 }
 
 // Block (a, b) of one expert's weight: 128 x 128, one thread block. The tile is
-// kept in shared memory as bf16 bits (its values are exact there) with one
-// column of padding against bank conflicts on the transposed reads.
-constexpr int kTileLd = 130;
+// kept in shared memory as bf16 bits (its values are exact there); rows of 136
+// elements keep 16-byte rows for vector access and put a warp's 32 consecutive
+// columns of one row in distinct banks.
+constexpr int kTileLd = 136;
 
 // Max and NaN flag of a thread block (8 warps).
 __device__ __forceinline__ float block_amax(float amax, bool nan, bool* any_nan) {
@@ -192,56 +258,100 @@ __device__ __forceinline__ float block_amax(float amax, bool nan, bool* any_nan)
   return m;
 }
 
+// kVecIn: 8 | ld, 8 | col_offset, 8 | q and a 16-byte aligned source, so that
+// 8-element chunks load as one 16-byte vector, all inside or all past q.
+template <bool kVecIn>
 __global__ void __launch_bounds__(kThreads)
 quantize_weight_kernel(WeightQuant p) {
-  __shared__ uint16_t tile[128 * kTileLd];
+  __shared__ __align__(16) uint16_t tile[128 * kTileLd];
   const int64_t b = blockIdx.x, a = blockIdx.y, e = blockIdx.z;
   const bf16* src = static_cast<const bf16*>(p.src) + e * p.src_expert_stride + p.col_offset;
   float amax = 0.0f;
   bool nan = false;
-  for (int idx = threadIdx.x; idx < 128 * 128; idx += kThreads) {
-    const int i = idx >> 7, j = idx & 127;
-    const int64_t gi = a * 128 + i, gj = b * 128 + j;
-    uint16_t bits = 0;
-    if (gi < p.p && gj < p.q) bits = src[gi * p.ld + gj].bits;
-    tile[i * kTileLd + j] = bits;
-    const float v = to_float(bf16{bits});
-    amax = fmaxf(amax, fabsf(v));
-    nan |= isnan(v);
+  if constexpr (kVecIn) {
+    for (int u = threadIdx.x; u < 128 * 16; u += kThreads) {
+      const int i = u >> 4, j8 = (u & 15) * 8;
+      const int64_t gi = a * 128 + i, gj = b * 128 + j8;
+      uint4 w = make_uint4(0, 0, 0, 0);
+      if (gi < p.p && gj < p.q) w = *reinterpret_cast<const uint4*>(src + gi * p.ld + gj);
+      *reinterpret_cast<uint4*>(tile + i * kTileLd + j8) = w;
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float lo = bits_float(words[k] << 16), hi = bits_float(words[k] & 0xffff0000u);
+        amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
+        nan |= isnan(lo) || isnan(hi);
+      }
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < 128 * 128; idx += kThreads) {
+      const int i = idx >> 7, j = idx & 127;
+      const int64_t gi = a * 128 + i, gj = b * 128 + j;
+      uint16_t bits = 0;
+      if (gi < p.p && gj < p.q) bits = src[gi * p.ld + gj].bits;
+      tile[i * kTileLd + j] = bits;
+      const float v = to_float(bf16{bits});
+      amax = fmaxf(amax, fabsf(v));
+      nan |= isnan(v);
+    }
   }
   bool any_nan = false;
   amax = block_amax(amax, nan, &any_nan);  // its __syncthreads also orders the tile
   const float s = block_scale(amax, any_nan);
   uint8_t* dst = p.dst + e * p.dst_expert_stride;
+  const bool vec_out = ((p.dst_ld | p.dst_expert_stride | p.offset) & 15) == 0 &&
+                       (reinterpret_cast<uintptr_t>(p.dst) & 15) == 0;
   if (p.transposed) {
-    // dst[(offset + j) * ld + i], 4 consecutive i per thread.
-    for (int u = threadIdx.x; u < 128 * 32; u += kThreads) {
-      const int j = u >> 5, i0 = (u & 31) * 4;
-      uint32_t packed = 0;
+    // Output row j (a column of the tile), 32 consecutive i per thread (32 bytes);
+    // a warp's lanes take 32 consecutive j, so its tile reads share a row.
+    for (int u = threadIdx.x; u < 128 * 4; u += kThreads) {
+      const int j = u & 127, i0 = (u >> 7) * 32;
+      uint32_t packed[8];
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const uint8_t v = q8(to_float(bf16{tile[(i0 + t) * kTileLd + j]}), s);
-        packed |= uint32_t(v) << (8 * t);
+      for (int w = 0; w < 8; ++w) {
+        packed[w] = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const uint8_t v = q8(to_float(bf16{tile[(i0 + w * 4 + t) * kTileLd + j]}), s);
+          packed[w] |= uint32_t(v) << (8 * t);
+        }
       }
-      *reinterpret_cast<uint32_t*>(dst + (p.offset + b * 128 + j) * p.dst_ld + a * 128 + i0) =
-          packed;
+      uint8_t* out = dst + (p.offset + b * 128 + j) * p.dst_ld + a * 128 + i0;
+      if (vec_out) {
+        reinterpret_cast<uint4*>(out)[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        reinterpret_cast<uint4*>(out)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+      } else {
+#pragma unroll
+        for (int w = 0; w < 8; ++w) reinterpret_cast<uint32_t*>(out)[w] = packed[w];
+      }
     }
     if (threadIdx.x == 0) {
       p.scales[e * p.scale_expert_stride + (p.offset / 128 + b) * p.scale_n + a * p.scale_k] = s;
     }
   } else {
-    // dst[i * ld + offset + j] for rows i < p, 4 consecutive j per thread.
-    for (int u = threadIdx.x; u < 128 * 32; u += kThreads) {
-      const int i = u >> 5, j0 = (u & 31) * 4;
+    // Output row i < p, 16 consecutive j per thread (two 16-byte tile reads).
+    for (int u = threadIdx.x; u < 128 * 8; u += kThreads) {
+      const int i = u >> 3, j0 = (u & 7) * 16;
       if (a * 128 + i >= p.p) continue;
-      uint32_t packed = 0;
+      const uint4 w0 = *reinterpret_cast<const uint4*>(tile + i * kTileLd + j0);
+      const uint4 w1 = *reinterpret_cast<const uint4*>(tile + i * kTileLd + j0 + 8);
+      const uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+      uint32_t packed[4];
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const uint8_t v = q8(to_float(bf16{tile[i * kTileLd + j0 + t]}), s);
-        packed |= uint32_t(v) << (8 * t);
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t lo = words[2 * k], hi = words[2 * k + 1];
+        packed[k] = uint32_t(q8(bits_float(lo << 16), s)) |
+                    uint32_t(q8(bits_float(lo & 0xffff0000u), s)) << 8 |
+                    uint32_t(q8(bits_float(hi << 16), s)) << 16 |
+                    uint32_t(q8(bits_float(hi & 0xffff0000u), s)) << 24;
       }
-      *reinterpret_cast<uint32_t*>(dst + (a * 128 + i) * p.dst_ld + p.offset + b * 128 + j0) =
-          packed;
+      uint8_t* out = dst + (a * 128 + i) * p.dst_ld + p.offset + b * 128 + j0;
+      if (vec_out) {
+        *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) reinterpret_cast<uint32_t*>(out)[k] = packed[k];
+      }
     }
     if (threadIdx.x == 0) {
       p.scales[e * p.scale_expert_stride + a * p.scale_n + (p.offset / 128 + b) * p.scale_k] = s;
@@ -385,7 +495,13 @@ std::string quantize_weight_fp8(const WeightQuant& p, cudaStream_t stream) {
   if (fp8_blocks(p.p) > 65535 || p.experts > 65535) return "quantize_weight_fp8: too large";
   const dim3 grid(static_cast<unsigned>(fp8_blocks(p.q)), static_cast<unsigned>(fp8_blocks(p.p)),
                   static_cast<unsigned>(p.experts));
-  quantize_weight_kernel<<<grid, kThreads, 0, stream>>>(p);
+  const bool vec_in = (p.ld | p.col_offset | p.q | p.src_expert_stride) % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(p.src) % 16 == 0;
+  if (vec_in) {
+    quantize_weight_kernel<true><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    quantize_weight_kernel<false><<<grid, kThreads, 0, stream>>>(p);
+  }
   MOK_CUDA_RETURN_IF_LAUNCH_FAILED("quantize_weight_kernel");
   return {};
 }

@@ -40,24 +40,6 @@ unsigned grid_for(int64_t threads) {
       1, std::min<int64_t>((threads + kThreads - 1) / kThreads, kMaxBlocks)));
 }
 
-// Where the scale of row r's block c goes: row-major, or per group M-major (the
-// group of r by binary search: the last g with group_begin[g] <= r; empty groups
-// share their successor's begin and are passed over so).
-__device__ __forceinline__ int64_t scale_index(int64_t r, int64_t c, int64_t per_row,
-                                               int64_t row_stride,
-                                               const int64_t* __restrict__ group_begin,
-                                               int64_t groups) {
-  if (group_begin == nullptr) return r * row_stride + c;
-  int64_t lo = 0, hi = groups - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (group_begin[mid] <= r) lo = mid; else hi = mid - 1;
-  }
-  const int64_t begin = group_begin[lo];
-  const int64_t g_rows = group_begin[lo + 1] - begin;
-  return begin * per_row + c * g_rows + (r - begin);
-}
-
 // Four consecutive source elements as f32 (vector load when `vec`: 4 | half and
 // the row start aligned, so the four are all inside or all past the half).
 __device__ __forceinline__ void load4(const bf16* p, int64_t j, int64_t half, bool vec,
@@ -95,8 +77,29 @@ __device__ __forceinline__ bool aligned(const void* p, unsigned bytes) {
   return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
 }
 
-// One warp per (row, half, 128-block); each lane holds 4 consecutive elements,
-// loaded and stored as one vector where the sizes allow (decided once per launch).
+// Where row r's scales go: row-major (r * row_stride + c), or per group M-major
+// (first + c * group_rows): the row's group is looked up once per row.
+struct ScaleRow {
+  int64_t first, step;
+};
+
+__device__ __forceinline__ ScaleRow scale_row(int64_t r, int64_t per_row, int64_t row_stride,
+                                              const int64_t* __restrict__ group_begin,
+                                              int64_t groups) {
+  if (group_begin == nullptr) return {r * row_stride, 1};
+  int64_t lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (group_begin[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  const int64_t begin = group_begin[lo];
+  const int64_t g_rows = group_begin[lo + 1] - begin;
+  return {begin * per_row + (r - begin), g_rows};
+}
+
+// One warp per row (grid-stride over rows), its (half, 128-block)s in turn; each
+// lane holds 4 consecutive elements of a block, loaded and stored as one vector
+// where the sizes allow (decided once per launch).
 template <typename X>
 __global__ void __launch_bounds__(kThreads)
 quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, int64_t half,
@@ -107,58 +110,57 @@ quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, in
   const int64_t n_rows = num_rows != nullptr ? min(*num_rows, rows) : rows;
   const int64_t blocks_per_half = (out_half + kFp8Block - 1) / kFp8Block;
   const int64_t per_row = halves * blocks_per_half;
-  const int64_t items = n_rows * per_row;
   const bool vec_in = half % 4 == 0 && aligned(src, 4 * sizeof(X));
   const bool vec_out = (out_half | out_row_stride) % 4 == 0 && aligned(q, 4);
   const int lane = threadIdx.x & 31;
   const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t stride = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t item = first; item < items; item += stride) {
-    const int64_t r = item / per_row;
-    const int64_t rest = item - r * per_row;
-    const int64_t h = rest / blocks_per_half;
-    const int64_t blk = rest - h * blocks_per_half;
-    const X* s_row = src + r * halves * half + h * half;
-    const int64_t j0 = blk * kFp8Block + lane * 4;
-    float v[4];
-    load4(s_row, j0, half, vec_in, v);
-    float amax = 0.0f;
-    bool nan = false;
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      amax = fmaxf(amax, fabsf(v[t]));
-      nan |= isnan(v[t]);
-    }
-    amax = warp_max(amax);
-    const bool any_nan = __any_sync(0xffffffffu, nan);
-    const float s = block_scale(amax, any_nan);
-    uint8_t* q_row = q + r * out_row_stride + h * out_half;
-    if (vec_out) {
-      if (j0 < out_half) {  // 4 | out_half: all four inside
-        uint32_t packed = 0;
+  for (int64_t r = first; r < n_rows; r += stride) {
+    ScaleRow where{0, 0};
+    if (lane == 0) where = scale_row(r, per_row, scale_row_stride, group_begin, groups);
+    for (int64_t h = 0; h < halves; ++h) {
+      const X* s_row = src + r * halves * half + h * half;
+      uint8_t* q_row = q + r * out_row_stride + h * out_half;
+      for (int64_t blk = 0; blk < blocks_per_half; ++blk) {
+        const int64_t j0 = blk * kFp8Block + lane * 4;
+        float v[4];
+        load4(s_row, j0, half, vec_in, v);
+        float amax = 0.0f;
+        bool nan = false;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-          packed |= uint32_t(j0 + t < half ? q8(v[t], s) : uint8_t(0)) << (8 * t);
+          amax = fmaxf(amax, fabsf(v[t]));
+          nan |= isnan(v[t]);
         }
-        *reinterpret_cast<uint32_t*>(q_row + j0) = packed;
-      }
-    } else {
+        amax = warp_max(amax);
+        const bool any_nan = __any_sync(0xffffffffu, nan);
+        const float s = block_scale(amax, any_nan);
+        if (vec_out) {
+          if (j0 < out_half) {  // 4 | out_half: all four inside
+            uint32_t packed = 0;
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const int64_t j = j0 + t;
-        if (j < out_half) q_row[j] = j < half ? q8(v[t], s) : uint8_t(0);
+            for (int t = 0; t < 4; ++t) {
+              packed |= uint32_t(j0 + t < half ? q8(v[t], s) : uint8_t(0)) << (8 * t);
+            }
+            *reinterpret_cast<uint32_t*>(q_row + j0) = packed;
+          }
+        } else {
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            const int64_t j = j0 + t;
+            if (j < out_half) q_row[j] = j < half ? q8(v[t], s) : uint8_t(0);
+          }
+        }
+        if (lane == 0) scales[where.first + (h * blocks_per_half + blk) * where.step] = s;
       }
-    }
-    if (lane == 0) {
-      scales[scale_index(r, h * blocks_per_half + blk, per_row, scale_row_stride, group_begin,
-                         groups)] = s;
     }
   }
 }
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
-// One warp per (row, 128-block of h); h as in swiglu_forward (moe_elementwise.cu).
+// One warp per row, its 128-blocks of h in turn; h as in swiglu_forward
+// (moe_elementwise.cu).
 __global__ void __launch_bounds__(kThreads)
 swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restrict__ num_rows,
                        int64_t max_rows, int64_t ffn, int64_t ffn_pad,
@@ -170,61 +172,60 @@ swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restr
   // gate_up rows are 128-float aligned; 4 | ffn keeps 4-element groups whole.
   const bool vec = ffn % 4 == 0 && aligned(gate_up, 16) &&
                    (gate_up_out == nullptr || aligned(gate_up_out, 8));
-  const int64_t items = n_rows * per_row;
   const int lane = threadIdx.x & 31;
   const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t stride = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t item = first; item < items; item += stride) {
-    const int64_t r = item / per_row;
-    const int64_t blk = item - r * per_row;
-    const float* g_row = gate_up + r * 2 * ffn_pad;
-    const float* u_row = g_row + ffn_pad;
-    const int64_t f0 = blk * kFp8Block + lane * 4;
-    float g[4], u[4];
-    load4(g_row, f0, ffn, vec, g);
-    load4(u_row, f0, ffn, vec, u);
-    float h[4];
-    float amax = 0.0f;
-    bool nan = false;
+  for (int64_t r = first; r < n_rows; r += stride) {
+    ScaleRow where{0, 0};
+    if (lane == 0) where = scale_row(r, per_row, per_row, group_begin, groups);
+    for (int64_t blk = 0; blk < per_row; ++blk) {
+      const float* g_row = gate_up + r * 2 * ffn_pad;
+      const float* u_row = g_row + ffn_pad;
+      const int64_t f0 = blk * kFp8Block + lane * 4;
+      float g[4], u[4];
+      load4(g_row, f0, ffn, vec, g);
+      load4(u_row, f0, ffn, vec, u);
+      float h[4];
+      float amax = 0.0f;
+      bool nan = false;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      h[t] = f0 + t < ffn ? g[t] * sigmoid(g[t]) * u[t] : 0.0f;  // swiglu_forward_kernel's
-      amax = fmaxf(amax, fabsf(h[t]));
-      nan |= isnan(h[t]);
-    }
-    if (gate_up_out != nullptr) {
-      bf16* out_g = gate_up_out + r * 2 * ffn + f0;
-      bf16* out_u = out_g + ffn;
-      if (vec) {
-        if (f0 < ffn) {
-          uint2 wg, wu;
-          wg.x = uint32_t(float_to_bf16(g[0]).bits) | uint32_t(float_to_bf16(g[1]).bits) << 16;
-          wg.y = uint32_t(float_to_bf16(g[2]).bits) | uint32_t(float_to_bf16(g[3]).bits) << 16;
-          wu.x = uint32_t(float_to_bf16(u[0]).bits) | uint32_t(float_to_bf16(u[1]).bits) << 16;
-          wu.y = uint32_t(float_to_bf16(u[2]).bits) | uint32_t(float_to_bf16(u[3]).bits) << 16;
-          *reinterpret_cast<uint2*>(out_g) = wg;
-          *reinterpret_cast<uint2*>(out_u) = wu;
-        }
-      } else {
+      for (int t = 0; t < 4; ++t) {
+        h[t] = f0 + t < ffn ? g[t] * sigmoid(g[t]) * u[t] : 0.0f;  // swiglu_forward_kernel's
+        amax = fmaxf(amax, fabsf(h[t]));
+        nan |= isnan(h[t]);
+      }
+      if (gate_up_out != nullptr) {
+        bf16* out_g = gate_up_out + r * 2 * ffn + f0;
+        bf16* out_u = out_g + ffn;
+        if (vec) {
+          if (f0 < ffn) {
+            uint2 wg, wu;
+            wg.x = uint32_t(float_to_bf16(g[0]).bits) | uint32_t(float_to_bf16(g[1]).bits) << 16;
+            wg.y = uint32_t(float_to_bf16(g[2]).bits) | uint32_t(float_to_bf16(g[3]).bits) << 16;
+            wu.x = uint32_t(float_to_bf16(u[0]).bits) | uint32_t(float_to_bf16(u[1]).bits) << 16;
+            wu.y = uint32_t(float_to_bf16(u[2]).bits) | uint32_t(float_to_bf16(u[3]).bits) << 16;
+            *reinterpret_cast<uint2*>(out_g) = wg;
+            *reinterpret_cast<uint2*>(out_u) = wu;
+          }
+        } else {
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          if (f0 + t < ffn) out_g[t] = float_to_bf16(g[t]), out_u[t] = float_to_bf16(u[t]);
+          for (int t = 0; t < 4; ++t) {
+            if (f0 + t < ffn) out_g[t] = float_to_bf16(g[t]), out_u[t] = float_to_bf16(u[t]);
+          }
         }
       }
-    }
-    amax = warp_max(amax);
-    const bool any_nan = __any_sync(0xffffffffu, nan);
-    const float s = block_scale(amax, any_nan);
-    uint32_t packed = 0;
+      amax = warp_max(amax);
+      const bool any_nan = __any_sync(0xffffffffu, nan);
+      const float s = block_scale(amax, any_nan);
+      uint32_t packed = 0;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const uint8_t b = f0 + t < ffn ? q8(h[t], s) : uint8_t(0);
-      packed |= uint32_t(b) << (8 * t);
-    }
-    // ffn_pad is a multiple of 128 and f0 of 4: 4-byte aligned.
-    *reinterpret_cast<uint32_t*>(hq + r * ffn_pad + f0) = packed;
-    if (lane == 0) {
-      h_scales[scale_index(r, blk, per_row, per_row, group_begin, groups)] = s;
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t b = f0 + t < ffn ? q8(h[t], s) : uint8_t(0);
+        packed |= uint32_t(b) << (8 * t);
+      }
+      // ffn_pad is a multiple of 128 and f0 of 4: 4-byte aligned.
+      *reinterpret_cast<uint32_t*>(hq + r * ffn_pad + f0) = packed;
+      if (lane == 0) h_scales[where.first + blk * where.step] = s;
     }
   }
 }
@@ -372,11 +373,11 @@ __global__ void padded_begin_kernel(const int64_t* __restrict__ expert_begin, in
 
 // One thread block per (128-row block of the padded row space, 64 columns).
 constexpr int kTCols = 64;
-constexpr int kTLd = kTCols + 2;
+constexpr int kTLd = kTCols + 8;  // 16-byte rows
 
 __global__ void __launch_bounds__(kThreads)
 quantize_transposed_kernel(TransposeQuant p) {
-  __shared__ uint16_t tile[128 * kTLd];
+  __shared__ __align__(16) uint16_t tile[128 * kTLd];
   __shared__ float part_amax[4][kTCols];
   __shared__ int part_nan[4][kTCols];
   __shared__ float col_scale[kTCols];
@@ -395,11 +396,22 @@ quantize_transposed_kernel(TransposeQuant p) {
   const int64_t count = min(int64_t(kFp8Block), p.expert_begin[e + 1] - r0);
   const int64_t c0 = int64_t(blockIdx.x) * kTCols;
   const bf16* src = static_cast<const bf16*>(p.src);
-  for (int idx = threadIdx.x; idx < 128 * kTCols; idx += kThreads) {
-    const int i = idx / kTCols, j = idx % kTCols;
-    uint16_t bits = 0;
-    if (i < count && c0 + j < p.cols) bits = src[(r0 + i) * p.ld + c0 + j].bits;
-    tile[i * kTLd + j] = bits;
+  if (p.vec) {  // 8 | ld, 8 | cols, 16-byte aligned rows: 8 columns per load
+    for (int u = threadIdx.x; u < 128 * (kTCols / 8); u += kThreads) {
+      const int i = u / (kTCols / 8), j8 = u % (kTCols / 8) * 8;
+      uint4 w = make_uint4(0, 0, 0, 0);
+      if (i < count && c0 + j8 < p.cols) {
+        w = *reinterpret_cast<const uint4*>(src + (r0 + i) * p.ld + c0 + j8);
+      }
+      *reinterpret_cast<uint4*>(tile + i * kTLd + j8) = w;
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < 128 * kTCols; idx += kThreads) {
+      const int i = idx / kTCols, j = idx % kTCols;
+      uint16_t bits = 0;
+      if (i < count && c0 + j < p.cols) bits = src[(r0 + i) * p.ld + c0 + j].bits;
+      tile[i * kTLd + j] = bits;
+    }
   }
   __syncthreads();
   {
@@ -456,9 +468,8 @@ std::string quantize_rows_fp8(const RowQuant& p, cudaStream_t stream) {
   if (p.src_dtype != DType::kBF16 && p.src_dtype != DType::kF32) {
     return "quantize_rows_fp8: rows must be bfloat16 or float32";
   }
-  const int64_t items = p.rows * p.halves * fp8_blocks(p.out_half);
-  if (items == 0) return {};
-  const unsigned grid = grid_for(items * 32);
+  if (p.rows == 0 || p.out_half == 0) return {};
+  const unsigned grid = grid_for(p.rows * 32);
   if (p.src_dtype == DType::kBF16) {
     quantize_rows_kernel<bf16><<<grid, kThreads, 0, stream>>>(
         static_cast<const bf16*>(p.src), p.rows, p.halves, p.half, p.num_rows, p.q, p.out_half,
@@ -478,9 +489,8 @@ std::string swiglu_forward_quantize_fp8(const float* gate_up_f32, const int64_t*
                                         const int64_t* group_begin, int64_t groups,
                                         cudaStream_t stream) {
   if (ffn_pad % kFp8Block != 0 || ffn_pad < ffn) return "SwiGLU fp8: bad padded width";
-  const int64_t items = max_rows * (ffn_pad / kFp8Block);
-  if (items == 0) return {};
-  swiglu_quantize_kernel<<<grid_for(items * 32), kThreads, 0, stream>>>(
+  if (max_rows == 0 || ffn_pad == 0) return {};
+  swiglu_quantize_kernel<<<grid_for(max_rows * 32), kThreads, 0, stream>>>(
       gate_up_f32, num_rows, max_rows, ffn, ffn_pad, static_cast<bf16*>(gate_up_out), hq,
       h_scales, group_begin, groups);
   MOK_CUDA_RETURN_IF_LAUNCH_FAILED("swiglu_quantize_kernel");
@@ -520,7 +530,9 @@ std::string quantize_transposed_fp8(const TransposeQuant& p, cudaStream_t stream
   if (row_blocks > 65535) return "quantize_transposed_fp8: too many rows";
   const dim3 grid(static_cast<unsigned>((p.cols + kTCols - 1) / kTCols),
                   static_cast<unsigned>(row_blocks));
-  quantize_transposed_kernel<<<grid, kThreads, 0, stream>>>(p);
+  TransposeQuant launch = p;
+  launch.vec = (p.ld | p.cols) % 8 == 0 && reinterpret_cast<uintptr_t>(p.src) % 16 == 0;
+  quantize_transposed_kernel<<<grid, kThreads, 0, stream>>>(launch);
   MOK_CUDA_RETURN_IF_LAUNCH_FAILED("quantize_transposed_kernel");
   return {};
 }

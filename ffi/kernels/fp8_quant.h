@@ -110,6 +110,7 @@ struct TransposeQuant {
   uint8_t* dst;
   int64_t dst_ld;
   float* scales;
+  bool vec = false;  // set by quantize_transposed_fp8: rows load 8 columns at a time
 };
 std::string quantize_transposed_fp8(const TransposeQuant& p, cudaStream_t stream);
 

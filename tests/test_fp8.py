@@ -33,6 +33,15 @@ T, K, E, H, F = 48, 2, 8, 192, 160
 CPUS = jax.devices("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """These tests check the CPU kernels against the emulation's f32-accumulation
+    bounds; on a machine whose default device is a GPU they still run on the CPU
+    (tests/test_fp8_gpu.py holds the GPU's comparisons, with wgmma's bounds)."""
+    with jax.default_device(CPUS[0]):
+        yield
+
+
 # --- the float64 emulation -------------------------------------------------------------
 
 def f32(a):

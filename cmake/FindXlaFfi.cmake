@@ -18,7 +18,7 @@ if(NOT _xla_ffi_rc EQUAL 0 OR NOT EXISTS "${_xla_ffi_dir}/xla/ffi/api/ffi.h")
   message(FATAL_ERROR
     "mok_jax needs the XLA FFI headers from jaxlib; `python -c 'from jax import ffi; "
     "print(ffi.include_dir())'` failed with:\n${_xla_ffi_err}\n"
-    "Install jax and jaxlib >= 0.11.2 into the build environment.")
+    "Install jax and jaxlib (0.11.2, or 0.10.2 on Python 3.11) into the build environment.")
 endif()
 message(STATUS "XLA FFI headers: ${_xla_ffi_dir}")
 mok_stable_copy("${_xla_ffi_dir}" xla_ffi _xla_ffi_dir)

@@ -194,6 +194,7 @@ def test_cpu_without_quick_runs_quick_shapes(capsys):
     assert "--full-on-cpu" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_module_entry_point(tmp_path):
     path = tmp_path / "out.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(

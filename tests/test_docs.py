@@ -186,6 +186,7 @@ def test_no_reference_to_a_private_design_document():
 # The README's blocks in the fast set; the other documents' with -m slow.
 @pytest.mark.parametrize("relpath", [d if d == "README.md" else pytest.param(d, marks=pytest.mark.slow)
                                      for d in DOCS if python_blocks(d)[0]])
+@pytest.mark.slow
 def test_python_blocks_run(relpath, tmp_path):
     runnable, _ = python_blocks(relpath)
     script = tmp_path / (re.sub(r"\W", "_", relpath) + ".py")

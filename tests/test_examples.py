@@ -63,6 +63,7 @@ def resumed_run(tmp_path_factory):
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tiny_training_eval_loss_falls(straight_run):
     _, log = straight_run
     evals = log["eval"]
@@ -127,6 +128,7 @@ def test_resume_is_bitwise_identical(straight_run, resumed_run):
 
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow),
                                    "bfloat16"])
+@pytest.mark.slow
 def test_checkpoint_round_trip_is_bitwise(tmp_path, dtype):
     """Every leaf comes back; in bf16 the expert stacks' copies are not saved but
     derived from the restored masters (not taken from ``like``)."""
@@ -604,6 +606,7 @@ def test_mesh_experiments_refuses_more_devices_than_visible(tmp_path):
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+@pytest.mark.slow
 def test_quickstart_agrees_with_the_reference(dtype, tol, capsys):
     """examples/quickstart.py as the README lists it: every relative error against
     the reference within the contract's tolerance of its dtype."""
@@ -856,6 +859,7 @@ def test_profile_attributes_idle_time_to_the_kernels_around_it():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow
 def test_rope_and_qkv_projection_compute_the_textbook_functions(dtype):
     """The attention's RoPE (a flip of each head's halves) and qkv projection (two
     GEMMs forward, a backward of its own) against their textbook forms, the

@@ -344,6 +344,7 @@ def test_backward_reads_the_forwards_x_rows(dtype):
 
 @pytest.mark.parametrize("backend", ["auto", "xla"])  # one-call backward, EP pieces' backward
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow
 def test_w_down_gradient_takes_the_weighted_h_rounded_once(w_dtype, backend):
     """dW_down = sum_r round_x(w h_r)^T dy_r (docs/architecture.md's rounding points):
     the combine weight is applied to h and rounded once, and dy is used as it is.

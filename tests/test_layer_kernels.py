@@ -26,6 +26,7 @@ def _run(*argv):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_both_passes_list_the_layers_calls_in_order():
     code, out = _run("--shape", "tiny=64,2,4,32,16", "--calls", "2", "--warmup", "1")
     assert code == 0, out[-3000:]
@@ -58,6 +59,7 @@ def test_cutlass_kernels_get_short_stable_labels():
     assert layer_kernels.label("gather_rows_kernel<bf16, 8>") == "gather_rows_kernel<bf16, 8>"
 
 
+@pytest.mark.slow
 def test_load_max_gives_expert_0_that_multiple_of_the_mean_load():
     from mok_jax import bench
     shape = bench.Shape("s", 20000, 4, 32, 8, 8)

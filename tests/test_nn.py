@@ -286,6 +286,7 @@ def test_top_k_matches_lax_top_k_with_ties():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow
 def test_forward_is_moe_of_its_routing_plus_shared_expert(dtype):
     layer = make_layer(shared_ffn_size=12, dtype=dtype, renormalize=True)
     x = tokens(shape=(4, 6, H))
@@ -364,6 +365,7 @@ def test_aux_loss_is_one_when_balanced_and_e_when_collapsed():
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_grads_against_reference_layer(monkeypatch):
     layer = make_layer(shared_ffn_size=8, renormalize=True)
     x = tokens(48, seed=3)
@@ -523,6 +525,7 @@ def test_jit_on_a_mesh_matches_one_device(dp, ep):
         assert_close(a[...], b[...], np.float32, f32_tol=1e-5, what=f"d{path} on ({dp},{ep})")
 
 
+@pytest.mark.slow
 def test_jit_outputs_bitwise_across_expert_placements():
     # The same token sharding, experts replicated vs sharded over ep: the layer's
     # output and the loss are the same bits. The router's weight gradient is XLA's
@@ -614,6 +617,7 @@ def test_batch_axis_not_splitting_the_tokens_is_an_error():
 
 
 @pytest.mark.parametrize("dp, ep", [pytest.param(8, 1, marks=pytest.mark.slow), (2, 4)])
+@pytest.mark.slow
 def test_bf16_gradients_inside_shard_map_match_jit(dp, ep):
     # The bf16 router's custom VJP inside shard_map (check_vma): its kernel is
     # replicated, the tokens vary over (dp, ep); the kernel's gradient is summed.
@@ -775,6 +779,7 @@ def test_import_mok_jax_exposes_nn_and_reference_lazily():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_check_mesh_is_validated_and_passed_to_moe(monkeypatch):
     from flax import nnx
     with pytest.raises(ValueError, match="check_mesh must be a bool"):

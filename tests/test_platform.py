@@ -48,6 +48,7 @@ def test_gpu_without_cuda_handlers_says_how_to_rebuild():
             jax.block_until_ready(mok_jax.moe(*problem))
 
 
+@pytest.mark.slow
 def test_import_and_a_cpu_call_never_load_the_nccl_transport(tmp_path):
     """mok_jax._mok_comm links libnccl; only backend="fused" under EP imports it."""
     import os

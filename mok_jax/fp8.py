@@ -34,8 +34,8 @@ def _quantize_abstract_eval(x):
         raise ValueError(f"mok_jax.quantize_rows_fp8: x must be [N, K], got shape "
                          f"{tuple(x.shape)}")
     rows, cols = x.shape
-    return (primitives._Out((rows, cols), np.dtype(jnp.float8_e4m3fn), (None, None)),
-            primitives._Out((rows, math.ceil(cols / BLOCK)), np.dtype(np.float32),
+    return (primitives.Result((rows, cols), np.dtype(jnp.float8_e4m3fn), (None, None)),
+            primitives.Result((rows, math.ceil(cols / BLOCK)), np.dtype(np.float32),
                             (None, None)))
 
 

@@ -136,7 +136,7 @@ class Signature:
                 seen_in.setdefault(f, array.name)
         return sizes
 
-    def abstract_eval(self, avals, sizes: dict[str, int]) -> tuple["_Out", ...]:
+    def abstract_eval(self, avals, sizes: dict[str, int]) -> tuple["Result", ...]:
         """The results' shapes, dtypes and partition specs."""
         by_name = dict(zip(self.operand_names, avals))
         follows = dict(self.follows)
@@ -150,7 +150,7 @@ class Signature:
                 spec = tuple(self._split_of(follows.get(f, f), None, by_name)
                              if f in ROW_FACTORS and n != 0 else None
                              for f, n in zip(r.dims, shape))
-            outs.append(_Out(shape, dtype, spec))
+            outs.append(Result(shape, dtype, spec))
         return tuple(outs)
 
     def _split_of(self, factor, like, by_name):
@@ -164,7 +164,7 @@ class Signature:
         return None
 
 
-class _Out(NamedTuple):
+class Result(NamedTuple):
     """One result of an abstract evaluation: shape, dtype and its partition spec
     over the operands' mesh (entries as in `jax.sharding.PartitionSpec`)."""
 
@@ -205,7 +205,7 @@ def _on_a_mesh(aval) -> bool:
 
 
 def _typed(outs, avals):
-    """Turns `_Out`s into avals that carry the shardings JAX's types track:
+    """Turns `Result`s into avals that carry the shardings JAX's types track:
 
     * explicit mesh axes (``jax.make_mesh``'s default): each result states how it
       is split, as the partitioned computation really leaves it (tokens stay split
@@ -502,8 +502,8 @@ def _ep_dispatch_abstract_eval(values, pair_values, entries, dest, *, axis_name,
     del entries, dest, axis_name
     n = rows if pair_values.shape[0] else 0
     lead = _spec(values)[0]
-    return (_Out((rows, values.shape[1]), values.dtype, (lead, None)),
-            _Out((n,), pair_values.dtype, (lead if n else None,)))
+    return (Result((rows, values.shape[1]), values.dtype, (lead, None)),
+            Result((n,), pair_values.dtype, (lead if n else None,)))
 
 
 def _ep_combine_abstract_eval(rows, row_values, weights, kept, dest, *, axis_name, weighted):
@@ -511,8 +511,8 @@ def _ep_combine_abstract_eval(rows, row_values, weights, kept, dest, *, axis_nam
     tokens, top_k = kept.shape
     n = tokens * top_k if row_values.shape[0] else 0
     lead = _spec(kept)[0]
-    return (_Out((tokens, rows.shape[1]), rows.dtype, (lead, None)),
-            _Out((n,), row_values.dtype, (lead if n else None,)))
+    return (Result((tokens, rows.shape[1]), rows.dtype, (lead, None)),
+            Result((n,), row_values.dtype, (lead if n else None,)))
 
 
 ep_dispatch_p = define(

@@ -26,6 +26,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "cutlass_run.cuh"
 #include "gemm_fp8.h"
 #include "workspace.h"
 
@@ -233,24 +234,6 @@ typename G::Device::Arguments make_arguments(const GroupArrays<G>& g, int64_t gr
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
   return args;
-}
-
-template <class Device>
-std::string initialize_and_run(typename Device::Arguments const& args, void* ws,
-                               cudaStream_t stream, const char* what) {
-  Device gemm;
-  cutlass::Status status = gemm.initialize(args, ws, stream);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string(what) + " initialize: " + cutlassGetStatusString(status);
-  }
-  status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string(what) + " run: " + cutlassGetStatusString(status);
-  }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return std::string(what) + " launch: " + cudaGetErrorString(err);
-  }
-  return {};
 }
 
 template <Family kFamily, class ElementD>

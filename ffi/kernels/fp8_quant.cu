@@ -22,10 +22,33 @@ __device__ __forceinline__ float block_scale(float amax, bool any_nan) {
   return amax / kE4m3Max;
 }
 
-// q8(v, s): the f32 quotient (IEEE, round to nearest; the build has no fast-math)
-// rounded to e4m3 with round-to-nearest-even, saturated to +-448, NaN kept.
-__device__ __forceinline__ uint8_t q8(float v, float s) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v / s, __NV_SATFINITE, __NV_E4M3));
+// Four values v / s packed little-endian as e4m3: the f32 quotient (IEEE, round to
+// nearest; the build has no fast-math) rounded to e4m3 with round-to-nearest-even,
+// saturated to +-448, NaN kept; two per conversion instruction. Elements at or past
+// `valid` are 0 (padding, also in a NaN block).
+__device__ __forceinline__ uint32_t q8x4(const float v[4], float s, int valid = 4) {
+  float d[4];
+#pragma unroll
+  for (int t = 0; t < 4; ++t) d[t] = t < valid ? v[t] / s : 0.0f;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(d[0], d[1]), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(d[2], d[3]), __NV_SATFINITE, __NV_E4M3);
+  return lo | hi << 16;
+}
+
+// Two f32 values as a bf16 pair (a in the low half), rounded as float_to_bf16.
+__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
+  return uint32_t(float_to_bf16(a).bits) | uint32_t(float_to_bf16(b).bits) << 16;
+}
+
+// How many of four elements lie before the end, `left` elements away.
+__device__ __forceinline__ int valid4(int64_t left) {
+  return left >= 4 ? 4 : left <= 0 ? 0 : static_cast<int>(left);
+}
+
+// Four bf16 values (two 32-bit words of bf16 pairs) as f32.
+__device__ __forceinline__ void bf16x4_floats(uint32_t lo, uint32_t hi, float v[4]) {
+  v[0] = bits_float(lo << 16), v[1] = bits_float(lo & 0xffff0000u);
+  v[2] = bits_float(hi << 16), v[3] = bits_float(hi & 0xffff0000u);
 }
 
 
@@ -34,6 +57,20 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
 }
+
+// kN independent warp maxima, their shuffles interleaved.
+template <int kN>
+__device__ __forceinline__ void warp_max_n(float (&v)[kN]) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+    for (int u = 0; u < kN; ++u) v[u] = fmaxf(v[u], __shfl_xor_sync(0xffffffffu, v[u], off));
+  }
+}
+
+// Blocks a warp quantizes per step of the row kernels: their loads are all issued
+// before the first reduction waits.
+constexpr int kBlocksInFlight = 4;
 
 unsigned grid_for(int64_t threads) {
   return static_cast<unsigned>(std::max<int64_t>(
@@ -97,9 +134,9 @@ __device__ __forceinline__ ScaleRow scale_row(int64_t r, int64_t per_row, int64_
   return {begin * per_row + (r - begin), g_rows};
 }
 
-// One warp per row (grid-stride over rows), its (half, 128-block)s in turn; each
-// lane holds 4 consecutive elements of a block, loaded and stored as one vector
-// where the sizes allow (decided once per launch).
+// One warp per row (grid-stride over rows), its (half, 128-block)s kBlocksInFlight
+// at a time; each lane holds 4 consecutive elements of a block, loaded and stored
+// as one vector where the sizes allow (decided once per launch).
 template <typename X>
 __global__ void __launch_bounds__(kThreads)
 quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, int64_t half,
@@ -107,6 +144,7 @@ quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, in
                      int64_t out_half, int64_t out_row_stride, float* __restrict__ scales,
                      int64_t scale_row_stride, const int64_t* __restrict__ group_begin,
                      int64_t groups) {
+  constexpr int kU = kBlocksInFlight;
   const int64_t n_rows = num_rows != nullptr ? min(*num_rows, rows) : rows;
   const int64_t blocks_per_half = (out_half + kFp8Block - 1) / kFp8Block;
   const int64_t per_row = halves * blocks_per_half;
@@ -121,37 +159,44 @@ quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, in
     for (int64_t h = 0; h < halves; ++h) {
       const X* s_row = src + r * halves * half + h * half;
       uint8_t* q_row = q + r * out_row_stride + h * out_half;
-      for (int64_t blk = 0; blk < blocks_per_half; ++blk) {
-        const int64_t j0 = blk * kFp8Block + lane * 4;
-        float v[4];
-        load4(s_row, j0, half, vec_in, v);
-        float amax = 0.0f;
-        bool nan = false;
+      for (int64_t blk0 = 0; blk0 < blocks_per_half; blk0 += kU) {
+        float v[kU][4], amax[kU];
+        unsigned nan = 0;
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          amax = fmaxf(amax, fabsf(v[t]));
-          nan |= isnan(v[t]);
+        for (int u = 0; u < kU; ++u) {  // past the half: zeros
+          load4(s_row, (blk0 + u) * kFp8Block + lane * 4, half, vec_in, v[u]);
         }
-        amax = warp_max(amax);
-        const bool any_nan = __any_sync(0xffffffffu, nan);
-        const float s = block_scale(amax, any_nan);
-        if (vec_out) {
-          if (j0 < out_half) {  // 4 | out_half: all four inside
-            uint32_t packed = 0;
 #pragma unroll
-            for (int t = 0; t < 4; ++t) {
-              packed |= uint32_t(j0 + t < half ? q8(v[t], s) : uint8_t(0)) << (8 * t);
-            }
-            *reinterpret_cast<uint32_t*>(q_row + j0) = packed;
-          }
-        } else {
+        for (int u = 0; u < kU; ++u) {
+          amax[u] = 0.0f;
 #pragma unroll
           for (int t = 0; t < 4; ++t) {
-            const int64_t j = j0 + t;
-            if (j < out_half) q_row[j] = j < half ? q8(v[t], s) : uint8_t(0);
+            amax[u] = fmaxf(amax[u], fabsf(v[u][t]));
+            nan |= unsigned(isnan(v[u][t])) << u;
           }
         }
-        if (lane == 0) scales[where.first + (h * blocks_per_half + blk) * where.step] = s;
+        warp_max_n<kU>(amax);
+        nan = __reduce_or_sync(0xffffffffu, nan);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int64_t blk = blk0 + u;
+          if (blk >= blocks_per_half) break;
+          const int64_t j0 = blk * kFp8Block + lane * 4;
+          const float s = block_scale(amax[u], (nan >> u) & 1u);
+          const int valid = valid4(half - j0);
+          if (vec_out) {
+            if (j0 < out_half) {  // 4 | out_half: all four inside
+              *reinterpret_cast<uint32_t*>(q_row + j0) = q8x4(v[u], s, valid);
+            }
+          } else {
+            const uint32_t packed = q8x4(v[u], s, valid);
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+              if (j0 + t < out_half) q_row[j0 + t] = uint8_t(packed >> (8 * t));
+            }
+          }
+          if (lane == 0) scales[where.first + (h * blocks_per_half + blk) * where.step] = s;
+        }
       }
     }
   }
@@ -159,14 +204,15 @@ quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, in
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
-// One warp per row, its 128-blocks of h in turn; h as in swiglu_forward
-// (moe_elementwise.cu).
+// One warp per row, its 128-blocks of h kBlocksInFlight at a time; h as in
+// swiglu_forward (moe_elementwise.cu).
 __global__ void __launch_bounds__(kThreads)
 swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restrict__ num_rows,
                        int64_t max_rows, int64_t ffn, int64_t ffn_pad,
                        bf16* __restrict__ gate_up_out, uint8_t* __restrict__ hq,
                        float* __restrict__ h_scales, const int64_t* __restrict__ group_begin,
                        int64_t groups) {
+  constexpr int kU = kBlocksInFlight;
   const int64_t n_rows = min(*num_rows, max_rows);
   const int64_t per_row = ffn_pad / kFp8Block;
   // gate_up rows are 128-float aligned; 4 | ffn keeps 4-element groups whole.
@@ -178,54 +224,69 @@ swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restr
   for (int64_t r = first; r < n_rows; r += stride) {
     ScaleRow where{0, 0};
     if (lane == 0) where = scale_row(r, per_row, per_row, group_begin, groups);
-    for (int64_t blk = 0; blk < per_row; ++blk) {
-      const float* g_row = gate_up + r * 2 * ffn_pad;
-      const float* u_row = g_row + ffn_pad;
-      const int64_t f0 = blk * kFp8Block + lane * 4;
-      float g[4], u[4];
-      load4(g_row, f0, ffn, vec, g);
-      load4(u_row, f0, ffn, vec, u);
-      float h[4];
-      float amax = 0.0f;
-      bool nan = false;
+    const float* g_row = gate_up + r * 2 * ffn_pad;
+    const float* u_row = g_row + ffn_pad;
+    for (int64_t blk0 = 0; blk0 < per_row; blk0 += kU) {
+      float g[kU][4], u[kU][4];
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        h[t] = f0 + t < ffn ? g[t] * sigmoid(g[t]) * u[t] : 0.0f;  // swiglu_forward_kernel's
-        amax = fmaxf(amax, fabsf(h[t]));
-        nan |= isnan(h[t]);
+      for (int k = 0; k < kU; ++k) {  // past ffn: zeros
+        const int64_t f0 = (blk0 + k) * kFp8Block + lane * 4;
+        load4(g_row, f0, ffn, vec, g[k]);
+        load4(u_row, f0, ffn, vec, u[k]);
+      }
+      float h[kU][4], amax[kU];
+      unsigned nan = 0;
+#pragma unroll
+      for (int k = 0; k < kU; ++k) {
+        const int64_t f0 = (blk0 + k) * kFp8Block + lane * 4;
+        amax[k] = 0.0f;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          // swiglu_forward_kernel's formula
+          h[k][t] = f0 + t < ffn ? g[k][t] * sigmoid(g[k][t]) * u[k][t] : 0.0f;
+          amax[k] = fmaxf(amax[k], fabsf(h[k][t]));
+          nan |= unsigned(isnan(h[k][t])) << k;
+        }
       }
       if (gate_up_out != nullptr) {
-        bf16* out_g = gate_up_out + r * 2 * ffn + f0;
-        bf16* out_u = out_g + ffn;
-        if (vec) {
-          if (f0 < ffn) {
-            uint2 wg, wu;
-            wg.x = uint32_t(float_to_bf16(g[0]).bits) | uint32_t(float_to_bf16(g[1]).bits) << 16;
-            wg.y = uint32_t(float_to_bf16(g[2]).bits) | uint32_t(float_to_bf16(g[3]).bits) << 16;
-            wu.x = uint32_t(float_to_bf16(u[0]).bits) | uint32_t(float_to_bf16(u[1]).bits) << 16;
-            wu.y = uint32_t(float_to_bf16(u[2]).bits) | uint32_t(float_to_bf16(u[3]).bits) << 16;
-            *reinterpret_cast<uint2*>(out_g) = wg;
-            *reinterpret_cast<uint2*>(out_u) = wu;
-          }
-        } else {
 #pragma unroll
-          for (int t = 0; t < 4; ++t) {
-            if (f0 + t < ffn) out_g[t] = float_to_bf16(g[t]), out_u[t] = float_to_bf16(u[t]);
+        for (int k = 0; k < kU; ++k) {
+          const int64_t f0 = (blk0 + k) * kFp8Block + lane * 4;
+          bf16* out_g = gate_up_out + r * 2 * ffn + f0;
+          bf16* out_u = out_g + ffn;
+          if (vec) {
+            if (f0 < ffn) {
+              const float* gk = g[k];
+              const float* uk = u[k];
+              uint2 wg, wu;
+              wg.x = pack_bf16x2(gk[0], gk[1]), wg.y = pack_bf16x2(gk[2], gk[3]);
+              wu.x = pack_bf16x2(uk[0], uk[1]), wu.y = pack_bf16x2(uk[2], uk[3]);
+              *reinterpret_cast<uint2*>(out_g) = wg;
+              *reinterpret_cast<uint2*>(out_u) = wu;
+            }
+          } else {
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+              if (f0 + t < ffn) {
+                out_g[t] = float_to_bf16(g[k][t]), out_u[t] = float_to_bf16(u[k][t]);
+              }
+            }
           }
         }
       }
-      amax = warp_max(amax);
-      const bool any_nan = __any_sync(0xffffffffu, nan);
-      const float s = block_scale(amax, any_nan);
-      uint32_t packed = 0;
+      warp_max_n<kU>(amax);
+      nan = __reduce_or_sync(0xffffffffu, nan);
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const uint8_t b = f0 + t < ffn ? q8(h[t], s) : uint8_t(0);
-        packed |= uint32_t(b) << (8 * t);
+      for (int k = 0; k < kU; ++k) {
+        const int64_t blk = blk0 + k;
+        if (blk >= per_row) break;
+        const int64_t f0 = blk * kFp8Block + lane * 4;
+        const float s = block_scale(amax[k], (nan >> k) & 1u);
+        const int valid = valid4(ffn - f0);
+        // ffn_pad is a multiple of 128 and f0 of 4: 4-byte aligned.
+        *reinterpret_cast<uint32_t*>(hq + r * ffn_pad + f0) = q8x4(h[k], s, valid);
+        if (lane == 0) h_scales[where.first + blk * where.step] = s;
       }
-      // ffn_pad is a multiple of 128 and f0 of 4: 4-byte aligned.
-      *reinterpret_cast<uint32_t*>(hq + r * ffn_pad + f0) = packed;
-      if (lane == 0) h_scales[where.first + blk * where.step] = s;
     }
   }
 }
@@ -270,13 +331,22 @@ quantize_weight_kernel(WeightQuant p) {
   float amax = 0.0f;
   bool nan = false;
   if constexpr (kVecIn) {
-    for (int u = threadIdx.x; u < 128 * 16; u += kThreads) {
+    constexpr int kLoads = 128 * 16 / kThreads;  // 16-byte loads per thread, all in flight
+    uint4 w[kLoads];
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int u = threadIdx.x + l * kThreads;
       const int i = u >> 4, j8 = (u & 15) * 8;
       const int64_t gi = a * 128 + i, gj = b * 128 + j8;
-      uint4 w = make_uint4(0, 0, 0, 0);
-      if (gi < p.p && gj < p.q) w = *reinterpret_cast<const uint4*>(src + gi * p.ld + gj);
-      *reinterpret_cast<uint4*>(tile + i * kTileLd + j8) = w;
-      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+      w[l] = make_uint4(0, 0, 0, 0);
+      if (gi < p.p && gj < p.q) w[l] = *reinterpret_cast<const uint4*>(src + gi * p.ld + gj);
+    }
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int u = threadIdx.x + l * kThreads;
+      const int i = u >> 4, j8 = (u & 15) * 8;
+      *reinterpret_cast<uint4*>(tile + i * kTileLd + j8) = w[l];
+      const uint32_t words[4] = {w[l].x, w[l].y, w[l].z, w[l].w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float lo = bits_float(words[k] << 16), hi = bits_float(words[k] & 0xffff0000u);
@@ -310,12 +380,10 @@ quantize_weight_kernel(WeightQuant p) {
       uint32_t packed[8];
 #pragma unroll
       for (int w = 0; w < 8; ++w) {
-        packed[w] = 0;
+        float v[4];
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const uint8_t v = q8(to_float(bf16{tile[(i0 + w * 4 + t) * kTileLd + j]}), s);
-          packed[w] |= uint32_t(v) << (8 * t);
-        }
+        for (int t = 0; t < 4; ++t) v[t] = to_float(bf16{tile[(i0 + w * 4 + t) * kTileLd + j]});
+        packed[w] = q8x4(v, s);
       }
       uint8_t* out = dst + (p.offset + b * 128 + j) * p.dst_ld + a * 128 + i0;
       if (vec_out) {
@@ -340,11 +408,9 @@ quantize_weight_kernel(WeightQuant p) {
       uint32_t packed[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const uint32_t lo = words[2 * k], hi = words[2 * k + 1];
-        packed[k] = uint32_t(q8(bits_float(lo << 16), s)) |
-                    uint32_t(q8(bits_float(lo & 0xffff0000u), s)) << 8 |
-                    uint32_t(q8(bits_float(hi << 16), s)) << 16 |
-                    uint32_t(q8(bits_float(hi & 0xffff0000u), s)) << 24;
+        float v[4];
+        bf16x4_floats(words[2 * k], words[2 * k + 1], v);
+        packed[k] = q8x4(v, s);
       }
       uint8_t* out = dst + (a * 128 + i) * p.dst_ld + p.offset + b * 128 + j0;
       if (vec_out) {
@@ -397,13 +463,22 @@ quantize_transposed_kernel(TransposeQuant p) {
   const int64_t c0 = int64_t(blockIdx.x) * kTCols;
   const bf16* src = static_cast<const bf16*>(p.src);
   if (p.vec) {  // 8 | ld, 8 | cols, 16-byte aligned rows: 8 columns per load
-    for (int u = threadIdx.x; u < 128 * (kTCols / 8); u += kThreads) {
+    constexpr int kLoads = 128 * (kTCols / 8) / kThreads;  // all in flight
+    uint4 w[kLoads];
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int u = threadIdx.x + l * kThreads;
       const int i = u / (kTCols / 8), j8 = u % (kTCols / 8) * 8;
-      uint4 w = make_uint4(0, 0, 0, 0);
+      w[l] = make_uint4(0, 0, 0, 0);
       if (i < count && c0 + j8 < p.cols) {
-        w = *reinterpret_cast<const uint4*>(src + (r0 + i) * p.ld + c0 + j8);
+        w[l] = *reinterpret_cast<const uint4*>(src + (r0 + i) * p.ld + c0 + j8);
       }
-      *reinterpret_cast<uint4*>(tile + i * kTLd + j8) = w;
+    }
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int u = threadIdx.x + l * kThreads;
+      const int i = u / (kTCols / 8), j8 = u % (kTCols / 8) * 8;
+      *reinterpret_cast<uint4*>(tile + i * kTLd + j8) = w[l];
     }
   } else {
     for (int idx = threadIdx.x; idx < 128 * kTCols; idx += kThreads) {
@@ -439,22 +514,23 @@ quantize_transposed_kernel(TransposeQuant p) {
   }
   __syncthreads();
   {
-    const int c = threadIdx.x / 4, seg = threadIdx.x % 4;
+    // A warp's lanes take 32 consecutive columns of the same 32 rows (distinct
+    // banks); each writes its column's 32 bytes (zero rows give 0).
+    const int c = threadIdx.x % kTCols, seg = threadIdx.x / kTCols;
     if (c0 + c < p.cols) {
       const float s = col_scale[c];
-      uint32_t* out =
-          reinterpret_cast<uint32_t*>(p.dst + (c0 + c) * p.dst_ld + pstart + seg * 32);
+      uint32_t packed[8];
 #pragma unroll
       for (int w = 0; w < 8; ++w) {
-        uint32_t packed = 0;
+        float v[4];
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const int i = seg * 32 + w * 4 + t;
-          const uint8_t v = q8(to_float(bf16{tile[i * kTLd + c]}), s);  // zero rows give 0
-          packed |= uint32_t(v) << (8 * t);
-        }
-        out[w] = packed;
+        for (int t = 0; t < 4; ++t) v[t] = to_float(bf16{tile[(seg * 32 + w * 4 + t) * kTLd + c]});
+        packed[w] = q8x4(v, s);
       }
+      // dst_ld and pstart are multiples of 128: 16-byte aligned when dst is.
+      uint4* out = reinterpret_cast<uint4*>(p.dst + (c0 + c) * p.dst_ld + pstart + seg * 32);
+      out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
     }
   }
 }
@@ -525,6 +601,9 @@ std::string fp8_padded_begin(const int64_t* expert_begin, int64_t experts, int64
 
 std::string quantize_transposed_fp8(const TransposeQuant& p, cudaStream_t stream) {
   if (p.dst_ld % kFp8Block != 0) return "quantize_transposed_fp8: padded rows not aligned";
+  if (reinterpret_cast<uintptr_t>(p.dst) % 16 != 0) {
+    return "quantize_transposed_fp8: dst must be 16-byte aligned";
+  }
   if (p.cols == 0 || p.dst_ld == 0) return {};
   const int64_t row_blocks = p.dst_ld / kFp8Block;
   if (row_blocks > 65535) return "quantize_transposed_fp8: too many rows";

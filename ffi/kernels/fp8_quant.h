@@ -107,7 +107,7 @@ struct TransposeQuant {
   int64_t experts;
   const int64_t* expert_begin;  // device [E + 1]
   const int64_t* padded_begin;  // device [E + 1]
-  uint8_t* dst;
+  uint8_t* dst;  // 16-byte aligned
   int64_t dst_ld;
   float* scales;
   bool vec = false;  // set by quantize_transposed_fp8: rows load 8 columns at a time

@@ -13,6 +13,11 @@ mok_jax. For each shape it times, bf16 on one CUDA GPU:
   the pairs, offsets) is done outside the timed region, as for mok_jax.
 * ``torch_grouped_mm``: the two grouped GEMMs alone on pre-permuted rows (and
   their backward for fwdbwd): the GEMM time the whole layer is compared with.
+* ``torch_scaled_grouped_mm``: the same two GEMMs in FP8 with
+  ``torch._scaled_grouped_mm`` (e4m3 operands quantized beforehand, one f32 scale
+  per row of each operand along K, outside the timed region): the FP8 GEMM time
+  the fp8 recipe is compared with (forward; fwdbwd records what torch does with
+  its backward).
 
 Prints one JSON document (and writes it to --json): {"records": [...]} with
 shape, impl, pass, median_ms, min_ms, times_ms, or status/error.
@@ -95,9 +100,24 @@ def bench_shape(torch, shape, passes, warmup, repeats):
         o = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs, out_dtype=bf16)
         return gu, o
 
+    def rowwise_fp8(t):
+        """t [..., K] -> (e4m3 values, f32 scales [...]): amax / 448 per row."""
+        scale = t.float().abs().amax(dim=-1).clamp(min=1e-12) / 448.0
+        return (t.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+    def scaled_gemms(xs, h, w1, w2):
+        (xq, xsc), (hq, hsc) = rowwise_fp8(xs), rowwise_fp8(h)
+        (w1q, w1s), (w2q, w2s) = rowwise_fp8(w1), rowwise_fp8(w2)
+        # B as [E, K, N] column-major: the transpose of the [E, N, K] weights.
+        return lambda: (
+            torch._scaled_grouped_mm(xq, w1q.transpose(-2, -1), xsc, w1s, offs=offs,
+                                     out_dtype=bf16),
+            torch._scaled_grouped_mm(hq, w2q.transpose(-2, -1), hsc, w2s, offs=offs,
+                                     out_dtype=bf16))
+
     records = []
     for pass_name in passes:
-        for impl in ("torch_pipeline", "torch_grouped_mm"):
+        for impl in ("torch_pipeline", "torch_grouped_mm", "torch_scaled_grouped_mm"):
             rec = {"shape": list(shape), "impl": impl, "pass": pass_name, "status": "ok",
                    "error": None, "rows_padded": rows}
             try:
@@ -109,6 +129,15 @@ def bench_shape(torch, shape, passes, warmup, repeats):
                     def fn(leaves=leaves):
                         y = layer(*leaves)
                         torch.autograd.grad(y, leaves, dy)
+                elif impl == "torch_scaled_grouped_mm":
+                    fwd = scaled_gemms(xs_fixed, h_fixed, w1, w2)
+                    if pass_name == "fwd":
+                        fn = fwd
+                    else:
+                        raise NotImplementedError(
+                            "torch._scaled_grouped_mm is timed forward only: torch "
+                            "offers no FP8 backward for it (the transposed operands "
+                            "would need their own quantization)")
                 elif pass_name == "fwd":
                     fn = lambda: gemms(xs_fixed, h_fixed, w1, w2)  # noqa: E731
                 else:
@@ -123,6 +152,8 @@ def bench_shape(torch, shape, passes, warmup, repeats):
                     times = _time(torch, fn, warmup, repeats)
                 rec.update(median_ms=statistics.median(times), min_ms=min(times),
                            times_ms=times)
+            except NotImplementedError as err:
+                rec.update(status="unavailable", error=str(err))
             except Exception as err:  # pylint: disable=broad-except
                 rec.update(status="error", error=f"{type(err).__name__}: {err}"[:2000])
             records.append(rec)

@@ -170,6 +170,9 @@ GPU_ONLY = {
     "torch_grouped_mm": "needs a CUDA GPU: torch._grouped_mm runs on CUDA only (and the "
                         "JAX pipelines here run on the CPU, so a GPU time would not "
                         "compare)",
+    "torch_scaled_grouped_mm": "needs a CUDA GPU: torch._scaled_grouped_mm runs on "
+                               "CUDA only (and the JAX pipelines here run on the CPU, so "
+                               "a GPU time would not compare)",
     "ragged_all_to_all": "needs a GPU: XLA has no CPU lowering of ragged_all_to_all",
     "moe_epN_fused": "needs a CUDA GPU: backend='fused' moves the EP rows with mok_jax's "
                      "NVLink kernels, which run on GPUs only (on CPU mok_jax.moe raises "
@@ -834,12 +837,17 @@ def bench_exchange(shape: Shape, ep_size: int, kind: str, *, dtype, warmup: int,
     return record
 
 
-TORCH_IMPLS = ("torch_pipeline", "torch_grouped_mm")
+TORCH_IMPLS = ("torch_pipeline", "torch_grouped_mm", "torch_scaled_grouped_mm")
+# The recipe a baseline computes in: moe of that recipe is what it is compared with.
+BASELINE_RECIPE = {"torch_scaled_grouped_mm": "fp8"}
 TORCH_ABOUT = {
     "torch_pipeline": "the eager PyTorch layer a user writes with torch._grouped_mm "
                       "(gather, grouped GEMMs, SwiGLU, index_add_ combine)",
     "torch_grouped_mm": "torch._grouped_mm's two grouped GEMMs alone on pre-permuted "
                         "rows: the GEMM time the whole layer is compared with",
+    "torch_scaled_grouped_mm": "the same two GEMMs in FP8 with torch._scaled_grouped_mm "
+                               "(rowwise f32 scales, operands quantized beforehand): the "
+                               "FP8 GEMM time moe [fp8] is compared with; forward only",
 }
 
 
@@ -884,6 +892,7 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
                 got = by_key.get((key_shape, impl, pass_name), {})
                 record = new_record(shape, impl, pass_name, dtype_name="bf16",
                                     warmup=warmup, repeats=repeats)
+                record["recipe"] = BASELINE_RECIPE.get(impl)
                 record["torch_version"] = result.get("torch_version")
                 if got.get("times_ms"):
                     finish_record(record, got["times_ms"], None)
@@ -911,8 +920,10 @@ LEGEND = {
     "tflops": "GEMM FLOPs only (fwd 6*T*K*H*F, fwdbwd 18*T*K*H*F) / median time; "
               "per device for EP records",
     "mok_speedup": "baseline median / moe median, same shape, pass and process "
-                   "(> 1: moe is faster); single-device baselines only, absent from "
-                   "EP records and None on compute-only records",
+                   "(> 1: moe is faster), moe of the baseline's recipe (native unless "
+                   "the record's recipe says; torch_scaled_grouped_mm: fp8); "
+                   "single-device baselines only, absent from EP records and None on "
+                   "compute-only records",
     "recipe_speedup": "on moe records of a recipe other than native: the native moe "
                       "median / this median, same shape, pass and process (the table's "
                       "speedup column shows it for those rows)",
@@ -945,14 +956,14 @@ def add_speedups(records: list[dict]) -> None:
     the same shape, pass and EP size (that median: `ep_reference_ms`, its impl:
     `ep_reference`), and `ep_time_ratio_all_experts` = EP median / the one-device
     moe median (`one_device_ms`)."""
-    mok_ms = {(r["shape"], r["pass"]): r["median_ms"] for r in records
-              if r["impl"] == MOK and r["median_ms"]
-              and r.get("recipe") in (None, "native")}
+    mok_ms = {(r["shape"], r["pass"], r.get("recipe") or "native"): r["median_ms"]
+              for r in records if r["impl"] == MOK and r["median_ms"] and not is_ep_record(r)
+              and not is_compute_only_record(r)}
     compute_ms = {(r["shape"], r["pass"], r["compute_only_for_ep"], r.get("recipe")):
                   r["median_ms"]
                   for r in records if is_compute_only_record(r) and r["median_ms"]}
     for r in records:
-        one = mok_ms.get((r["shape"], r["pass"]))
+        one = mok_ms.get((r["shape"], r["pass"], "native"))
         if is_ep_record(r):
             ref = compute_ms.get((r["shape"], r["pass"], r["ep_size"], r.get("recipe")))
             ms = r["median_ms"]
@@ -968,8 +979,10 @@ def add_speedups(records: list[dict]) -> None:
             r["mok_speedup"] = None
             r["recipe_speedup"] = one / r["median_ms"] if one and r["median_ms"] else None
             continue
-        r["mok_speedup"] = (r["median_ms"] / one
-                            if one and r["median_ms"] and r["impl"] != MOK
+        # A baseline against moe of its own recipe (the native one unless it says).
+        mine = mok_ms.get((r["shape"], r["pass"], r.get("recipe") or "native"))
+        r["mok_speedup"] = (r["median_ms"] / mine
+                            if mine and r["median_ms"] and r["impl"] != MOK
                             and not is_compute_only_record(r) else None)
 
 

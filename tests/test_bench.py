@@ -776,6 +776,23 @@ def test_recipes_run_in_one_process_and_fp8_rows_compare_with_native(tmp_path):
     assert ragged["mok_speedup"] == pytest.approx(ragged["median_ms"] / native["median_ms"])
 
 
+def test_a_baseline_of_a_recipe_compares_with_moe_of_that_recipe():
+    def rec(impl, ms, recipe=None):
+        return {"shape": "ep", "impl": impl, "pass": "fwd", "median_ms": ms, "min_ms": ms,
+                "tflops": 1.0, "status": "ok", "error": None, "recipe": recipe}
+
+    records = [rec("moe", 4.0, "native"), rec("moe", 2.0, "fp8"),
+               rec("torch_grouped_mm", 3.0), rec("torch_scaled_grouped_mm", 1.0, "fp8")]
+    bench.add_speedups(records)
+    assert records[1]["recipe_speedup"] == pytest.approx(2.0)
+    assert records[2]["mok_speedup"] == pytest.approx(3.0 / 4.0)
+    assert records[3]["mok_speedup"] == pytest.approx(1.0 / 2.0)
+    # no moe of the baseline's recipe measured: nothing to compare with
+    alone = [rec("moe", 4.0, "native"), rec("torch_scaled_grouped_mm", 1.0, "fp8")]
+    bench.add_speedups(alone)
+    assert alone[1]["mok_speedup"] is None
+
+
 @pytest.mark.parametrize("recipes", ["fp8,fp8", "fp4", ""])
 def test_recipe_list_rejects_unknown_or_repeated_names(recipes):
     with pytest.raises(SystemExit):

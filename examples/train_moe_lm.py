@@ -103,6 +103,12 @@ PRESETS: dict[str, Config] = {
                    expert_ffn=1024, shared_ffn=0, dtype="bfloat16", seq=1024, batch=32,
                    steps=2000, lr=1e-3, warmup=200, eval_every=250, eval_batches=16,
                    log_every=25, ckpt_every=500),
+    # OLMoE-1B-7B's MoE layer (d 2048, E 64, top-8, F 1024, 16 heads) at 4 of its 16
+    # layers: 1.68B parameters (0.27B active), 16k tokens per step; one H200.
+    "olmoe": Config(d_model=2048, n_layers=4, n_heads=16, n_experts=64, top_k=8,
+                    expert_ffn=1024, shared_ffn=0, dtype="bfloat16", seq=1024, batch=16,
+                    steps=1000, lr=6e-4, warmup=100, eval_every=250, eval_batches=8,
+                    log_every=25, ckpt_every=500),
 }
 
 

@@ -535,8 +535,9 @@ def test_corpus_split_is_by_file_and_deterministic():
     assert lm.batch_at(a.train, 5, cfg).shape == (4, 33)
 
 
-def test_h200_preset_traces():
-    cfg = lm.PRESETS["h200"]
+@pytest.mark.parametrize("preset", ["h200", "olmoe"])
+def test_gpu_presets_trace(preset):
+    cfg = lm.PRESETS[preset]
     info = lm.trace_only(cfg)
     assert info["params"] == lm.param_counts(cfg)["total"]
     assert 1e9 < info["params"] < 2e9

@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     table = bench.FULL_SHAPES if args.full else bench.QUICK_SHAPES
-    shapes = args.shape or list(table.values())
+    shapes = ([*table.values()] if args.full or not args.shape else []) + args.shape
     recipes = [r for r in args.recipes.split(",") if r]
     print(f"relative Frobenius error against float64, {jax.devices()[0].device_kind}, "
           f"bf16 inputs")

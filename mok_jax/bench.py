@@ -110,19 +110,30 @@ FULL_SHAPES = {
         Shape("deepseek-slice", 8192, 8, 64, 7168, 2048),
         Shape("mixtral-like", 16384, 2, 8, 4096, 14336),
         Shape("ep", 4096, 8, 128, 7168, 2048),
+        Shape("olmoe-like", 16384, 8, 64, 2048, 1024),
+        Shape("gpt-oss-like", 16384, 4, 128, 2880, 2880),
+        Shape("qwen3-like", 16384, 8, 128, 4096, 1536),
+        Shape("few-tokens", 256, 8, 128, 2048, 768),
     )
 }
 
-# The same problems scaled for a 2-core CPU (all of them, every impl, both passes in
-# a few minutes): T / 64-128, H and F / 16, K kept, E capped so that the rows per
-# expert (T*K/E) keep their order: ep stays the shape with the fewest rows per
-# expert, mixtral-like the one with the most.
+# What a run times without --shapes or --shape; the other named shapes run when
+# --shapes names them.
+DEFAULT_SHAPES = ("small-experts", "deepseek-slice", "mixtral-like", "ep")
+
+# The same problems scaled for a 2-core CPU (the default ones, every impl, both
+# passes in a few minutes): T / 16-128, H and F / 16, K kept, E at most 32: 4 to 64
+# rows per expert (T*K/E), few-tokens the fewest as in the full shapes.
 QUICK_SHAPES = {
     s.name: s for s in (
         Shape("small-experts", 256, 8, 32, 128, 48),
         Shape("deepseek-slice", 128, 8, 16, 448, 128),
         Shape("mixtral-like", 128, 2, 8, 256, 896),
         Shape("ep", 64, 8, 32, 448, 128),
+        Shape("olmoe-like", 256, 8, 32, 128, 64),
+        Shape("gpt-oss-like", 256, 4, 32, 180, 180),
+        Shape("qwen3-like", 256, 8, 32, 256, 96),
+        Shape("few-tokens", 16, 8, 32, 128, 48),
     )
 }
 
@@ -133,6 +144,11 @@ SHAPE_ABOUT = {
     "mixtral-like": "few large experts, top-2 (Mixtral-like)",
     "ep": "one device's share of the EP problem, all experts local "
           "(the default --ep shape)",
+    "olmoe-like": "OLMoE-1B-7B's experts",
+    "gpt-oss-like": "gpt-oss-120b's experts (H and F not multiples of 128)",
+    "qwen3-like": "Qwen3-235B-A22B's experts",
+    "few-tokens": "small-experts with 256 tokens (eval, small batches, a rank's "
+                  "share at high EP): reading the weights dominates",
 }
 
 IMPLS = ("moe", "ragged_dot", "dense_onehot", "tokamax")
@@ -1273,7 +1289,8 @@ def help_epilog() -> str:
              "expert FFN F; rows per expert T*K/E):"]
     for name, full in FULL_SHAPES.items():
         quick = QUICK_SHAPES[name]
-        lines.append(f"  {name}: {SHAPE_ABOUT.get(name, '')}")
+        default = "" if name in DEFAULT_SHAPES else " (only when --shapes names it)"
+        lines.append(f"  {name}: {SHAPE_ABOUT.get(name, '')}{default}")
         for label, shape in (("full", full), ("quick", quick)):
             lines.append(f"      {label:<5}  {_dims(shape)} "
                          f"{shape.tokens * shape.top_k // shape.experts:>5} rows/expert")
@@ -1445,7 +1462,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if twice:
         fail(f"--shape {','.join(twice)} given twice (name them apart with NAME=T,K,E,H,F)")
     if args.shapes is None:
-        args.shapes = [] if args.shape else list(FULL_SHAPES)
+        args.shapes = [] if args.shape else list(DEFAULT_SHAPES)
     selected = args.shapes + names
     if args.quick and args.full_on_cpu:
         fail("--quick and --full-on-cpu contradict each other (--quick: the scaled-down "

@@ -129,9 +129,27 @@ def test_gemm_flops():
 
 def test_quick_shapes_cover_full_shapes():
     assert set(bench.QUICK_SHAPES) == set(bench.FULL_SHAPES)
+    assert set(bench.DEFAULT_SHAPES) <= set(bench.FULL_SHAPES)
     for name, quick in bench.QUICK_SHAPES.items():
         assert quick.top_k == bench.FULL_SHAPES[name].top_k
         assert quick.top_k <= quick.experts
+
+
+def test_model_like_shapes_are_the_models_experts():
+    """The named model-like shapes are the published models' expert dimensions
+    (H, F, E, K), T tokens per device; not part of a run unless --shapes names them."""
+    want = {"olmoe-like": (8, 64, 2048, 1024), "gpt-oss-like": (4, 128, 2880, 2880),
+            "qwen3-like": (8, 128, 4096, 1536), "few-tokens": (8, 128, 2048, 768)}
+    for name, (k, e, h, f) in want.items():
+        s = bench.FULL_SHAPES[name]
+        assert (s.top_k, s.experts, s.hidden, s.ffn) == (k, e, h, f), name
+        assert name not in bench.DEFAULT_SHAPES
+    assert bench.FULL_SHAPES["few-tokens"].tokens == 256
+    args = bench.parse_args(["--impls", "moe"])
+    assert args.shapes == list(bench.DEFAULT_SHAPES)
+    args = bench.parse_args(["--shapes", "qwen3-like,few-tokens", "--impls", "moe"])
+    assert [bench.FULL_SHAPES[n].tokens for n in args.shapes] == [16384, 256]
+    assert "gpt-oss-like" in bench.help_epilog()
 
 
 def test_make_inputs_routing():
@@ -160,7 +178,7 @@ def test_quick_run_writes_json(tmp_path):
     records = result["records"]
     keys = [(r["shape"], r["impl"], r["pass"]) for r in records]
     assert len(keys) == len(set(keys))
-    assert set(keys) == {(s, i, p) for s in bench.FULL_SHAPES for i in bench.IMPLS
+    assert set(keys) == {(s, i, p) for s in bench.DEFAULT_SHAPES for i in bench.IMPLS
                          for p in bench.PASSES}
 
     must_run = {"ragged_dot", "dense_onehot"}

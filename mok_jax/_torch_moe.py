@@ -71,7 +71,9 @@ def _time(torch, fn, warmup, repeats):
     return times
 
 
-def bench_shape(torch, shape, passes, warmup, repeats):
+def bench_shape(torch, shape, passes, warmup, repeats, skip=frozenset()):
+    """Records of every baseline and pass on `shape`; (impl, pass) pairs in `skip`
+    are recorded as skipped, not run."""
     T, K, E, H, F = shape
     dev, bf16 = "cuda", torch.bfloat16
     src_token, row_weight, offs, row_token, rows = _routing(torch, T, K, E, H, F, dev)
@@ -120,6 +122,10 @@ def bench_shape(torch, shape, passes, warmup, repeats):
         for impl in ("torch_pipeline", "torch_grouped_mm", "torch_scaled_grouped_mm"):
             rec = {"shape": list(shape), "impl": impl, "pass": pass_name, "status": "ok",
                    "error": None, "rows_padded": rows}
+            if (impl, pass_name) in skip:
+                rec.update(status="skipped", error="named in --skip")
+                records.append(rec)
+                continue
             try:
                 if impl == "torch_pipeline" and pass_name == "fwd":
                     fn = lambda: layer(x, w1, w2, row_weight)  # noqa: E731
@@ -176,7 +182,13 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--skip", action="append", default=[],
+                        help="IMPL/PASS/T,K,E,H,F not to run (repeatable)")
     args = parser.parse_args(argv)
+    skips = {}
+    for entry in args.skip:
+        impl, pass_name, dims = entry.split("/")
+        skips.setdefault(tuple(int(v) for v in dims.split(",")), set()).add((impl, pass_name))
     result = {"records": []}
     try:
         import torch  # pylint: disable=import-outside-toplevel
@@ -186,7 +198,8 @@ def main(argv=None):
         for text in args.shape:
             shape = tuple(int(v) for v in text.split(","))
             result["records"] += bench_shape(torch, shape, args.passes.split(","),
-                                             args.warmup, args.repeats)
+                                             args.warmup, args.repeats,
+                                             frozenset(skips.get(shape, ())))
     except Exception as err:  # pylint: disable=broad-except
         result["error"] = f"{type(err).__name__}: {err}"
     text = json.dumps(result)

@@ -869,8 +869,9 @@ TORCH_ABOUT = {
 
 def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int,
                   repeats: int, timeout_s: float = 1800,
-                  backend: str | None = None) -> list[dict]:
-    """PyTorch baselines (mok_jax/_torch_moe.py) timed in a subprocess.
+                  backend: str | None = None, skip: Sequence[str] = ()) -> list[dict]:
+    """PyTorch baselines (mok_jax/_torch_moe.py) timed in a subprocess; the
+    measurements `skip` names (--skip entries) are recorded as skipped, not run.
 
     Call this before JAX touches the GPU: JAX reserves most of its memory.
     Returns bench records (status "unavailable" when torch or CUDA is missing).
@@ -891,8 +892,12 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
     cmd = [sys.executable, script, "--passes", ",".join(passes), "--warmup", str(warmup),
            "--repeats", str(repeats)]
     for shape in shapes:
-        cmd += ["--shape", ",".join(str(v) for v in (shape.tokens, shape.top_k, shape.experts,
-                                                      shape.hidden, shape.ffn))]
+        dims = ",".join(str(v) for v in (shape.tokens, shape.top_k, shape.experts,
+                                         shape.hidden, shape.ffn))
+        cmd += ["--shape", dims]
+        cmd += [arg for impl in TORCH_IMPLS for pass_name in passes
+                if skipped(skip, impl, pass_name, shape.name)
+                for arg in ("--skip", f"{impl}/{pass_name}/{dims}")]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                               check=False)
@@ -910,7 +915,9 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
                                     warmup=warmup, repeats=repeats)
                 record["recipe"] = BASELINE_RECIPE.get(impl)
                 record["torch_version"] = result.get("torch_version")
-                if got.get("times_ms"):
+                if skipped(skip, impl, pass_name, shape.name):
+                    record.update(status="skipped", error="named in --skip")
+                elif got.get("times_ms"):
                     finish_record(record, got["times_ms"], None)
                 else:
                     record.update(status=got.get("status", "unavailable"),
@@ -1487,14 +1494,17 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
     for entry in args.skip:  # a typo would silently run what it meant to skip
         parts = entry.split("/")
-        if (len(parts) not in (2, 3) or parts[0] not in IMPLS + EXTRA_IMPLS
+        if (len(parts) not in (2, 3) or parts[0] not in IMPLS + EXTRA_IMPLS + TORCH_IMPLS
                 or parts[1] not in PASSES
                 or (len(parts) == 3 and parts[2] not in (*FULL_SHAPES, *names))):
             fail(f"--skip entry {entry!r} is not IMPL/PASS[/SHAPE] with IMPL in "
-                 f"{IMPLS + EXTRA_IMPLS}, PASS in {PASSES}, SHAPE in "
+                 f"{IMPLS + EXTRA_IMPLS + TORCH_IMPLS}, PASS in {PASSES}, SHAPE in "
                  f"{(*FULL_SHAPES, *names)}")
         why = []
-        if parts[0] not in args.impls:
+        if parts[0] in TORCH_IMPLS:
+            if not args.torch:
+                why.append(f"{parts[0]} runs only with --torch")
+        elif parts[0] not in args.impls:
             why.append(f"{parts[0]} is not in --impls ({','.join(args.impls)})")
         if parts[1] not in args.passes:
             why.append(f"{parts[1]} is not in --passes ({','.join(args.passes)})")
@@ -1657,7 +1667,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     pre_records = []
     if args.torch:  # before JAX initialises the GPU and reserves its memory
         pre_records = torch_records(shapes, args.passes, warmup=args.warmup,
-                                    repeats=args.repeats, backend=backend)
+                                    repeats=args.repeats, backend=backend, skip=args.skip)
         for record in pre_records:
             _print_progress(record)
     info = machine_info()

@@ -821,3 +821,31 @@ def test_recipe_fp8_needs_bf16():
     with pytest.raises(SystemExit):
         bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe", "--recipe", "fp8",
                     "--dtype", "f32"])
+
+
+def test_skip_names_a_torch_baseline(monkeypatch):
+    """--skip takes the --torch baselines too: the skipped one is not run (the
+    subprocess is told so) and is recorded as skipped; without --torch it is refused."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--impls", "moe", "--skip", "torch_pipeline/fwd"])
+    args = bench.parse_args(["--impls", "moe", "--torch", "--skip",
+                             "torch_pipeline/fwdbwd/ep"])
+    assert args.skip == ["torch_pipeline/fwdbwd/ep"]
+
+    seen = {}
+
+    def fake_run(cmd, *a, **kw):
+        seen["cmd"] = cmd
+        shape = [64, 8, 32, 448, 128]
+        recs = [{"shape": shape, "impl": i, "pass": p, "status": "ok", "error": None,
+                 "times_ms": [1.0]} for i in bench.TORCH_IMPLS for p in bench.PASSES]
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"records": recs}) + "\n", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    records = bench.torch_records([bench.QUICK_SHAPES["ep"]], bench.PASSES, warmup=0,
+                                  repeats=1, skip=args.skip)
+    assert seen["cmd"][seen["cmd"].index("--skip") + 1] == "torch_pipeline/fwdbwd/64,8,32,448,128"
+    assert seen["cmd"].count("--skip") == 1
+    status = {(r["impl"], r["pass"]): r["status"] for r in records}
+    assert status.pop(("torch_pipeline", "fwdbwd")) == "skipped"
+    assert set(status.values()) == {"ok"}

@@ -58,6 +58,17 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// OR over the warp's lanes (__reduce_or_sync needs sm_80; the shuffle tree keeps
+// older targets of the SIMT build compiling).
+__device__ __forceinline__ unsigned warp_or(unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_or_sync(0xffffffffu, v);
+#else
+  for (int offset = 16; offset > 0; offset >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+#endif
+}
+
 // kN independent warp maxima, their shuffles interleaved.
 template <int kN>
 __device__ __forceinline__ void warp_max_n(float (&v)[kN]) {
@@ -176,7 +187,7 @@ quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, in
           }
         }
         warp_max_n<kU>(amax);
-        nan = __reduce_or_sync(0xffffffffu, nan);
+        nan = warp_or(nan);
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           const int64_t blk = blk0 + u;
@@ -275,7 +286,7 @@ swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restr
         }
       }
       warp_max_n<kU>(amax);
-      nan = __reduce_or_sync(0xffffffffu, nan);
+      nan = warp_or(nan);
 #pragma unroll
       for (int k = 0; k < kU; ++k) {
         const int64_t blk = blk0 + k;

@@ -38,7 +38,7 @@ what they name, are refused before anything runs.
 
 Examples::
 
-    python -m mok_jax.bench                                # all shapes, impls, passes
+    python -m mok_jax.bench                                # default shapes, all impls, passes
     python -m mok_jax.bench --quick --repeats 5            # scaled-down shapes (CPU)
     python -m mok_jax.bench --shapes ep --impls moe,tokamax --passes fwd --json out.json
     python -m mok_jax.bench --shape 4096,8,64,2048,1024    # one custom problem only
@@ -54,7 +54,8 @@ Examples::
 bf16 only); the fp8 rows' speedup column is the native moe's median over theirs;
 the baselines and the --check reference keep computing in --dtype, so `moe`'s
 errors there include the recipe's own (a few percent). Records carry `recipe`
-(None for the baselines) and the table marks `moe [fp8]`.
+(None for the JAX baselines, "fp8" for torch's FP8 grouped GEMM, which is compared
+with `moe [fp8]`) and the table marks `moe [fp8]`.
 
 On CPU the full shapes take very long; without --full-on-cpu a CPU run uses the
 --quick shapes.
@@ -131,7 +132,7 @@ QUICK_SHAPES = {
         Shape("mixtral-like", 128, 2, 8, 256, 896),
         Shape("ep", 64, 8, 32, 448, 128),
         Shape("olmoe-like", 256, 8, 32, 128, 64),
-        Shape("gpt-oss-like", 256, 4, 32, 180, 180),
+        Shape("gpt-oss-like", 256, 4, 32, 184, 180),
         Shape("qwen3-like", 256, 8, 32, 256, 96),
         Shape("few-tokens", 16, 8, 32, 128, 48),
     )
@@ -978,7 +979,7 @@ def add_speedups(records: list[dict]) -> None:
     `mok_speedup` there) `ep_time_ratio` = EP median / the compute-only median of
     the same shape, pass and EP size (that median: `ep_reference_ms`, its impl:
     `ep_reference`), and `ep_time_ratio_all_experts` = EP median / the one-device
-    moe median (`one_device_ms`)."""
+    moe median of the same recipe (`one_device_ms`)."""
     mok_ms = {(r["shape"], r["pass"], r.get("recipe") or "native"): r["median_ms"]
               for r in records if r["impl"] == MOK and r["median_ms"] and not is_ep_record(r)
               and not is_compute_only_record(r)}
@@ -994,6 +995,7 @@ def add_speedups(records: list[dict]) -> None:
             r["ep_reference"] = compute_only_impl(r["ep_size"])
             r["ep_reference_ms"] = ref
             r["ep_time_ratio"] = ms / ref if ref and ms else None
+            one = mok_ms.get((r["shape"], r["pass"], r.get("recipe") or "native"))
             r["one_device_ms"] = one
             r["ep_time_ratio_all_experts"] = ms / one if one and ms else None
             continue
@@ -1373,8 +1375,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--full-on-cpu", action="store_true",
                         help="run the full bench shapes even on CPU (very slow)")
     parser.add_argument("--shapes", type=_csv(tuple(FULL_SHAPES), "shape"), default=None,
-                        help="comma list of bench shapes (default: all of them, or none "
-                             "when --shape is given)")
+                        help="comma list of bench shapes (default: "
+                             f"{','.join(DEFAULT_SHAPES)}, or none when --shape is given)")
     parser.add_argument("--shape", type=custom_shape, action="append", default=[],
                         metavar="[NAME=]T,K,E,H,F",
                         help="a custom problem (repeatable): T tokens, top-K of E experts, "
@@ -1401,8 +1403,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true",
                         help="print the traceback of each failing pipeline")
     parser.add_argument("--torch", action="store_true",
-                        help="also time PyTorch baselines (torch._grouped_mm pipeline and "
-                             "GEMMs alone) in a subprocess; bf16 only; needs torch with "
+                        help="also time PyTorch baselines (torch._grouped_mm pipeline, its "
+                             "GEMMs alone, and the FP8 torch._scaled_grouped_mm GEMMs "
+                             "forward) in a subprocess; bf16 inputs; needs torch with "
                              "CUDA (skipped, with the reason, on CPU)")
     parser.add_argument("--ep", type=_int_list, default=[], metavar="N[,N...]",
                         help="also time moe on a mesh of N devices (experts and tokens "

@@ -1,15 +1,15 @@
 """Accuracy of `mok_jax.moe`'s recipes against the unquantized float64 math.
 
-    python scripts/fp8_accuracy.py                      # the bench's --quick shapes
-    python scripts/fp8_accuracy.py --full               # the bench's shapes (a GPU)
+    python scripts/fp8_accuracy.py                      # the default shapes, --quick size
+    python scripts/fp8_accuracy.py --full               # the default shapes, full (a GPU)
     python scripts/fp8_accuracy.py --shape mine=256,8,32,256,128
 
 For each shape: the bench's bf16 inputs (mok_jax.bench.make_inputs) and cotangent,
 the layer's y and its gradients (x, expert_weights, w_gate_up, w_down) in float64
 from the formula written here (every token through its K experts, SwiGLU,
-weighted sum; no rounding anywhere; one float64 matmul per expert), then each recipe's y and gradients from
-`mok_jax.moe` on the default device, and the relative Frobenius error of each
-against the float64 values.
+weighted sum; no rounding anywhere; one float64 matmul per expert), then each
+recipe's y and gradients from `mok_jax.moe` on the default device, and the
+relative Frobenius error of each against the float64 values.
 """
 
 from __future__ import annotations
@@ -31,23 +31,12 @@ from mok_jax import bench  # noqa: E402
 OUTPUTS = ("y", "dx", "d_expert_weights", "d_w_gate_up", "d_w_down")
 
 
-def dense_f64(x, expert_ids, expert_weights, w_gate_up, w_down):
-    """y[t] = sum_k w[t, k] * FFN_e(x[t]) with e = expert_ids[t, k], in float64.
-
-    Written per token (every token's K weight matrices gathered): for small shapes and
-    as the definition `grouped_f64` is checked against."""
-    x, w, wgu, wd = (a.astype(jnp.float64) for a in (x, expert_weights, w_gate_up, w_down))
-    f = w_down.shape[1]
-    gu = jnp.einsum("th,tkhj->tkj", x, wgu[expert_ids])
-    h = jax.nn.silu(gu[..., :f]) * gu[..., f:]
-    out = jnp.einsum("tkf,tkfh->tkh", h, wd[expert_ids])
-    return jnp.einsum("tk,tkh->th", w, out)
-
-
 def grouped_f64(expert_ids: np.ndarray):
-    """The same math as `dense_f64` with the (token, k) pairs grouped by expert, one
-    float64 matmul per expert: memory linear in T*K, so it runs at the bench's full
-    shapes. `expert_ids` is concrete (host) so the groups are static slices."""
+    """y[t] = sum_k w[t, k] * FFN_e(x[t]) with e = expert_ids[t, k], in float64, as
+    a function of (x, expert_ids, expert_weights, w_gate_up, w_down): the (token, k)
+    pairs grouped by expert, one float64 matmul per expert (memory linear in T*K, so
+    it runs at the bench's full shapes). `expert_ids` is concrete (host) so the
+    groups are static slices."""
     ids = np.asarray(expert_ids)
     t, k = ids.shape
     flat = ids.reshape(-1)
@@ -100,12 +89,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", action="append", type=bench.custom_shape, default=[],
                         help="[NAME=]T,K,E,H,F (repeatable); default: the --quick shapes")
-    parser.add_argument("--full", action="store_true", help="the bench's full shapes")
+    parser.add_argument("--full", action="store_true",
+                        help="the bench's default shapes at full size (a GPU)")
     parser.add_argument("--recipes", default="native,fp8")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     table = bench.FULL_SHAPES if args.full else bench.QUICK_SHAPES
-    shapes = ([*table.values()] if args.full or not args.shape else []) + args.shape
+    defaults = [table[name] for name in bench.DEFAULT_SHAPES]
+    shapes = (defaults if args.full or not args.shape else []) + args.shape
     recipes = [r for r in args.recipes.split(",") if r]
     print(f"relative Frobenius error against float64, {jax.devices()[0].device_kind}, "
           f"bf16 inputs")

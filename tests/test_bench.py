@@ -133,6 +133,10 @@ def test_quick_shapes_cover_full_shapes():
     for name, quick in bench.QUICK_SHAPES.items():
         assert quick.top_k == bench.FULL_SHAPES[name].top_k
         assert quick.top_k <= quick.experts
+    # The fp8 recipe's CUDA kernels take H % 8 == 0 and F % 4 == 0 (16-byte result
+    # rows): every bench shape must run under every recipe.
+    for shape in (*bench.QUICK_SHAPES.values(), *bench.FULL_SHAPES.values()):
+        assert shape.hidden % 8 == 0 and shape.ffn % 4 == 0, shape
 
 
 def test_model_like_shapes_are_the_models_experts():

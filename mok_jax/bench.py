@@ -987,7 +987,8 @@ def add_speedups(records: list[dict]) -> None:
                   r["median_ms"]
                   for r in records if is_compute_only_record(r) and r["median_ms"]}
     for r in records:
-        one = mok_ms.get((r["shape"], r["pass"], "native"))
+        # The one-device moe of this record's recipe (the native one unless it says).
+        mine = mok_ms.get((r["shape"], r["pass"], r.get("recipe") or "native"))
         if is_ep_record(r):
             ref = compute_ms.get((r["shape"], r["pass"], r["ep_size"], r.get("recipe")))
             ms = r["median_ms"]
@@ -995,17 +996,17 @@ def add_speedups(records: list[dict]) -> None:
             r["ep_reference"] = compute_only_impl(r["ep_size"])
             r["ep_reference_ms"] = ref
             r["ep_time_ratio"] = ms / ref if ref and ms else None
-            one = mok_ms.get((r["shape"], r["pass"], r.get("recipe") or "native"))
-            r["one_device_ms"] = one
-            r["ep_time_ratio_all_experts"] = ms / one if one and ms else None
+            r["one_device_ms"] = mine
+            r["ep_time_ratio_all_experts"] = ms / mine if mine and ms else None
             continue
         if r["impl"] == MOK and r.get("recipe") not in (None, "native"):
             # Another recipe of moe: the native moe's median over this one's.
+            native = mok_ms.get((r["shape"], r["pass"], "native"))
             r["mok_speedup"] = None
-            r["recipe_speedup"] = one / r["median_ms"] if one and r["median_ms"] else None
+            r["recipe_speedup"] = (native / r["median_ms"]
+                                   if native and r["median_ms"] else None)
             continue
-        # A baseline against moe of its own recipe (the native one unless it says).
-        mine = mok_ms.get((r["shape"], r["pass"], r.get("recipe") or "native"))
+        # A baseline against moe of its own recipe.
         r["mok_speedup"] = (r["median_ms"] / mine
                             if mine and r["median_ms"] and r["impl"] != MOK
                             and not is_compute_only_record(r) else None)

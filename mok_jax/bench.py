@@ -64,6 +64,7 @@ On CPU the full shapes take very long; without --full-on-cpu a CPU run uses the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -153,8 +154,10 @@ SHAPE_ABOUT = {
 }
 
 IMPLS = ("moe", "ragged_dot", "dense_onehot", "tokamax")
-# Selectable, not run by default: mok_jax.moe forced onto its XLA-exchange path.
-EXTRA_IMPLS = ("moe_xla",)
+# Selectable, not run by default: mok_jax.moe forced onto its XLA-exchange path,
+# and on one GPU with its forward always the kernel chain, or always the persistent
+# kernel where that can run (moe picks between them by shape).
+EXTRA_IMPLS = ("moe_xla", "moe_chain", "moe_persistent")
 PASSES = ("fwd", "fwdbwd")
 
 IMPL_ABOUT = {
@@ -167,6 +170,11 @@ IMPL_ABOUT = {
                "kernels); needs a CUDA GPU",
     "moe_xla": "mok_jax.moe(backend='xla'): moe on its XLA-exchange path "
                "(not in the default list)",
+    "moe_chain": "mok_jax.moe with its forward always the kernel chain (gather, "
+                 "grouped GEMMs, combine as separate kernels; not in the default list)",
+    "moe_persistent": "mok_jax.moe with its forward always the persistent kernel where "
+                      "that can run (one launch after the routing plan; moe picks it for "
+                      "few rows per expert only; same bits; not in the default list)",
 }
 PASS_ABOUT = {
     "fwd": "y = layer(x, ids, weights, w_gate_up, w_down); GEMM FLOPs 6*T*K*H*F",
@@ -179,6 +187,10 @@ MOK = "moe"
 # Measurements that need a CUDA GPU: on a CPU backend they are recorded as skipped
 # with this reason (and a note is printed) instead of being attempted.
 GPU_ONLY = {
+    "moe_chain": "needs a CUDA GPU: the persistent forward it switches off is a CUDA "
+                 "kernel (on CPU moe_chain would time moe again)",
+    "moe_persistent": "needs a CUDA GPU: the persistent forward is a CUDA kernel (on CPU "
+                      "moe_persistent would time moe again)",
     "tokamax": "needs a CUDA GPU: tokamax's Pallas Mosaic kernels run on GPUs only "
                "(on CPU tokamax.ragged_dot falls back to XLA's ragged_dot, which the "
                "ragged_dot row already times)",
@@ -219,7 +231,8 @@ MoEFn = Callable[..., jax.Array]
 
 
 RECIPES = ("native", "fp8")
-MOK_IMPLS = ("moe", "moe_xla")
+MOK_IMPLS = ("moe", "moe_xla", "moe_chain", "moe_persistent")
+PERSISTENT_MODES = {"moe_chain": "OFF", "moe_persistent": "ALWAYS"}
 
 
 def _recipes(text: str) -> tuple[str, ...]:
@@ -241,7 +254,7 @@ def resolve_impl(name: str) -> tuple[MoEFn | None, str | None]:
             moe = mok_jax.moe
         except Exception as err:  # pylint: disable=broad-except
             return None, f"mok_jax.moe not importable: {type(err).__name__}: {err}"
-        return (moe if name == "moe" else functools.partial(moe, backend="xla")), None
+        return (functools.partial(moe, backend="xla") if name == "moe_xla" else moe), None
     if name == "ragged_dot":
         return baselines.ragged_dot_moe, None
     if name == "dense_onehot":
@@ -465,27 +478,48 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
     fn = with_recipe(fn, impl, recipe)
     if impl == "tokamax":
         record["note"] = baselines.tokamax_available()[1] or None
-    try:
-        step, names = build_step(fn, pass_name)
-        args = [inputs[n] for n in names]
-        compile_s, times_ms, compiled = time_step(step, args, warmup=warmup,
-                                                  repeats=repeats)
-    except Exception as err:  # pylint: disable=broad-except
-        # An OOM or an unsupported shape in one pipeline must not end the run.
-        record.update(status="error", error=error_string(err))
-        if verbose:
-            traceback.print_exc()
-        return record
-    if reference is not None:
+    with persistent_forward(PERSISTENT_MODES.get(impl, "AUTO")):
         try:
-            got = jax.tree_util.tree_leaves(compiled(*args))
-            record["rel_err"] = relative_errors(pass_name, got, reference)
-            del got
+            step, names = build_step(fn, pass_name)
+            args = [inputs[n] for n in names]
+            compile_s, times_ms, compiled = time_step(step, args, warmup=warmup,
+                                                      repeats=repeats)
         except Exception as err:  # pylint: disable=broad-except
-            record["check_error"] = error_string(err)
+            # An OOM or an unsupported shape in one pipeline must not end the run.
+            record.update(status="error", error=error_string(err))
             if verbose:
                 traceback.print_exc()
+            return record
+        if reference is not None:
+            try:
+                got = jax.tree_util.tree_leaves(compiled(*args))
+                record["rel_err"] = relative_errors(pass_name, got, reference)
+                del got
+            except Exception as err:  # pylint: disable=broad-except
+                record["check_error"] = error_string(err)
+                if verbose:
+                    traceback.print_exc()
     return finish_record(record, times_ms, compile_s)
+
+
+@contextlib.contextmanager
+def persistent_forward(mode: str):
+    """The persistent forward of mok_jax's CUDA handlers in `mode` ("OFF", "AUTO",
+    their default, or "ALWAYS") while the block runs; nothing where the build has
+    none."""
+    try:
+        from mok_jax import _mok  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        _mok = None
+    setter = getattr(_mok, "set_persistent_forward", None)
+    if setter is None:
+        yield
+        return
+    previous = setter(getattr(_mok.PersistentMode, mode))
+    try:
+        yield
+    finally:
+        setter(previous)
 
 
 def ep_mesh(ep_size: int):

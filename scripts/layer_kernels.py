@@ -114,6 +114,10 @@ def main(argv=None) -> int:
                              "default: the bench's routing, about even")
     parser.add_argument("--hot-expert", type=int, default=0, metavar="N",
                         help="with --load-max: expert N takes that load instead of expert 0")
+    parser.add_argument("--persistent", choices=("OFF", "AUTO", "ALWAYS"), default="AUTO",
+                        help="when the forward runs as the persistent kernel: never (the "
+                             "kernel chain), where mok_jax picks it (default), or wherever "
+                             "it can")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes if s not in bench.FULL_SHAPES]
     if unknown:
@@ -142,7 +146,8 @@ def main(argv=None) -> int:
         if shape.name in skewed:
             inputs["expert_ids"] = jax.numpy.asarray(skewed[shape.name])
         for pass_name in passes:
-            with tempfile.TemporaryDirectory() as trace_dir:
+            with tempfile.TemporaryDirectory() as trace_dir, \
+                    bench.persistent_forward(args.persistent):
                 ops = profile_pass(inputs, pass_name, calls=args.calls, warmup=args.warmup,
                                    trace_dir=trace_dir, recipe=args.recipe)
             text, names = kernel_table(ops, args.calls)
@@ -151,7 +156,7 @@ def main(argv=None) -> int:
                        else f", expert {args.hot_expert} at {args.load_max:g}x the mean")
             print(f"## {shape.name} (T {shape.tokens}, K {shape.top_k}, E {shape.experts}, "
                   f"H {shape.hidden}, F {shape.ffn}){routing}, {args.dtype}, recipe "
-                  f"{args.recipe}, {pass_name} on "
+                  f"{args.recipe}, persistent forward {args.persistent}, {pass_name} on "
                   f"{jax.devices()[0].device_kind}\n{text}\n", flush=True)
     for name, kernel in legend.items():
         if name != kernel:

@@ -6,6 +6,7 @@
 #include "workspace.h"
 #include "expert_ffn_cuda.h"
 #include "moe_elementwise.h"
+#include "moe_persistent.h"
 #include "routing.h"
 
 namespace mok::cuda {
@@ -15,6 +16,19 @@ size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 ExpertFfnShape ffn_shape(const MoeShape& s) {
   return {s.tokens * s.top_k, s.experts, s.hidden, s.ffn};
+}
+
+// The one place that chooses how the forward runs after the routing plan: the
+// persistent kernel (moe_persistent.h) where it takes the call, else the kernel
+// chain (gather, expert FFN, combine). Both give the same bits.
+// (The persistent kernel exists in sm_90a builds only.)
+bool use_persistent_forward(const MoeShape& s, Recipe recipe, DType dt) {
+#ifdef MOK_HAVE_SM90A
+  return persistent_forward_supported(s, recipe, dt);
+#else
+  static_cast<void>(s), static_cast<void>(recipe), static_cast<void>(dt);
+  return false;
+#endif
 }
 
 // The layer's own buffers around the expert FFN, which takes its scratch after them.
@@ -36,6 +50,14 @@ ForwardBuffers carve_forward(void* ws, const MoeShape& s, Recipe recipe, DType d
   ForwardBuffers b{};
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
+#ifdef MOK_HAVE_SM90A
+  if (use_persistent_forward(s, recipe, dt)) {
+    b.ffn_scratch_bytes = persistent_forward_workspace_bytes(s);
+    b.ffn_scratch = c.take(b.ffn_scratch_bytes);
+    *total = c.used();
+    return b;
+  }
+#endif
   if (!save_gate_up) b.x_rows = c.take(pairs * s.hidden * eb);
   b.out_rows = c.take(pairs * s.hidden * eb);
   b.ffn_scratch_bytes = expert_ffn_forward_rows_bytes(ffn_shape(s), recipe, dt);
@@ -91,6 +113,19 @@ std::string moe_forward(const MoeForwardArgs& a, void* x_rows_out, void* workspa
   if (x_rows_out != nullptr) b.x_rows = x_rows_out;  // saved for the backward
   const int64_t* num_rows = b.plan.expert_begin + E;  // kept rows, on the device
 
+#ifdef MOK_HAVE_SM90A
+  if (use_persistent_forward(a.shape, a.recipe, a.x_dtype)) {
+    MOK_RETURN_IF_MESSAGE(persistent_forward_prepare(a.shape, b.ffn_scratch,
+                                                     b.ffn_scratch_bytes, stream));
+    MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan,
+                                             a.tokens_per_expert, a.dropped, a.invalid, stream));
+    const PersistentForwardArgs p{a.shape,       a.weight_dtype,     a.x,
+                                  a.expert_weights, a.w_gate_up,     a.w_down,
+                                  b.plan.expert_begin, b.plan.row_pair, b.plan.pair_row,
+                                  x_rows_out,    a.gate_up_out,      a.y};
+    return persistent_forward(p, b.ffn_scratch, b.ffn_scratch_bytes, stream);
+  }
+#endif
   MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan,
                                            a.tokens_per_expert, a.dropped, a.invalid, stream));
   MOK_RETURN_IF_MESSAGE(gather_token_rows(a.x_dtype, a.x, b.plan.row_pair, num_rows, pairs, K, H,

@@ -1,0 +1,75 @@
+// The MoE forward after the routing plan as one persistent kernel (sm_90a, bf16,
+// the native recipe): gather, GEMM1 with SwiGLU, GEMM2 and the ordered combine in
+// one launch, with the same bits as the kernel chain (moe_cuda.cu).
+//
+// One CTA per SM (two consumer warp groups, cp.async stages feeding wgmma) takes
+// numbered tasks from a ticket counter, lowest first:
+//   GEMM1 tasks (64 rows of one expert x 128 F columns): the rows are loaded
+//     straight from x by their tokens (no gathered copy, unless the backward keeps
+//     one); gate and up in f32, SwiGLU on the accumulators, h rows to scratch;
+//     then h_ready[row block] += 1.
+//   GEMM2 tasks (64 rows x 256 H columns): wait for h_ready[row block] to reach the
+//     number of GEMM1 column tiles, then h @ W_down to the expert-output rows;
+//     then gemm2_done += 1.
+//   combine tasks (32 tokens): wait for every GEMM2 task, then each token's K rows
+//     summed over k ascending in f32 and rounded once.
+// A task only waits for tasks of lower numbers, and every CTA is resident (one per
+// SM, a cooperative launch), so the lowest unfinished task can always run: no
+// deadlock. Counters pick which CTA computes a tile, never what is summed or in
+// which order: each output element is reduced by one CTA over K in order.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "mok/types.h"
+
+namespace mok::cuda {
+
+// When the persistent forward runs: never (the kernel chain), where it is the
+// faster one (the default: few rows per expert, where the GEMMs stream the
+// weights; docs/performance.md), or wherever it can.
+enum class PersistentMode : int { kOff = 0, kAuto = 1, kAlways = 2 };
+
+// Sets the mode for every later call in this process and returns the previous one.
+// All modes give the same bits: the switch exists so that tests and the benchmark
+// can compare the two paths.
+PersistentMode set_persistent_forward(PersistentMode mode);
+
+// Whether the persistent forward takes this call under the current mode (it can
+// where the build has sm_90a code, the device is compute capability 9.0, x and
+// the weights are bf16, the recipe is the native one, H and F are multiples of 8
+// and E <= 4096).
+bool persistent_forward_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
+
+// Its device scratch: h rows, expert-output rows and the task counters.
+size_t persistent_forward_workspace_bytes(const MoeShape& shape);
+
+struct PersistentForwardArgs {
+  MoeShape shape;
+  DType weight_dtype;            // of expert_weights (f32 or bf16)
+  const void* x;                 // [T, H] bf16
+  const void* expert_weights;    // [T, K]
+  const void* w_gate_up;         // [E, H, 2F]
+  const void* w_down;            // [E, F, H]
+  const int64_t* expert_begin;   // [E + 1] the routing plan's
+  const int32_t* row_pair;       // [T * K]
+  const int32_t* pair_row;       // [T * K]
+  void* x_rows_out;              // [T * K, H] the gathered x rows, or nullptr
+  void* gate_up_out;             // [T * K, 2F] round(gate, up), or nullptr
+  void* y;                       // [T, H]
+};
+
+// Zeroes the task counters in `workspace` (enqueued before the routing plan, so
+// that the pass after it is the one launch).
+std::string persistent_forward_prepare(const MoeShape& shape, void* workspace,
+                                       size_t workspace_bytes, cudaStream_t stream);
+
+// The launch; the routing plan must be enqueued before it on `stream`.
+std::string persistent_forward(const PersistentForwardArgs& args, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace mok::cuda

@@ -1,0 +1,149 @@
+"""The persistent forward (one kernel after the routing plan: gather, GEMM1 with
+SwiGLU, GEMM2, combine) gives the kernel chain's bits on the GPU.
+
+`_mok.set_persistent_forward(OFF)` makes the handlers run the chain (gather,
+grouped GEMMs, SwiGLU, combine as separate kernels), `ALWAYS` the persistent
+kernel wherever it can run (the default, `AUTO`, picks it for few rows per
+expert only); the results must be equal bit for bit, the residuals the backward
+reads included (so the gradients too).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mok_jax
+from mok_jax import _mok
+from mok_jax.reference import moe_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _problem(T, K, E, H, F, seed=0, skew=False, weight_dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (T, H), jnp.float32).astype(jnp.bfloat16)
+    logits = jax.random.normal(ks[1], (T, E))
+    if skew:  # most tokens prefer expert 0: ragged groups, some experts empty
+        logits = logits.at[:, 0].add(4.0).at[:, E // 2:].add(-8.0)
+    w, ids = jax.lax.top_k(jax.nn.softmax(logits), K)
+    wgu = (jax.random.normal(ks[2], (E, H, 2 * F)) * H**-0.5).astype(jnp.bfloat16)
+    wd = (jax.random.normal(ks[3], (E, F, H)) * F**-0.5).astype(jnp.bfloat16)
+    return x, ids.astype(jnp.int32), w.astype(weight_dtype), wgu, wd
+
+
+@pytest.fixture
+def persistent():
+    """run(fn, enabled): fn() with the persistent forward always (where it can run) or
+    never, the mode restored after."""
+    if not hasattr(_mok, "set_persistent_forward"):
+        pytest.fail("this build has no persistent forward (sm_90a kernels)")
+    modes = {True: _mok.PersistentMode.ALWAYS, False: _mok.PersistentMode.OFF}
+
+    def run(fn, enabled):
+        previous = _mok.set_persistent_forward(modes[enabled])
+        try:
+            return jax.block_until_ready(fn())
+        finally:
+            _mok.set_persistent_forward(previous)
+
+    return run
+
+
+def _forward_and_grads(x, ids, w, wgu, wd, **kw):
+    cot = jnp.cos(jnp.arange(x.shape[1], dtype=jnp.float32))
+
+    def loss(x, w, wgu, wd):
+        y, stats = mok_jax.moe(x, ids, w, wgu, wd, return_stats=True, **kw)
+        return jnp.sum(y.astype(jnp.float32) * cot), (y, stats)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+    return jax.jit(lambda: grad(x, w, wgu, wd))
+
+
+def _assert_same(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        u, v = np.atleast_1d(np.asarray(u)), np.atleast_1d(np.asarray(v))
+        np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8))
+
+
+def _check(persistent, args, **kw):
+    T, K = args[1].shape
+    E, H, F2 = args[3].shape
+    previous = _mok.set_persistent_forward(_mok.PersistentMode.ALWAYS)
+    try:
+        takes = _mok.persistent_forward_shape(T, K, E, H, F2 // 2)
+    finally:
+        _mok.set_persistent_forward(previous)
+    assert takes, "the persistent kernel does not take this shape"
+    fwd = lambda: mok_jax.moe(*args, return_stats=True, **kw)
+    step = _forward_and_grads(*args, **kw)
+    _assert_same(persistent(fwd, True), persistent(fwd, False))
+    _assert_same(persistent(step, True), persistent(step, False))
+    return persistent(fwd, True)
+
+
+SHAPES = [
+    (512, 4, 8, 256, 128),
+    (300, 2, 6, 128, 64),
+    (77, 3, 5, 40, 24),       # H and F below one 64-wide K block
+    (100, 2, 4, 136, 200),    # H and F not multiples of 64 (partial K blocks and columns)
+    (1, 1, 1, 8, 8),          # T = 1
+    (256, 8, 128, 2048, 768), # few tokens over many experts
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("skew", [False, True])
+def test_persistent_forward_gives_the_chain_bits(persistent, shape, skew):
+    args = _problem(*shape, seed=3, skew=skew)
+    y, stats = _check(persistent, args)
+    y_ref, stats_ref = moe_reference(*args, return_stats=True)
+    np.testing.assert_array_equal(stats.tokens_per_expert, stats_ref.tokens_per_expert)
+    a, b = np.asarray(y, np.float64), np.asarray(y_ref, np.float64)
+    assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0])
+def test_capacity_drops(persistent, capacity_factor):
+    args = _problem(640, 4, 16, 256, 192, seed=4, skew=True)
+    y, stats = _check(persistent, args, capacity_factor=capacity_factor)
+    assert int(stats.dropped) > 0
+
+
+def test_bf16_combine_weights(persistent):
+    _check(persistent, _problem(384, 4, 8, 192, 128, seed=5, weight_dtype=jnp.bfloat16))
+
+
+def test_one_expert_takes_every_row_and_invalid_ids(persistent):
+    x, ids, w, wgu, wd = _problem(400, 3, 6, 128, 96, seed=6)
+    ids = ids.at[:, 0].set(2)                                # expert 2: 400+ rows, 7 row blocks
+    ids = ids.at[::5, 1].set(-1).at[1::9, 2].set(6)          # invalid: nothing, no gradient
+    ids = ids.at[:, 1:].set(jnp.where(ids[:, 1:] == 2, 3, ids[:, 1:]))
+    y, stats = _check(persistent, (x, ids, w, wgu, wd))
+    assert int(stats.invalid) > 0
+    assert int(stats.tokens_per_expert[2]) == 400
+
+
+def test_every_pair_invalid_gives_zeros(persistent):
+    x, ids, w, wgu, wd = _problem(64, 2, 4, 64, 64, seed=7)
+    ids = jnp.full_like(ids, 9)
+    y, _ = _check(persistent, (x, ids, w, wgu, wd))
+    assert not np.any(np.asarray(y, np.float32))
+
+
+def test_auto_mode_takes_few_rows_per_expert_only():
+    assert _mok.set_persistent_forward(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
+    assert _mok.persistent_forward_shape(256, 8, 128, 2048, 768)        # 16 rows per expert
+    assert _mok.persistent_forward_shape(512, 8, 128, 2048, 768)        # 32
+    assert not _mok.persistent_forward_shape(1024, 8, 128, 2048, 768)   # 64
+    assert not _mok.persistent_forward_shape(256, 8, 128, 2048, 764)    # F % 8 != 0
+    assert not _mok.persistent_forward_shape(256, 8, 5000, 2048, 768)   # E > 4096
+
+
+def test_bitwise_deterministic_over_20_runs(persistent):
+    args = _problem(2048, 8, 64, 512, 256, seed=8, skew=True)
+    fwd = jax.jit(lambda *a: mok_jax.moe(*a))
+    first = np.asarray(persistent(lambda: fwd(*args), True))
+    for _ in range(19):
+        np.testing.assert_array_equal(np.asarray(persistent(lambda: fwd(*args), True)), first)

@@ -2,7 +2,7 @@
 compute-sanitizer (scripts/gpu_ci.sh).
 
 Covers both GEMM paths (tensor-core sizes and odd sizes), GEMM1 with SwiGLU in its
-epilogue (the last two shapes, on sm_90a), capacity drops,
+epilogue (on sm_90a), the persistent forward (forced on, sm_90a), capacity drops,
 invalid ids and an empty expert, so memcheck sees every kernel; then the fused
 residual add + RMSNorm on rows of every team width, with row counts that end a
 scale-gradient group part way.
@@ -56,6 +56,13 @@ if __name__ == "__main__":
     assert _mok.swiglu_epilogue_shape(4, 16, 128, 300 * 2)
     run(512, 4, 4, 64, 256, jnp.bfloat16, None)
     run(300, 2, 4, 16, 128, jnp.bfloat16, 0.75)
+    if hasattr(_mok, "set_persistent_forward"):  # one kernel after the routing plan
+        previous = _mok.set_persistent_forward(_mok.PersistentMode.ALWAYS)
+        assert _mok.persistent_forward_shape(100, 2, 4, 136, 200)
+        run(200, 2, 6, 128, 64, jnp.bfloat16, None)
+        run(100, 2, 4, 136, 200, jnp.bfloat16, 0.5)
+        run(3, 2, 3, 8, 8, jnp.bfloat16, None)
+        _mok.set_persistent_forward(previous)
     for rows, dim, dtype in ((37, 1024, jnp.bfloat16), (5, 2056, jnp.bfloat16),
                              (9, 4096, jnp.bfloat16), (6, 8192, jnp.bfloat16),
                              (17, 16384, jnp.bfloat16), (3, 8, jnp.bfloat16),

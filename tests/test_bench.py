@@ -121,6 +121,17 @@ def test_tokamax_available_reports_reason():
         assert record["status"] == "unavailable" and "tokamax" in record["error"]
 
 
+@pytest.mark.parametrize("impl", ["moe_chain", "moe_persistent"])
+def test_persistent_forward_rows_need_a_gpu_and_restore_the_mode(impl):
+    record = bench.bench_one(bench.QUICK_SHAPES["ep"], impl, "fwd", {}, dtype_name="bf16",
+                             warmup=0, repeats=1)
+    if jax.default_backend() == "cpu":  # the switch is a CUDA kernel's: not attempted
+        assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
+    from mok_jax import _mok
+    if hasattr(_mok, "set_persistent_forward"):  # the default mode is back
+        assert _mok.set_persistent_forward(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
+
+
 def test_gemm_flops():
     shape = bench.FULL_SHAPES["small-experts"]
     assert shape.gemm_flops("fwd") == 6 * 16384 * 8 * 2048 * 768

@@ -21,15 +21,12 @@ ExpertFfnShape ffn_shape(const MoeShape& s) {
 // The one place that chooses how the forward runs after the routing plan: the
 // persistent kernel (moe_persistent.h) where it takes the call, else the kernel
 // chain (gather, expert FFN, combine). Both give the same bits.
-// (The persistent kernel exists in sm_90a builds only.)
-bool use_persistent_forward(const MoeShape& s, Recipe recipe, DType dt) {
+// (The persistent kernel exists in sm_90a builds only; elsewhere the chain runs.)
 #ifdef MOK_HAVE_SM90A
+bool use_persistent_forward(const MoeShape& s, Recipe recipe, DType dt) {
   return persistent_forward_supported(s, recipe, dt);
-#else
-  static_cast<void>(s), static_cast<void>(recipe), static_cast<void>(dt);
-  return false;
-#endif
 }
+#endif
 
 // The layer's own buffers around the expert FFN, which takes its scratch after them.
 struct ForwardBuffers {

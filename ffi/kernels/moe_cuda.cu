@@ -31,6 +31,7 @@ bool use_persistent_forward(const MoeShape& s, Recipe recipe, DType dt) {
 // The layer's own buffers around the expert FFN, which takes its scratch after them.
 struct ForwardBuffers {
   RoutingPlanDevice plan;
+  bool persistent;  // the pass is the persistent kernel (decided once, by the carve)
   void* x_rows;    // [R, H], or nullptr when saved (the x_rows result buffer holds them)
   void* out_rows;  // [R, H]
   void* ffn_scratch;
@@ -49,6 +50,7 @@ ForwardBuffers carve_forward(void* ws, const MoeShape& s, Recipe recipe, DType d
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
 #ifdef MOK_HAVE_SM90A
   if (use_persistent_forward(s, recipe, dt)) {
+    b.persistent = true;
     b.ffn_scratch_bytes = persistent_forward_workspace_bytes(s);
     b.ffn_scratch = c.take(b.ffn_scratch_bytes);
     *total = c.used();
@@ -111,7 +113,7 @@ std::string moe_forward(const MoeForwardArgs& a, void* x_rows_out, void* workspa
   const int64_t* num_rows = b.plan.expert_begin + E;  // kept rows, on the device
 
 #ifdef MOK_HAVE_SM90A
-  if (use_persistent_forward(a.shape, a.recipe, a.x_dtype)) {
+  if (b.persistent) {
     MOK_RETURN_IF_MESSAGE(persistent_forward_prepare(a.shape, b.ffn_scratch,
                                                      b.ffn_scratch_bytes, stream));
     MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan,

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "cuda_check.h"
+#include "device_info.h"
 #include "fp8_quant.h"
 #include "moe_elementwise.h"
 #include "workspace.h"
@@ -12,25 +13,6 @@
 
 namespace mok::cuda {
 namespace {
-
-struct DeviceSms {
-  int device = 0;
-  int sm_count = 0;
-  int cc = 0;
-};
-
-std::string device_sms(DeviceSms* d) {
-  MOK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&d->device));
-  int major = 0, minor = 0;
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&d->sm_count, cudaDevAttrMultiProcessorCount, d->device));
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d->device));
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d->device));
-  d->cc = major * 10 + minor;
-  return {};
-}
 
 // The padded sizes: every 128-block of K starts 128-aligned (per gate/up half).
 struct Dims {
@@ -42,8 +24,8 @@ struct Dims {
 
 size_t gemm_workspace_bytes(int64_t experts, bool wgrad) {
 #ifdef MOK_HAVE_SM90A
-  DeviceSms d;
-  if (!device_sms(&d).empty()) return 0;
+  DeviceInfo d;
+  if (!current_device_info(&d).empty()) return 0;
   size_t bytes = std::max(fp8_grouped::rows_f32_workspace_bytes(experts, d.device, d.sm_count),
                           fp8_grouped::rows_bf16_workspace_bytes(experts, d.device, d.sm_count));
   if (wgrad) {
@@ -228,8 +210,8 @@ std::string fp8_supported(const ExpertFfnShape& s, DType dtype) {
            dtype_name(dtype);
   }
 #ifdef MOK_HAVE_SM90A
-  DeviceSms d;
-  MOK_RETURN_IF_MESSAGE(device_sms(&d));
+  DeviceInfo d;
+  MOK_RETURN_IF_MESSAGE(current_device_info(&d));
   if (d.cc != 90) return "recipe fp8 has CUDA kernels for sm_90a (Hopper) only";
   // 16-byte rows of the bf16 and f32 results (TMA stores): H % 8, F % 4.
   if (s.hidden % 8 != 0 || s.ffn % 4 != 0 || s.hidden == 0 || s.ffn == 0) {
@@ -266,8 +248,8 @@ std::string expert_ffn_forward_rows_fp8(const ExpertFfnShape& s, const ExpertGro
   const Dims d(s);
   Carver c(scratch);
   const ForwardScratch b = carve_forward(c, d);
-  DeviceSms dev;
-  MOK_RETURN_IF_MESSAGE(device_sms(&dev));
+  DeviceInfo dev;
+  MOK_RETURN_IF_MESSAGE(current_device_info(&dev));
   const int64_t* num_rows = g.expert_begin + d.E;
 
   // Weights, once per call, as the forward's B operands (W^T, K-major).
@@ -321,8 +303,8 @@ std::string expert_ffn_backward_rows_fp8(const ExpertFfnShape& s, const ExpertGr
   const Dims d(s);
   Carver c(scratch);
   const BackwardScratch b = carve_backward(c, d);
-  DeviceSms dev;
-  MOK_RETURN_IF_MESSAGE(device_sms(&dev));
+  DeviceInfo dev;
+  MOK_RETURN_IF_MESSAGE(current_device_info(&dev));
   const int64_t* num_rows = g.expert_begin + d.E;
 
   if (d.R > 0) {

@@ -5,6 +5,7 @@
 #include <atomic>
 
 #include "cuda_check.h"
+#include "device_info.h"
 #include "gemm_simt.cuh"
 #include "gemm_tc.h"
 #include "moe_elementwise.h"
@@ -14,25 +15,6 @@ namespace mok::cuda {
 namespace {
 
 namespace tc = cutlass_grouped;
-
-struct DeviceInfo {
-  int device = 0;
-  int sm_count = 0;
-  int cc = 0;  // major * 10 + minor
-};
-
-std::string device_info(DeviceInfo* info) {
-  MOK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&info->device));
-  int major = 0, minor = 0;
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&info->sm_count, cudaDevAttrMultiProcessorCount, info->device));
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, info->device));
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, info->device));
-  info->cc = major * 10 + minor;
-  return {};
-}
 
 // The sm_90a kernels run on compute capability 9.0 exactly.
 bool tensor_core_device(int cc) {
@@ -65,7 +47,7 @@ bool weight_grad_uses_tensor_cores(const WeightGradGemm& p, int cc) {
 size_t grouped_gemm_workspace_bytes(int64_t experts) {
 #ifdef MOK_HAVE_SM90A
   DeviceInfo info;
-  if (!device_info(&info).empty() || !tensor_core_device(info.cc)) return 0;
+  if (!current_device_info(&info).empty() || !tensor_core_device(info.cc)) return 0;
   return std::max({tc::rows_bf16_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_f32_workspace_bytes(experts, info.device, info.sm_count),
                    tc::rows_t_bf16_workspace_bytes(experts, info.device, info.sm_count),
@@ -82,7 +64,7 @@ size_t grouped_gemm_workspace_bytes(int64_t experts) {
 std::string run_rows_gemm(const RowsGemm& p, const int64_t* simt_tile_begin, void* workspace,
                           size_t workspace_bytes, cudaStream_t stream) {
   DeviceInfo info;
-  MOK_RETURN_IF_MESSAGE(device_info(&info));
+  MOK_RETURN_IF_MESSAGE(current_device_info(&info));
   if (!rows_gemm_uses_tensor_cores(p, info.cc) || p.max_rows == 0 || p.n == 0) {
     return run_rows_gemm_simt(p, simt_tile_begin, stream);
   }
@@ -121,7 +103,7 @@ std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* worksp
   const auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   if (!aligned16(p.h) || (p.gate_up_out != nullptr && !aligned16(p.gate_up_out))) return {};
   DeviceInfo info;
-  MOK_RETURN_IF_MESSAGE(device_info(&info));
+  MOK_RETURN_IF_MESSAGE(current_device_info(&info));
   if (!tensor_core_device(info.cc)) return {};
 #ifdef MOK_HAVE_SM90A
   MOK_RETURN_IF_MESSAGE(
@@ -141,7 +123,7 @@ std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* worksp
 std::string run_weight_grad_gemm(const WeightGradGemm& p, void* workspace,
                                  size_t workspace_bytes, cudaStream_t stream) {
   DeviceInfo info;
-  MOK_RETURN_IF_MESSAGE(device_info(&info));
+  MOK_RETURN_IF_MESSAGE(current_device_info(&info));
   if (!weight_grad_uses_tensor_cores(p, info.cc) || p.m == 0 || p.n == 0) {
     return run_weight_grad_gemm_simt(p, stream);
   }
@@ -159,7 +141,7 @@ std::string run_weight_grad_gemm(const WeightGradGemm& p, void* workspace,
 std::string run_weight_grad_gemms(const WeightGradGemm& p, const WeightGradGemm& q,
                                   void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   DeviceInfo info;
-  MOK_RETURN_IF_MESSAGE(device_info(&info));
+  MOK_RETURN_IF_MESSAGE(current_device_info(&info));
   const bool together = p.experts == q.experts && p.expert_begin == q.expert_begin &&
                         p.dtype == q.dtype && weight_grad_uses_tensor_cores(p, info.cc) &&
                         weight_grad_uses_tensor_cores(q, info.cc);

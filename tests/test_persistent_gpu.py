@@ -135,8 +135,9 @@ def test_every_pair_invalid_gives_zeros(persistent):
 def test_auto_mode_takes_few_rows_per_expert_only():
     assert _mok.set_persistent_forward(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
     assert _mok.persistent_forward_shape(256, 8, 128, 2048, 768)        # 16 rows per expert
-    assert _mok.persistent_forward_shape(512, 8, 128, 2048, 768)        # 32
-    assert not _mok.persistent_forward_shape(1024, 8, 128, 2048, 768)   # 64
+    assert _mok.persistent_forward_shape(1024, 8, 128, 2048, 768)       # 64
+    assert not _mok.persistent_forward_shape(1025, 8, 128, 2048, 768)   # just over 64
+    assert not _mok.persistent_forward_shape(2048, 8, 128, 2048, 768)   # 128
     assert not _mok.persistent_forward_shape(256, 8, 128, 2048, 764)    # F % 8 != 0
     assert not _mok.persistent_forward_shape(256, 8, 5000, 2048, 768)   # E > 4096
 

@@ -5,10 +5,14 @@
 #include <cub/block/block_scan.cuh>
 
 #include "cuda_check.h"
+#include "device_info.h"
 #include "cute/arch/copy_sm80.hpp"
 #include "cute/atom/mma_atom.hpp"
 #include "cute/tensor.hpp"
+// after cute/tensor.hpp, which declares what the TMA traits build on
+#include "cute/atom/copy_traits_sm90_tma.hpp"
 #include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/numeric_types.h"
 #include "mok/bf16.h"
 #include "workspace.h"
@@ -19,46 +23,79 @@ namespace {
 using namespace cute;
 using Elem = cutlass::bfloat16_t;
 
-constexpr int kThreads = 256;         // two warp groups
+constexpr int kProducerThreads = 128;  // warp group 0: the loads
+constexpr int kConsumerThreads = 256;  // warp groups 1 and 2: wgmma, epilogues, combine
+constexpr int kThreads = kProducerThreads + kConsumerThreads;
+constexpr int kProducerRegs = 40;      // setmaxnreg: 128 x 40 + 256 x 232 <= 64K
+constexpr int kConsumerRegs = 232;
+constexpr int kTaskSlots = 2;          // tasks handed from the producer, not yet taken
 constexpr int kBlockRows = 64;        // rows per GEMM task (one wgmma M)
 constexpr int kBlockK = 64;           // K per pipeline stage (one 128-byte swizzle row)
 constexpr int kStages = 5;
 constexpr int kGemm1Cols = 128;       // F columns per GEMM1 task (gate and up each)
+constexpr int kSlabCols = 64;         // B columns per TMA box (one 128-byte swizzle row)
 constexpr int kGemm2Cols = 256;       // H columns per GEMM2 task
 constexpr int kStageCols = 256;       // B columns per stage in both GEMMs
-constexpr int kCombineTokens = 32;    // tokens per combine task (4 per warp)
+constexpr int kCombineTokens = 8;     // tokens per combine task (one per warp)
 constexpr int64_t kMaxExperts = 4096;  // the row-block prefix sums live in shared memory
 // Auto mode: the persistent kernel where experts average at most this many rows
 // (its 64-row tiles stream the weights; with more rows the chain's CUTLASS GEMMs,
-// 128x256 tiles with TMA and warp specialisation, are faster).
-constexpr int64_t kAutoRowsPerExpert = 32;
+// 128x256 tiles with warp specialisation, are faster: docs/performance.md).
+constexpr int64_t kAutoRowsPerExpert = 64;
 
 // Shared-memory tiles: A K-major, B (the weights, [K, N] row-major) N-major, both
 // with 128-byte swizzle, as wgmma reads them.
 using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
                                        Shape<Int<kBlockRows>, Int<kBlockK>>{}));
-using LayoutB1 = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                        Shape<Int<kGemm1Cols>, Int<kBlockK>>{}));
-using LayoutB2 = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                        Shape<Int<kGemm2Cols>, Int<kBlockK>>{}));
+// B's atoms (64 N x 8 K) K first: each 64-column slab of a stage is 64 K rows of
+// 128 bytes, one 8 KB TMA box. A stage is four slabs; GEMM1's are gate, up, gate,
+// up (columns f0..f0+63, then f0+64..f0+127), so each warp group's 128 columns
+// hold matching gate and up columns 64 apart, in the same thread's accumulators.
+using LayoutSlab = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
+                                          Shape<Int<kSlabCols>, Int<kBlockK>>{}, Step<_2, _1>{}));
+using LayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
+                                       Shape<Int<kStageCols>, Int<kBlockK>>{}, Step<_2, _1>{}));
 constexpr int kStageABytes = kBlockRows * kBlockK * 2;   // 8 KB
 constexpr int kStageBBytes = kStageCols * kBlockK * 2;   // 32 KB
 constexpr int kTileBytes = kStages * (kStageABytes + kStageBBytes);
 constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes
 
-// Two warp groups side by side along N: GEMM1 64 x 128 (each 64 gate and 64 up
-// columns), GEMM2 64 x 256.
-using Mma1 = decltype(make_tiled_mma(
-    SM90_64x64x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}, Layout<Shape<_1, _2, _1>>{}));
-using Mma2 = decltype(make_tiled_mma(
+// Two warp groups side by side along N, 64 x 128 each: a stage's 64 x 256 tile.
+using Mma = decltype(make_tiled_mma(
     SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}, Layout<Shape<_1, _2, _1>>{}));
 
+// The weights as the TMA loads see them. W_gate_up[e] is [H, 2F] row-major, viewed
+// as (F, H, 2, E): gate (2-mode 0) and up (1) are each bounded by F, so a tile
+// past column F reads zeros, not the other half. W_down[e] is [F, H]: (H, F, E).
+template <class Ptr>
+CUTE_HOST_DEVICE auto gate_up_view(Ptr w, int64_t H, int64_t F, int64_t E) {
+  return make_tensor(w, make_layout(make_shape(F, H, int64_t(2), E),
+                                    make_stride(Int<1>{}, 2 * F, F, 2 * F * H)));
+}
+template <class Ptr>
+CUTE_HOST_DEVICE auto down_view(Ptr w, int64_t H, int64_t F, int64_t E) {
+  return make_tensor(w, make_layout(make_shape(H, F, E), make_stride(Int<1>{}, H, F * H)));
+}
+using Tile1 = Shape<Int<kSlabCols>, Int<kBlockK>>;  // GEMM1: one slab per copy
+using Tile2 = Shape<Int<kGemm2Cols>, Int<kBlockK>>;
+auto make_tma1(const Elem* w, int64_t H, int64_t F, int64_t E) {
+  return make_tma_atom(SM90_TMA_LOAD{}, gate_up_view(make_gmem_ptr(w), H, F, E), LayoutSlab{},
+                       Tile1{});
+}
+auto make_tma2(const Elem* w, int64_t H, int64_t F, int64_t E) {
+  return make_tma_atom(SM90_TMA_LOAD{}, down_view(make_gmem_ptr(w), H, F, E), LayoutB{},
+                       Tile2{});
+}
+using Tma1 = decltype(make_tma1(nullptr, 0, 0, 0));
+using Tma2 = decltype(make_tma2(nullptr, 0, 0, 0));
+using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
 struct Params {
+  Tma1 tma1;  // the weight tiles, by TMA into the B stages
+  Tma2 tma2;
   int64_t tokens, top_k, experts, hidden, ffn;
   const Elem* x;
   const void* weights;
-  const Elem* w_gate_up;
-  const Elem* w_down;
   const int64_t* expert_begin;
   const int32_t* row_pair;
   const int32_t* pair_row;
@@ -78,24 +115,6 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
   return v;
 }
 
-// Every thread's global writes of the task done, then one release increment.
-__device__ __forceinline__ void signal(uint32_t* counter) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
-  }
-}
-
-// Returns when *counter >= target, for every thread of the CTA.
-__device__ __forceinline__ void wait_for(const uint32_t* counter, uint32_t target) {
-  if (threadIdx.x == 0) {
-    while (load_acquire(counter) < target) __nanosleep(64);
-    __threadfence();
-  }
-  __syncthreads();
-}
-
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
@@ -103,54 +122,34 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
                "r"(bytes)
                : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 __device__ __forceinline__ Elem to_elem(float f) {
   return Elem::bitcast(float_to_bf16(f).bits);
 }
 
-// The stage tiles of the shared-memory buffer.
-struct Tiles {
-  char* base;
-  __device__ Elem* a(int stage) const {
-    return reinterpret_cast<Elem*>(base + stage * kStageABytes);
-  }
-  __device__ Elem* b(int stage) const {
-    return reinterpret_cast<Elem*>(base + kStages * kStageABytes + stage * kStageBBytes);
+// Roles: warp group 0 loads (the producer), warp groups 1 and 2 compute (the
+// consumers). Named barriers (0 is __syncthreads):
+enum : uint32_t { kConsumerSync = 1, kProducerSync = 2 };
+__device__ __forceinline__ void consumer_sync() {
+  cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerSync);
+}
+__device__ __forceinline__ void producer_sync() {
+  cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerSync);
+}
+
+// A position in a ring of barriers: slot and the parity to wait for.
+template <int N>
+struct Ring {
+  int slot;
+  uint32_t phase;
+  __device__ void advance() {
+    if (++slot == N) {
+      slot = 0;
+      phase ^= 1u;
+    }
   }
 };
-
-// The K loop of one task: kStages - 1 stages in flight ahead of the wgmma that
-// reads the oldest. load(stage, kb) issues the cp.async of K block kb (every
-// thread its share); mma(stage, first) issues and waits for one K block's wgmmas.
-template <class Load, class Mma>
-__device__ __forceinline__ void k_loop(int k_blocks, Load&& load, Mma&& mma) {
-#pragma unroll 1
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_blocks) load(s, s);
-    cp_async_commit();
-  }
-#pragma unroll 1
-  for (int kb = 0; kb < k_blocks; ++kb) {
-    cp_async_wait<kStages - 2>();
-    cutlass::arch::fence_view_async_shared();  // cp.async writes -> wgmma reads
-    __syncthreads();  // every thread's stage kb landed; stage kb - 1 is free
-    const int next = kb + kStages - 1;
-    if (next < k_blocks) load(next % kStages, next);
-    cp_async_commit();
-    mma(kb % kStages, kb == 0);
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-}
 
 // Row block `block` (of all experts' 64-row blocks, in expert order): its expert,
 // first row and end row.
@@ -169,148 +168,187 @@ __device__ __forceinline__ RowBlock find_block(const int32_t* block_begin, int64
   return {lo, begin + (block - block_begin[lo]) * kBlockRows, expert_begin[lo + 1]};
 }
 
-__device__ void gemm1_task(const Params& p, const Tiles& t, const RowBlock& rb, int64_t col_tile) {
-  const int tid = threadIdx.x;
-  const int64_t H = p.hidden, F = p.ffn;
-  const int64_t f0 = col_tile * kGemm1Cols;
-  const int64_t valid_rows = rb.row_end - rb.row0;  // may exceed 64: rows past 64 are the next block's
+// A task as the producer hands it to the consumers.
+enum class Kind : int32_t { kGemm1, kGemm2, kCombine, kEnd };
+struct Task {
+  Kind kind;
+  int32_t tile;   // column tile (GEMM tasks), or combine task number
+  int64_t block;  // row block (GEMM tasks)
+  RowBlock rb;
+};
 
-  // The two A rows this thread loads (chunks tid and tid + 256 of 64 rows x 8).
-  const Elem* a_src[2];
-  bool a_valid[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int m = (tid + j * kThreads) >> 3;
-    a_valid[j] = m < valid_rows;
-    a_src[j] = a_valid[j] ? p.x + (p.row_pair[rb.row0 + m] / p.top_k) * H : p.x;
+// Shared-memory control: the stage barriers (full: the A chunks of every
+// producer thread and the B tile's bytes landed; empty: every consumer warp is
+// done reading) and the task mailbox.
+struct Control {
+  uint64_t full[kStages], empty[kStages];
+  uint64_t task_full[kTaskSlots], task_empty[kTaskSlots];
+  Task task[kTaskSlots];
+  int64_t ticket[2];  // the producer's claimed task numbers, by claim parity
+};
+
+__device__ __forceinline__ Elem* stage_a(char* tiles, int stage) {
+  return reinterpret_cast<Elem*>(tiles + stage * kStageABytes);
+}
+__device__ __forceinline__ Elem* stage_b(char* tiles, int stage) {
+  return reinterpret_cast<Elem*>(tiles + kStages * kStageABytes + stage * kStageBBytes);
+}
+
+// The numbered task list (every CTA computes the same).
+struct TaskList {
+  int64_t n1, n2, gemm1, gemm2, total;
+  __device__ TaskList(const Params& p, int32_t row_blocks) {
+    n1 = (p.ffn + kGemm1Cols - 1) / kGemm1Cols;
+    n2 = (p.hidden + kGemm2Cols - 1) / kGemm2Cols;
+    gemm1 = int64_t(row_blocks) * n1;
+    gemm2 = int64_t(row_blocks) * n2;
+    total = gemm1 + gemm2 + (p.tokens + kCombineTokens - 1) / kCombineTokens;
   }
-  // The backward's gathered x rows, written once per row block.
-  if (p.x_rows_out != nullptr && col_tile == 0) {
-    const int64_t rows = valid_rows < kBlockRows ? valid_rows : kBlockRows;
-    const int64_t chunks_per_row = H / 8;
-    for (int64_t c = tid; c < rows * chunks_per_row; c += kThreads) {
-      const int64_t m = c / chunks_per_row, k = (c % chunks_per_row) * 8;
-      const int64_t token = p.row_pair[rb.row0 + m] / p.top_k;
-      *reinterpret_cast<uint4*>(p.x_rows_out + (rb.row0 + m) * H + k) =
-          *reinterpret_cast<const uint4*>(p.x + token * H + k);
+};
+
+// ---- Producer: claims tasks in number order, waits for what each needs, hands it
+// to the consumers, then streams its K blocks through the stages (A rows by
+// cp.async from every producer thread, the weight tile by TMA from thread 0),
+// running ahead across task boundaries as far as the free stages allow.
+
+// The A rows of a row block one producer thread loads: 16-byte chunks ptid + 128 j
+// (j < 4) of a K block's 64 rows x 8 chunks.
+struct ARows {
+  const Elem* src[4];
+  bool valid[4];
+  template <class RowStart>
+  __device__ ARows(int ptid, const RowBlock& rb, const Elem* base, RowStart row_start) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int m = (ptid + j * kProducerThreads) >> 3;
+      valid[j] = m < rb.row_end - rb.row0;
+      src[j] = valid[j] ? row_start(m) : base;
     }
   }
-
-  const Elem* w = p.w_gate_up + rb.expert * H * 2 * F;
-  auto load = [&](int stage, int kb) {
-    const int64_t k0 = int64_t(kb) * kBlockK;
-    Tensor sA = make_tensor(make_smem_ptr(t.a(stage)), LayoutA{});
+  // cp.async of the K block at column k0 into the stage tile (zeros past the rows or K).
+  __device__ void load(int ptid, Elem* tile, int64_t k0, int64_t K, const Elem* base) const {
+    Tensor sA = make_tensor(make_smem_ptr(tile), LayoutA{});
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int c = tid + j * kThreads;
+    for (int j = 0; j < 4; ++j) {
+      const int c = ptid + j * kProducerThreads;
       const int m = c >> 3, kc = (c & 7) * 8;
-      const bool ok = a_valid[j] && k0 + kc < H;
-      cp_async_16(&sA(m, kc), ok ? a_src[j] + k0 + kc : p.x, ok);
+      const bool ok = valid[j] && k0 + kc < K;
+      cp_async_16(&sA(m, kc), ok ? src[j] + k0 + kc : base, ok);
     }
-    Tensor sG = make_tensor(make_smem_ptr(t.b(stage)), LayoutB1{});
-    Tensor sU = make_tensor(make_smem_ptr(t.b(stage) + kGemm1Cols * kBlockK), LayoutB1{});
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int c = tid + j * kThreads;
-      const int k = c >> 5, n = (c & 31) * 8;  // n < 128: gate, else up
-      const int nn = n & (kGemm1Cols - 1);
-      const bool ok = k0 + k < H && f0 + nn < F;
-      const int64_t col = (n < kGemm1Cols ? 0 : F) + f0 + nn;
-      const Elem* src = ok ? w + (k0 + k) * 2 * F + col : p.w_gate_up;
-      cp_async_16(n < kGemm1Cols ? &sG(nn, k) : &sU(nn, k), src, ok);
-    }
-  };
+  }
+};
 
-  Mma1 mma;
-  auto thr = mma.get_thread_slice(tid);
-  Tensor acc_g = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kGemm1Cols>>{});
-  Tensor acc_u = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kGemm1Cols>>{});
-  auto step = [&](int stage, bool first) {
-    Tensor sA = make_tensor(make_smem_ptr(t.a(stage)), LayoutA{});
-    Tensor sG = make_tensor(make_smem_ptr(t.b(stage)), LayoutB1{});
-    Tensor sU = make_tensor(make_smem_ptr(t.b(stage) + kGemm1Cols * kBlockK), LayoutB1{});
-    Tensor rA = thr.make_fragment_A(thr.partition_A(sA));
-    Tensor rG = thr.make_fragment_B(thr.partition_B(sG));
-    Tensor rU = thr.make_fragment_B(thr.partition_B(sU));
-    warpgroup_fence_operand(acc_g);
-    warpgroup_fence_operand(acc_u);
-    warpgroup_arrive();
-    mma.accumulate_ = first ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-#pragma unroll
-    for (int k = 0; k < size<2>(rA); ++k) {
-      cute::gemm(mma, rA(_, _, k), rG(_, _, k), acc_g);
-      cute::gemm(mma, rA(_, _, k), rU(_, _, k), acc_u);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_g);
-    warpgroup_fence_operand(acc_u);
-  };
-  k_loop(static_cast<int>((H + kBlockK - 1) / kBlockK), load, step);
+// Spins (one thread) until *counter >= target; then every producer thread may read
+// what the counted tasks wrote.
+__device__ __forceinline__ void producer_wait_for(int ptid, const uint32_t* counter,
+                                                  uint32_t target) {
+  if (ptid == 0) {
+    while (load_acquire(counter) < target) __nanosleep(64);
+    __threadfence();
+  }
+  producer_sync();
+}
 
-  // SwiGLU on the f32 accumulators: h = round(silu(g) u); the residual round(g, u).
-  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kGemm1Cols>>{}));
-  const int64_t rows = valid_rows < kBlockRows ? valid_rows : kBlockRows;
+__device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_t* block_begin,
+                        const TaskList& list) {
+  const int ptid = threadIdx.x;  // 0..127
+  Ring<kStages> st{0, 1u};       // the empty barriers: the first lap passes at once
+  Ring<kTaskSlots> mail{0, 1u};
+  Tensor mW1 = p.tma1.get_tma_tensor(make_shape(p.ffn, p.hidden, int64_t(2), p.experts));
+  Tensor mW2 = p.tma2.get_tma_tensor(make_shape(p.hidden, p.ffn, p.experts));
+  for (int claim = 0;; ++claim) {
+    if (ptid == 0) ctl.ticket[claim & 1] = atomicAdd(p.ticket, 1u);
+    producer_sync();
+    const int64_t t = ctl.ticket[claim & 1];
+    Task task{};
+    if (t < list.gemm1) {
+      task = {Kind::kGemm1, int32_t(t % list.n1), t / list.n1, {}};
+    } else if (t < list.gemm1 + list.gemm2) {
+      const int64_t i = t - list.gemm1;
+      task = {Kind::kGemm2, int32_t(i % list.n2), i / list.n2, {}};
+      producer_wait_for(ptid, p.h_ready + task.block, static_cast<uint32_t>(list.n1));
+    } else if (t < list.total) {
+      task = {Kind::kCombine, int32_t(t - list.gemm1 - list.gemm2), 0, {}};
+      producer_wait_for(ptid, p.gemm2_done, static_cast<uint32_t>(list.gemm2));
+    } else {
+      task.kind = Kind::kEnd;
+    }
+    if (task.kind == Kind::kGemm1 || task.kind == Kind::kGemm2) {
+      task.rb = find_block(block_begin, p.experts, p.expert_begin, task.block);
+    }
+    if (ptid == 0) {  // hand the task over
+      Barrier::wait(&ctl.task_empty[mail.slot], mail.phase);
+      ctl.task[mail.slot] = task;
+      Barrier::arrive(&ctl.task_full[mail.slot]);
+    }
+    mail.advance();
+    if (task.kind == Kind::kEnd) break;
+    if (task.kind == Kind::kCombine) continue;
+
+    const RowBlock& rb = task.rb;
+    const bool first = task.kind == Kind::kGemm1;
+    const int64_t K = first ? p.hidden : p.ffn;
+    const Elem* base = first ? p.x : p.h;
+    const ARows a = first ? ARows(ptid, rb, base, [&](int m) {
+                              return p.x + (p.row_pair[rb.row0 + m] / p.top_k) * p.hidden;
+                            })
+                          : ARows(ptid, rb, base, [&](int m) {
+                              return p.h + (rb.row0 + m) * p.ffn;
+                            });
+    const int k_blocks = static_cast<int>((K + kBlockK - 1) / kBlockK);
+#pragma unroll 1
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      Barrier::wait(&ctl.empty[st.slot], st.phase);
+      a.load(ptid, stage_a(tiles, st.slot), int64_t(kb) * kBlockK, K, base);
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
+      if (ptid == 0) {
+        // The whole B tile is expected (out-of-bounds parts included: TMA writes them as zeros).
+        Barrier::arrive_and_expect_tx(&ctl.full[st.slot], kStageBBytes);
+        Elem* b = stage_b(tiles, st.slot);
+        if (first) {
 #pragma unroll
-  for (int i = 0; i < size(acc_g); ++i) {
-    const int m = get<0>(coord(i));
-    const int64_t f = f0 + get<1>(coord(i));
-    if (m >= rows || f >= F) continue;
-    const int64_t r = rb.row0 + m;
-    const float g = acc_g(i), u = acc_u(i);
-    p.h[r * F + f] = to_elem(g * sigmoid(g) * u);
-    if (p.gate_up_out != nullptr) {
-      p.gate_up_out[r * 2 * F + f] = to_elem(g);
-      p.gate_up_out[r * 2 * F + F + f] = to_elem(u);
+          for (int j = 0; j < 4; ++j) {  // slab j: half j % 2 (gate, up), column block j / 2
+            Tensor g = local_tile(mW1(_, _, j % 2, rb.expert), Tile1{},
+                                  make_coord(task.tile * 2 + j / 2, kb));
+            Tensor sj = make_tensor(make_smem_ptr(b + j * kSlabCols * kBlockK), LayoutSlab{});
+            auto [tg, ts] = tma_partition(p.tma1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sj),
+                                          group_modes<0, 2>(g));
+            copy(p.tma1.with(ctl.full[st.slot]), tg, ts);
+          }
+        } else {
+          Tensor g = local_tile(mW2(_, _, rb.expert), Tile2{}, make_coord(task.tile, kb));
+          Tensor sb = make_tensor(make_smem_ptr(b), LayoutB{});
+          auto [tg, ts] = tma_partition(p.tma2, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
+                                        group_modes<0, 2>(g));
+          copy(p.tma2.with(ctl.full[st.slot]), tg, ts);
+        }
+      }
+      st.advance();
     }
   }
 }
 
-__device__ void gemm2_task(const Params& p, const Tiles& t, const RowBlock& rb, int64_t col_tile) {
-  const int tid = threadIdx.x;
-  const int64_t H = p.hidden, F = p.ffn;
-  const int64_t n0 = col_tile * kGemm2Cols;
-  const int64_t valid_rows = rb.row_end - rb.row0;
-  const Elem* a_src[2];
-  bool a_valid[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int m = (tid + j * kThreads) >> 3;
-    a_valid[j] = m < valid_rows;
-    a_src[j] = p.h + (a_valid[j] ? (rb.row0 + m) * F : 0);
-  }
-  const Elem* w = p.w_down + rb.expert * F * H;
-  auto load = [&](int stage, int kb) {
-    const int64_t k0 = int64_t(kb) * kBlockK;
-    Tensor sA = make_tensor(make_smem_ptr(t.a(stage)), LayoutA{});
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int c = tid + j * kThreads;
-      const int m = c >> 3, kc = (c & 7) * 8;
-      const bool ok = a_valid[j] && k0 + kc < F;
-      cp_async_16(&sA(m, kc), ok ? a_src[j] + k0 + kc : p.h, ok);
-    }
-    Tensor sB = make_tensor(make_smem_ptr(t.b(stage)), LayoutB2{});
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int c = tid + j * kThreads;
-      const int k = c >> 5, n = (c & 31) * 8;
-      const bool ok = k0 + k < F && n0 + n < H;
-      cp_async_16(&sB(n, k), ok ? w + (k0 + k) * H + n0 + n : p.w_down, ok);
-    }
-  };
-  Mma2 mma;
-  auto thr = mma.get_thread_slice(tid);
-  Tensor acc = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kGemm2Cols>>{});
-  auto step = [&](int stage, bool first) {
-    Tensor sA = make_tensor(make_smem_ptr(t.a(stage)), LayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(t.b(stage)), LayoutB2{});
+// ---- Consumers: two warp groups side by side along N (64 x 128 each of a 64 x
+// 256 stage tile), the epilogues from their accumulators, and the combine.
+
+// One K loop over the stages the producer fills, in the producer's order.
+__device__ __forceinline__ void mma_k_loop(Control& ctl, char* tiles, Ring<kStages>& st,
+                                           int k_blocks, decltype(partition_fragment_C(
+                                               Mma{}, Shape<Int<kBlockRows>, Int<kStageCols>>{}))& acc) {
+  const int ctid = threadIdx.x - kProducerThreads;
+  Mma mma;
+  auto thr = mma.get_thread_slice(ctid);
+#pragma unroll 1
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    Barrier::wait(&ctl.full[st.slot], st.phase);
+    cutlass::arch::fence_view_async_shared();  // cp.async writes -> wgmma reads
+    Tensor sA = make_tensor(make_smem_ptr(stage_a(tiles, st.slot)), LayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(stage_b(tiles, st.slot)), LayoutB{});
     Tensor rA = thr.make_fragment_A(thr.partition_A(sA));
     Tensor rB = thr.make_fragment_B(thr.partition_B(sB));
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
-    mma.accumulate_ = first ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    mma.accumulate_ = kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
 #pragma unroll
     for (int k = 0; k < size<2>(rA); ++k) {
       cute::gemm(mma, rA(_, _, k), rB(_, _, k), acc);
@@ -319,11 +357,71 @@ __device__ void gemm2_task(const Params& p, const Tiles& t, const RowBlock& rb, 
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-  };
-  k_loop(static_cast<int>((F + kBlockK - 1) / kBlockK), load, step);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) Barrier::arrive(&ctl.empty[st.slot]);
+    st.advance();
+  }
+}
 
-  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kGemm2Cols>>{}));
+// Every consumer thread's global writes of the task done, then one release increment.
+__device__ __forceinline__ void consumer_signal(uint32_t* counter) {
+  consumer_sync();
+  if (threadIdx.x == kProducerThreads) {
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+  }
+}
+
+__device__ void gemm1_epilogue(const Params& p, const Task& task, const auto& acc) {
+  const int ctid = threadIdx.x - kProducerThreads;
+  const RowBlock& rb = task.rb;
+  const int64_t F = p.ffn, H = p.hidden;
+  const int64_t valid_rows = rb.row_end - rb.row0;  // may exceed 64: rows past 64 are the next block's
   const int64_t rows = valid_rows < kBlockRows ? valid_rows : kBlockRows;
+  // The backward's gathered x rows, written once per row block.
+  if (p.x_rows_out != nullptr && task.tile == 0) {
+    const int64_t chunks_per_row = H / 8;
+    for (int64_t c = ctid; c < rows * chunks_per_row; c += kConsumerThreads) {
+      const int64_t m = c / chunks_per_row, k = (c % chunks_per_row) * 8;
+      const int64_t token = p.row_pair[rb.row0 + m] / p.top_k;
+      *reinterpret_cast<uint4*>(p.x_rows_out + (rb.row0 + m) * H + k) =
+          *reinterpret_cast<const uint4*>(p.x + token * H + k);
+    }
+  }
+  // SwiGLU on the f32 accumulators: h = round(silu(g) u); the residual round(g, u).
+  // A thread's accumulators are (2 x 2 x 16) of its warp group's 64 x 128: values
+  // 0..31 the 64 gate columns, values 32..63 the up columns 64 to their right.
+  static_assert(decltype(size(acc))::value == 64);
+  Mma mma;
+  auto thr = mma.get_thread_slice(ctid);
+  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kStageCols>>{}));
+  const int64_t f0 = int64_t(task.tile) * kGemm1Cols;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int m = get<0>(coord(i));
+    const int n = get<1>(coord(i));  // in [0, 64) or [128, 192): a gate column
+    const int64_t f = f0 + (n / 128) * kSlabCols + n % kSlabCols;
+    if (m >= rows || f >= F) continue;
+    const int64_t r = rb.row0 + m;
+    const float g = acc(i), u = acc(i + 32);
+    p.h[r * F + f] = to_elem(g * sigmoid(g) * u);
+    if (p.gate_up_out != nullptr) {
+      p.gate_up_out[r * 2 * F + f] = to_elem(g);
+      p.gate_up_out[r * 2 * F + F + f] = to_elem(u);
+    }
+  }
+}
+
+__device__ void gemm2_epilogue(const Params& p, const Task& task, const auto& acc) {
+  const int ctid = threadIdx.x - kProducerThreads;
+  const RowBlock& rb = task.rb;
+  const int64_t H = p.hidden;
+  const int64_t valid_rows = rb.row_end - rb.row0;
+  const int64_t rows = valid_rows < kBlockRows ? valid_rows : kBlockRows;
+  Mma mma;
+  auto thr = mma.get_thread_slice(ctid);
+  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kStageCols>>{}));
+  const int64_t n0 = int64_t(task.tile) * kGemm2Cols;
 #pragma unroll
   for (int i = 0; i < size(acc); ++i) {
     const int m = get<0>(coord(i));
@@ -335,11 +433,12 @@ __device__ void gemm2_task(const Params& p, const Tiles& t, const RowBlock& rb, 
 // One warp per token, k ascending, f32 sum rounded once (combine_rows' arithmetic).
 template <typename W>
 __device__ void combine_task(const Params& p, int64_t task) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ctid = threadIdx.x - kProducerThreads;
+  const int warp = ctid >> 5, lane = ctid & 31;
   const W* weights = static_cast<const W*>(p.weights);
   const int64_t H = p.hidden;
   const int64_t t_end = min(p.tokens, (task + 1) * kCombineTokens);
-  for (int64_t t = task * kCombineTokens + warp; t < t_end; t += kThreads / 32) {
+  for (int64_t t = task * kCombineTokens + warp; t < t_end; t += kConsumerThreads / 32) {
     for (int64_t c = int64_t(lane) * 8; c < H; c += 32 * 8) {
       float acc[8];
 #pragma unroll
@@ -364,13 +463,56 @@ __device__ void combine_task(const Params& p, int64_t task) {
 }
 
 template <typename W>
-__global__ void __launch_bounds__(kThreads, 1) moe_forward_persistent(Params p) {
+__device__ void consume(const Params& p, Control& ctl, char* tiles) {
+  Ring<kStages> st{0, 0u};
+  Ring<kTaskSlots> mail{0, 0u};
+  const int lane = threadIdx.x & 31;
+  Tensor acc = partition_fragment_C(Mma{}, Shape<Int<kBlockRows>, Int<kStageCols>>{});
+  for (;;) {
+    Barrier::wait(&ctl.task_full[mail.slot], mail.phase);
+    const Task task = ctl.task[mail.slot];
+    __syncwarp();
+    if (lane == 0) Barrier::arrive(&ctl.task_empty[mail.slot]);
+    mail.advance();
+    if (task.kind == Kind::kEnd) return;
+    if (task.kind == Kind::kCombine) {
+      combine_task<W>(p, task.tile);
+      continue;
+    }
+    const bool first = task.kind == Kind::kGemm1;
+    const int64_t K = first ? p.hidden : p.ffn;
+    mma_k_loop(ctl, tiles, st, static_cast<int>((K + kBlockK - 1) / kBlockK), acc);
+    if (first) {
+      gemm1_epilogue(p, task, acc);
+      consumer_signal(p.h_ready + task.block);
+    } else {
+      gemm2_epilogue(p, task, acc);
+      consumer_signal(p.gemm2_done);
+    }
+  }
+}
+
+template <typename W>
+__global__ void __launch_bounds__(kThreads, 1)
+    moe_forward_persistent(const __grid_constant__ Params p) {
   extern __shared__ char smem_raw[];
-  char* smem = reinterpret_cast<char*>(
+  char* tiles = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) & ~uintptr_t(kSmemAlign - 1));
-  const Tiles tiles{smem};
-  int32_t* block_begin = reinterpret_cast<int32_t*>(smem + kTileBytes);  // [E + 1]
-  __shared__ int64_t task_slot;
+  int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + kTileBytes);  // [E + 1]
+  __shared__ Control ctl;
+  if (threadIdx.x == 0) {
+    prefetch_tma_descriptor(p.tma1.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma2.get_tma_descriptor());
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&ctl.full[s], kProducerThreads + 1);  // cp.async arrivals + the TMA thread's
+      Barrier::init(&ctl.empty[s], kConsumerThreads / 32);
+    }
+    for (int s = 0; s < kTaskSlots; ++s) {
+      Barrier::init(&ctl.task_full[s], 1);
+      Barrier::init(&ctl.task_empty[s], kConsumerThreads / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
 
   // Row blocks per expert, prefix-summed (every CTA the same, from the plan).
   using Scan = cub::BlockScan<int32_t, kThreads>;
@@ -393,33 +535,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_forward_persistent(Params p) 
   if (threadIdx.x == 0) block_begin[E] = total_blocks;
   __syncthreads();
 
-  const int64_t n1 = (p.ffn + kGemm1Cols - 1) / kGemm1Cols;
-  const int64_t n2 = (p.hidden + kGemm2Cols - 1) / kGemm2Cols;
-  const int64_t gemm1_tasks = int64_t(total_blocks) * n1;
-  const int64_t gemm2_tasks = int64_t(total_blocks) * n2;
-  const int64_t combine_tasks = (p.tokens + kCombineTokens - 1) / kCombineTokens;
-  const int64_t tasks = gemm1_tasks + gemm2_tasks + combine_tasks;
-
-  for (;;) {
-    if (threadIdx.x == 0) task_slot = atomicAdd(p.ticket, 1u);
-    __syncthreads();
-    const int64_t task = task_slot;
-    __syncthreads();  // task_slot is rewritten next round
-    if (task >= tasks) break;
-    if (task < gemm1_tasks) {
-      const int64_t block = task / n1;
-      gemm1_task(p, tiles, find_block(block_begin, E, p.expert_begin, block), task % n1);
-      signal(p.h_ready + block);
-    } else if (task < gemm1_tasks + gemm2_tasks) {
-      const int64_t i = task - gemm1_tasks;
-      const int64_t block = i / n2;
-      wait_for(p.h_ready + block, static_cast<uint32_t>(n1));
-      gemm2_task(p, tiles, find_block(block_begin, E, p.expert_begin, block), i % n2);
-      signal(p.gemm2_done);
-    } else {
-      wait_for(p.gemm2_done, static_cast<uint32_t>(gemm2_tasks));
-      combine_task<W>(p, task - gemm1_tasks - gemm2_tasks);
-    }
+  const TaskList list(p, total_blocks);
+  if (threadIdx.x < kProducerThreads) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    produce(p, ctl, tiles, block_begin, list);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    consume<W>(p, ctl, tiles);
   }
 }
 
@@ -452,6 +574,17 @@ size_t dynamic_smem_bytes(int64_t experts) {
   return kTileBytes + kSmemAlign + (experts + 1) * sizeof(int32_t);
 }
 
+// Whether the driver wrote the descriptor: CuTe leaves it zero when
+// cuTensorMapEncodeTiled fails (and release builds do not stop there).
+template <class Tma>
+bool encoded(const Tma& tma) {
+  const auto* words = reinterpret_cast<const uint64_t*>(tma.get_tma_descriptor());
+  for (size_t i = 0; i < sizeof(TmaDescriptor) / sizeof(uint64_t); ++i) {
+    if (words[i] != 0) return true;
+  }
+  return false;
+}
+
 std::atomic<int> persistent_mode{static_cast<int>(PersistentMode::kAuto)};
 
 }  // namespace
@@ -472,13 +605,9 @@ bool persistent_forward_supported(const MoeShape& s, Recipe recipe, DType x_dtyp
   if (mode == PersistentMode::kAuto && s.tokens * s.top_k > kAutoRowsPerExpert * s.experts) {
     return false;
   }
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    return false;  // the chain reports the error
-  }
-  return major == 9 && minor == 0;
+  DeviceInfo info;
+  if (!current_device_info(&info).empty()) return false;  // the chain reports the error
+  return info.cc == 90;
 }
 
 size_t persistent_forward_workspace_bytes(const MoeShape& s) {
@@ -509,10 +638,19 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
   p.experts = s.experts;
   p.hidden = s.hidden;
   p.ffn = s.ffn;
+  // The TMA descriptors need 16-byte aligned bases and 16-byte strides (H and F are
+  // multiples of 8: persistent_forward_supported).
+  if (reinterpret_cast<uintptr_t>(a.w_gate_up) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(a.w_down) % 16 != 0) {
+    return "persistent MoE forward: the expert weights are not 16-byte aligned";
+  }
+  p.tma1 = make_tma1(static_cast<const Elem*>(a.w_gate_up), s.hidden, s.ffn, s.experts);
+  p.tma2 = make_tma2(static_cast<const Elem*>(a.w_down), s.hidden, s.ffn, s.experts);
+  if (!encoded(p.tma1) || !encoded(p.tma2)) {
+    return "persistent MoE forward: cuTensorMapEncodeTiled failed for the expert weights";
+  }
   p.x = static_cast<const Elem*>(a.x);
   p.weights = a.expert_weights;
-  p.w_gate_up = static_cast<const Elem*>(a.w_gate_up);
-  p.w_down = static_cast<const Elem*>(a.w_down);
   p.expert_begin = a.expert_begin;
   p.row_pair = a.row_pair;
   p.pair_row = a.pair_row;
@@ -525,16 +663,15 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
   p.gemm2_done = b.counters + max_row_blocks(s);
   p.ticket = p.gemm2_done + 1;
 
-  int device = 0, sms = 0;
-  MOK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MOK_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  DeviceInfo info;
+  MOK_RETURN_IF_MESSAGE(current_device_info(&info));
   const size_t smem = dynamic_smem_bytes(s.experts);
   auto kernel = a.weight_dtype == DType::kF32 ? moe_forward_persistent<float>
                                               : moe_forward_persistent<bf16>;
   MOK_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(sms));
+  config.gridDim = dim3(static_cast<unsigned>(info.sm_count));
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;

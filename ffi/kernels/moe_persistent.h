@@ -2,19 +2,23 @@
 // the native recipe): gather, GEMM1 with SwiGLU, GEMM2 and the ordered combine in
 // one launch, with the same bits as the kernel chain (moe_cuda.cu).
 //
-// One CTA per SM (two consumer warp groups, cp.async stages feeding wgmma) takes
-// numbered tasks from a ticket counter, lowest first:
+// One CTA per SM, three warp groups: a producer (claims numbered tasks from a
+// ticket counter, lowest first, waits for what each needs, hands it over through
+// a shared-memory mailbox, then streams its K blocks into five stages: A rows by
+// cp.async, weight tiles by TMA, running ahead across task boundaries) and two
+// consumers (wgmma from the stages, the epilogues, the combine):
 //   GEMM1 tasks (64 rows of one expert x 128 F columns): the rows are loaded
 //     straight from x by their tokens (no gathered copy, unless the backward keeps
 //     one); gate and up in f32, SwiGLU on the accumulators, h rows to scratch;
 //     then h_ready[row block] += 1.
-//   GEMM2 tasks (64 rows x 256 H columns): wait for h_ready[row block] to reach the
-//     number of GEMM1 column tiles, then h @ W_down to the expert-output rows;
-//     then gemm2_done += 1.
-//   combine tasks (32 tokens): wait for every GEMM2 task, then each token's K rows
-//     summed over k ascending in f32 and rounded once.
-// A task only waits for tasks of lower numbers, and every CTA is resident (one per
-// SM, a cooperative launch), so the lowest unfinished task can always run: no
+//   GEMM2 tasks (64 rows x 256 H columns): after h_ready[row block] reaches the
+//     number of GEMM1 column tiles, h @ W_down to the expert-output rows; then
+//     gemm2_done += 1.
+//   combine tasks (8 tokens): after every GEMM2 task, each token's K rows summed
+//     over k ascending in f32 and rounded once.
+// A task only waits for tasks of lower numbers, a CTA's producer has issued every
+// load of a task before it claims the next, and every CTA is resident (one per SM,
+// a cooperative launch), so the lowest unfinished task can always run: no
 // deadlock. Counters pick which CTA computes a tile, never what is summed or in
 // which order: each output element is reduced by one CTA over K in order.
 #pragma once
@@ -30,7 +34,7 @@
 namespace mok::cuda {
 
 // When the persistent forward runs: never (the kernel chain), where it is the
-// faster one (the default: few rows per expert, where the GEMMs stream the
+// faster one (the default: at most 64 rows per expert, where the GEMMs stream the
 // weights; docs/performance.md), or wherever it can.
 enum class PersistentMode : int { kOff = 0, kAuto = 1, kAlways = 2 };
 

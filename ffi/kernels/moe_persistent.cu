@@ -63,6 +63,8 @@ constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 byt
 // Two warp groups side by side along N, 64 x 128 each: a stage's 64 x 256 tile.
 using Mma = decltype(make_tiled_mma(
     SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}, Layout<Shape<_1, _2, _1>>{}));
+using StageTile = Shape<Int<kBlockRows>, Int<kStageCols>>;
+using Acc = decltype(partition_fragment_C(Mma{}, StageTile{}));  // a consumer thread's
 
 // The weights as the TMA loads see them. W_gate_up[e] is [H, 2F] row-major, viewed
 // as (F, H, 2, E): gate (2-mode 0) and up (1) are each bounded by F, so a tile
@@ -155,6 +157,8 @@ struct Ring {
 // first row and end row.
 struct RowBlock {
   int64_t expert, row0, row_end;
+  // Its rows (an expert's rows past the block's 64 are its next block's).
+  __device__ int64_t rows() const { return min(row_end - row0, int64_t(kBlockRows)); }
 };
 
 __device__ __forceinline__ RowBlock find_block(const int32_t* block_begin, int64_t experts,
@@ -221,7 +225,7 @@ struct ARows {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int m = (ptid + j * kProducerThreads) >> 3;
-      valid[j] = m < rb.row_end - rb.row0;
+      valid[j] = m < rb.row_end - rb.row0;  // m < 64
       src[j] = valid[j] ? row_start(m) : base;
     }
   }
@@ -333,8 +337,7 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
 
 // One K loop over the stages the producer fills, in the producer's order.
 __device__ __forceinline__ void mma_k_loop(Control& ctl, char* tiles, Ring<kStages>& st,
-                                           int k_blocks, decltype(partition_fragment_C(
-                                               Mma{}, Shape<Int<kBlockRows>, Int<kStageCols>>{}))& acc) {
+                                           int k_blocks, Acc& acc) {
   const int ctid = threadIdx.x - kProducerThreads;
   Mma mma;
   auto thr = mma.get_thread_slice(ctid);
@@ -372,12 +375,11 @@ __device__ __forceinline__ void consumer_signal(uint32_t* counter) {
   }
 }
 
-__device__ void gemm1_epilogue(const Params& p, const Task& task, const auto& acc) {
+__device__ void gemm1_epilogue(const Params& p, const Task& task, const Acc& acc) {
   const int ctid = threadIdx.x - kProducerThreads;
   const RowBlock& rb = task.rb;
   const int64_t F = p.ffn, H = p.hidden;
-  const int64_t valid_rows = rb.row_end - rb.row0;  // may exceed 64: rows past 64 are the next block's
-  const int64_t rows = valid_rows < kBlockRows ? valid_rows : kBlockRows;
+  const int64_t rows = rb.rows();
   // The backward's gathered x rows, written once per row block.
   if (p.x_rows_out != nullptr && task.tile == 0) {
     const int64_t chunks_per_row = H / 8;
@@ -394,7 +396,7 @@ __device__ void gemm1_epilogue(const Params& p, const Task& task, const auto& ac
   static_assert(decltype(size(acc))::value == 64);
   Mma mma;
   auto thr = mma.get_thread_slice(ctid);
-  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kStageCols>>{}));
+  Tensor coord = thr.partition_C(make_identity_tensor(StageTile{}));
   const int64_t f0 = int64_t(task.tile) * kGemm1Cols;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
@@ -412,15 +414,14 @@ __device__ void gemm1_epilogue(const Params& p, const Task& task, const auto& ac
   }
 }
 
-__device__ void gemm2_epilogue(const Params& p, const Task& task, const auto& acc) {
+__device__ void gemm2_epilogue(const Params& p, const Task& task, const Acc& acc) {
   const int ctid = threadIdx.x - kProducerThreads;
   const RowBlock& rb = task.rb;
   const int64_t H = p.hidden;
-  const int64_t valid_rows = rb.row_end - rb.row0;
-  const int64_t rows = valid_rows < kBlockRows ? valid_rows : kBlockRows;
+  const int64_t rows = rb.rows();
   Mma mma;
   auto thr = mma.get_thread_slice(ctid);
-  Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kStageCols>>{}));
+  Tensor coord = thr.partition_C(make_identity_tensor(StageTile{}));
   const int64_t n0 = int64_t(task.tile) * kGemm2Cols;
 #pragma unroll
   for (int i = 0; i < size(acc); ++i) {
@@ -467,7 +468,7 @@ __device__ void consume(const Params& p, Control& ctl, char* tiles) {
   Ring<kStages> st{0, 0u};
   Ring<kTaskSlots> mail{0, 0u};
   const int lane = threadIdx.x & 31;
-  Tensor acc = partition_fragment_C(Mma{}, Shape<Int<kBlockRows>, Int<kStageCols>>{});
+  Acc acc;
   for (;;) {
     Barrier::wait(&ctl.task_full[mail.slot], mail.phase);
     const Task task = ctl.task[mail.slot];

@@ -7,6 +7,8 @@ plain ``jax.grad``. `mok_jax.moe` never calls it.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -43,6 +45,9 @@ def routing_masks(expert_ids: jax.Array, num_experts: int, capacity_factor: floa
     return valid, kept, stats
 
 
+# Jitted: one XLA program per shape instead of an op-by-op run (which compiles
+# every operation for each new shape: seconds per call on a CPU).
+@functools.partial(jax.jit, static_argnames=("capacity_factor", "recipe", "return_stats"))
 def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
                   capacity_factor=None, recipe=None, return_stats=False):
     """Same contract as `mok_jax.moe` for one device (no ``axis_name``); `recipe`

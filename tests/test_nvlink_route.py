@@ -17,6 +17,8 @@ from the global ids: one pull per (source rank, token) a rank needs, valid entri
 first.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,9 +91,11 @@ CASES = {
 }
 
 
-def _routes(axes, T, K, capacity, ids_global, x, pair_values, rows_in):
-    """Every token shard's (NVLink route, plan sizes, XLA transport results), stacked
-    along a leading shard axis in the mesh's linear order of `axes`."""
+@functools.lru_cache(maxsize=None)
+def _routes_fn(axes_items, K, capacity):
+    """The jitted shard_map of `_routes` for one mesh, K and capacity, and its mesh
+    (built once per setting, so cases that share one share its compile)."""
+    axes = dict(axes_items)
     mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), devices=CPUS[:int(np.prod(
         list(axes.values())))])
     token_axes = tuple(axes)
@@ -115,7 +119,13 @@ def _routes(axes, T, K, capacity, ids_global, x, pair_values, rows_in):
 
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4,
                               out_specs=(spec,) * 8, check_vma=True))
-    sh = NamedSharding(mesh, spec)
+    return f, NamedSharding(mesh, spec)
+
+
+def _routes(axes, K, capacity, ids_global, x, pair_values, rows_in):
+    """Every token shard's (NVLink route, plan sizes, XLA transport results), stacked
+    along a leading shard axis in the mesh's linear order of `axes`."""
+    f, sh = _routes_fn(tuple(axes.items()), K, capacity)
     args = [jax.device_put(jnp.asarray(a), sh) for a in (ids_global, x, pair_values, rows_in)]
     return [np.asarray(o) for o in f(*args)]
 
@@ -134,7 +144,7 @@ def test_nvlink_route_moves_what_xla_moves(case):
     rows_in = -1.0 - np.arange(G * R * H, dtype=np.float32).reshape(G * R, H)
 
     (entries, pull_dest, push_dest, group_sizes, kept, x_rows, pv_rows,
-     back) = _routes(axes, T, K, capacity, ids_global, x, pair_values, rows_in)
+     back) = _routes(axes, K, capacity, ids_global, x, pair_values, rows_in)
     assert entries.shape == (G, Pep * T) and pull_dest.shape == (G, Pep * T, K)
     assert push_dest.shape == (G, R)
 

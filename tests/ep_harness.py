@@ -5,6 +5,7 @@ with ``axis_name``, plain jit on sharded arrays -- all parametrized by `backend`
 so that a new EP backend gets the whole bitwise suite by joining `EP_BACKENDS`.
 """
 
+import functools
 import re
 
 import jax
@@ -51,8 +52,9 @@ def assert_same_results(got, want, names=("y", "dx", "d_expert_weights", "d_w_ga
         assert_same_bits(a, b, name)
 
 
+@functools.partial(jax.jit, static_argnames=("cf", "backend"))
 def single_device(x, ids, w, wgu, wd, cf, backend="auto"):
-    """(y, stats, grads) of one device."""
+    """(y, stats, grads) of one device (jitted: one compile per shape, not one per op)."""
     def loss(x, w, wgu, wd):
         y, s = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=cf, backend=backend,
                            return_stats=True)

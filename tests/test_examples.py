@@ -213,7 +213,7 @@ def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_step():
              ((2, 2), "float32", -1), ((2, 2), "float32", 1)]
     for (dp, ep), dtype, lag in cases:
         mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
-        cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=3, dtype=dtype, grad_reduce_lag=lag)
+        cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=2, dtype=dtype, grad_reduce_lag=lag)
         tx, schedule = lm.make_optimizer(cfg)
         rules = lm.mnn.logical_axis_rules(mesh.axis_names)
         with jax.set_mesh(mesh), lm.nnx.logical_axis_rules(rules):  # as the example runs

@@ -6,7 +6,12 @@ epilogue (on sm_90a), the persistent forward (forced on, sm_90a), capacity drops
 invalid ids and an empty expert, so memcheck sees every kernel; then the fused
 residual add + RMSNorm on rows of every team width, with row counts that end a
 scale-gradient group part way.
+
+`--persistent-only` runs the persistent-forward cases alone (for
+`--kernel-name kns=moe_forward_persistent` runs of racecheck and synccheck).
 """
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +50,24 @@ def run_norm(rows, dim, dtype):
     print(f"ok add_rms_norm rows={rows} dim={dim} {jnp.dtype(dtype).name}")
 
 
+def run_persistent():
+    """The persistent forward forced on: rows past a 64-row block, H and F not
+    multiples of the 64-wide tiles, capacity drops, T below a block."""
+    from mok_jax import _mok
+    if not hasattr(_mok, "set_persistent_forward"):  # no sm_90a code in this build
+        return
+    previous = _mok.set_persistent_forward(_mok.PersistentMode.ALWAYS)
+    assert _mok.persistent_forward_shape(100, 2, 4, 136, 200)
+    run(200, 2, 6, 128, 64, jnp.bfloat16, None)
+    run(100, 2, 4, 136, 200, jnp.bfloat16, 0.5)
+    run(3, 2, 3, 8, 8, jnp.bfloat16, None)
+    _mok.set_persistent_forward(previous)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--persistent-only"]:
+        run_persistent()
+        sys.exit(0)
     run(200, 2, 6, 128, 64, jnp.bfloat16, None)
     run(200, 2, 6, 128, 64, jnp.bfloat16, 0.5)
     run(37, 3, 5, 24, 5, jnp.bfloat16, None)
@@ -56,13 +78,7 @@ if __name__ == "__main__":
     assert _mok.swiglu_epilogue_shape(4, 16, 128, 300 * 2)
     run(512, 4, 4, 64, 256, jnp.bfloat16, None)
     run(300, 2, 4, 16, 128, jnp.bfloat16, 0.75)
-    if hasattr(_mok, "set_persistent_forward"):  # one kernel after the routing plan
-        previous = _mok.set_persistent_forward(_mok.PersistentMode.ALWAYS)
-        assert _mok.persistent_forward_shape(100, 2, 4, 136, 200)
-        run(200, 2, 6, 128, 64, jnp.bfloat16, None)
-        run(100, 2, 4, 136, 200, jnp.bfloat16, 0.5)
-        run(3, 2, 3, 8, 8, jnp.bfloat16, None)
-        _mok.set_persistent_forward(previous)
+    run_persistent()  # one kernel after the routing plan
     for rows, dim, dtype in ((37, 1024, jnp.bfloat16), (5, 2056, jnp.bfloat16),
                              (9, 4096, jnp.bfloat16), (6, 8192, jnp.bfloat16),
                              (17, 16384, jnp.bfloat16), (3, 8, jnp.bfloat16),

@@ -36,7 +36,9 @@ constexpr int kGemm1Cols = 128;       // F columns per GEMM1 task (gate and up e
 constexpr int kSlabCols = 64;         // B columns per TMA box (one 128-byte swizzle row)
 constexpr int kGemm2Cols = 256;       // H columns per GEMM2 task
 constexpr int kStageCols = 256;       // B columns per stage in both GEMMs
-constexpr int kCombineTokens = 8;     // tokens per combine task (one per warp)
+constexpr int kCombineTokens = 2;     // tokens per combine task (four warps each)
+constexpr int kCombineWarps = 4;      // warps per token, side by side along H
+static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
 constexpr int64_t kMaxExperts = 4096;  // the row-block prefix sums live in shared memory
 // Auto mode: the persistent kernel where experts average at most this many rows
 // (its 64-row tiles stream the weights; with more rows the chain's CUTLASS GEMMs,
@@ -128,6 +130,11 @@ __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-
 
 __device__ __forceinline__ Elem to_elem(float f) {
   return Elem::bitcast(float_to_bf16(f).bits);
+}
+// Two rounded values at adjacent columns (`dst` 4-byte aligned) in one store.
+__device__ __forceinline__ void store_pair(Elem* dst, float a, float b) {
+  *reinterpret_cast<uint32_t*>(dst) =
+      uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
 }
 
 // Roles: warp group 0 loads (the producer), warp groups 1 and 2 compute (the
@@ -401,24 +408,26 @@ __device__ void gemm1_epilogue(const Params& p, const Task& task, const Acc& acc
   }
   // SwiGLU on the f32 accumulators: h = round(silu(g) u); the residual round(g, u).
   // A thread's accumulators are (2 x 2 x 16) of its warp group's 64 x 128: values
-  // 0..31 the 64 gate columns, values 32..63 the up columns 64 to their right.
+  // 0..31 the 64 gate columns, values 32..63 the up columns 64 to their right;
+  // values 2j and 2j + 1 are adjacent columns of one row, the first even (so with F
+  // a multiple of 8, f < F implies f + 1 < F).
   static_assert(decltype(size(acc))::value == 64);
   Mma mma;
   auto thr = mma.get_thread_slice(ctid);
   Tensor coord = thr.partition_C(make_identity_tensor(StageTile{}));
   const int64_t f0 = int64_t(task.tile) * kGemm1Cols;
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
+  for (int i = 0; i < 32; i += 2) {
     const int m = get<0>(coord(i));
     const int n = get<1>(coord(i));  // in [0, 64) or [128, 192): a gate column
     const int64_t f = f0 + (n / 128) * kSlabCols + n % kSlabCols;
     if (m >= rows || f >= F) continue;
     const int64_t r = rb.row0 + m;
-    const float g = acc(i), u = acc(i + 32);
-    p.h[r * F + f] = to_elem(g * sigmoid(g) * u);
+    const float g0 = acc(i), u0 = acc(i + 32), g1 = acc(i + 1), u1 = acc(i + 33);
+    store_pair(p.h + r * F + f, g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
     if (p.gate_up_out != nullptr) {
-      p.gate_up_out[r * 2 * F + f] = to_elem(g);
-      p.gate_up_out[r * 2 * F + F + f] = to_elem(u);
+      store_pair(p.gate_up_out + r * 2 * F + f, g0, g1);
+      store_pair(p.gate_up_out + r * 2 * F + F + f, u0, u1);
     }
   }
 }
@@ -433,42 +442,57 @@ __device__ void gemm2_epilogue(const Params& p, const Task& task, const Acc& acc
   Tensor coord = thr.partition_C(make_identity_tensor(StageTile{}));
   const int64_t n0 = int64_t(task.tile) * kGemm2Cols;
 #pragma unroll
-  for (int i = 0; i < size(acc); ++i) {
+  for (int i = 0; i < size(acc); i += 2) {  // adjacent column pairs (gemm1_epilogue)
     const int m = get<0>(coord(i));
     const int64_t n = n0 + get<1>(coord(i));
-    if (m < rows && n < H) p.out_rows[(rb.row0 + m) * H + n] = to_elem(acc(i));
+    if (m < rows && n < H) store_pair(p.out_rows + (rb.row0 + m) * H + n, acc(i), acc(i + 1));
   }
 }
 
-// One warp per token, k ascending, f32 sum rounded once (combine_rows' arithmetic).
+// Four warps per token, each on every fourth 8-column chunk of 256 lanes' worth;
+// per column, k ascending, f32 sum rounded once (combine_rows' arithmetic). The K
+// rows' loads are issued in batches of eight before any is summed, so a token
+// waits for one load latency per batch, not one per row.
 template <typename W>
 __device__ void combine_task(const Params& p, int64_t task) {
+  constexpr int kBatch = 8;
   const int ctid = threadIdx.x - kProducerThreads;
   const int warp = ctid >> 5, lane = ctid & 31;
   const W* weights = static_cast<const W*>(p.weights);
   const int64_t H = p.hidden;
-  const int64_t t_end = min(p.tokens, (task + 1) * kCombineTokens);
-  for (int64_t t = task * kCombineTokens + warp; t < t_end; t += kConsumerThreads / 32) {
-    for (int64_t c = int64_t(lane) * 8; c < H; c += 32 * 8) {
-      float acc[8];
+  const int64_t t = task * kCombineTokens + warp / kCombineWarps;
+  if (t >= p.tokens) return;
+  constexpr int64_t kStep = kCombineWarps * 32 * 8;
+  for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
+    float acc[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-      for (int64_t k = 0; k < p.top_k; ++k) {
-        const int64_t pair = t * p.top_k + k;
-        const int32_t r = p.pair_row[pair];
-        if (r < 0) continue;
-        const float wk = to_float(weights[pair]);
-        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p.out_rows + int64_t(r) * H + c));
-        const bf16* e = reinterpret_cast<const bf16*>(&v);
+    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    for (int64_t k0 = 0; k0 < p.top_k; k0 += kBatch) {
+      uint4 v[kBatch];
+      float wk[kBatch];
+      bool use[kBatch];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += wk * to_float(e[i]);
+      for (int j = 0; j < kBatch; ++j) {
+        const int64_t pair = t * p.top_k + k0 + j;
+        const int32_t r = k0 + j < p.top_k ? p.pair_row[pair] : -1;
+        use[j] = r >= 0;
+        wk[j] = use[j] ? to_float(weights[pair]) : 0.0f;
+        v[j] = use[j] ? __ldcg(reinterpret_cast<const uint4*>(p.out_rows + int64_t(r) * H + c))
+                      : make_uint4(0, 0, 0, 0);
       }
-      uint4 o;
-      bf16* oe = reinterpret_cast<bf16*>(&o);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) oe[i] = float_to_bf16(acc[i]);
-      *reinterpret_cast<uint4*>(p.y + t * H + c) = o;
+      for (int j = 0; j < kBatch; ++j) {
+        if (!use[j]) continue;  // an unrouted pair adds nothing (not even a zero)
+        const bf16* e = reinterpret_cast<const bf16*>(&v[j]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += wk[j] * to_float(e[i]);
+      }
     }
+    uint4 o;
+    bf16* oe = reinterpret_cast<bf16*>(&o);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) oe[i] = float_to_bf16(acc[i]);
+    *reinterpret_cast<uint4*>(p.y + t * H + c) = o;
   }
 }
 

@@ -1,8 +1,16 @@
-"""Shared test set-up for mok_jax: host devices, markers, random MoE problems.
+"""Shared test set-up for mok_jax: host devices, platform, markers, random MoE
+problems.
 
 Everything that must happen before JAX initializes its backends lives at the top of
-this file: pytest imports conftest.py before any test module, so the XLA flag below
-takes effect for the whole session (EP tests want 8 host devices on CPU).
+this file: pytest imports conftest.py before any test module, so what is set here
+holds for the whole session, and the environment variables for the scripts the
+tests start as well:
+
+* XLA_FLAGS: 8 host devices on CPU (the EP tests want them).
+* JAX_PLATFORMS=cpu when the installed mok_jax has no CUDA handlers (a CPU-only
+  build, as the README's test command installs): on a machine with a GPU, JAX would
+  otherwise run everything there, where such a build has no handlers. The GPU tests
+  are then skipped by marker and the CPU tests run on the CPU.
 """
 
 import os
@@ -19,6 +27,27 @@ import jax  # noqa: E402  (must come after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+
+def platforms_for_tests(cuda_kernels: bool) -> str | None:
+    """The JAX platforms the tests must run on, given whether the installed mok_jax
+    has its CUDA handlers (``mok_jax.build_info().cuda_kernels``): "cpu" without
+    them (JAX's default backend may be a GPU, where that build cannot run), else
+    None (JAX chooses)."""
+    return None if cuda_kernels else "cpu"
+
+
+try:
+    # _mok.CUDA_KERNELS is what build_info() reports as cuda_kernels; build_info()
+    # itself would load the NVLink transport (and libnccl) into this process.
+    from mok_jax import _mok as _installed_mok
+except ImportError:  # no built mok_jax: the test modules say so when they import it
+    PINNED_PLATFORMS = None
+else:
+    PINNED_PLATFORMS = platforms_for_tests(bool(_installed_mok.CUDA_KERNELS))
+if PINNED_PLATFORMS is not None:
+    os.environ["JAX_PLATFORMS"] = PINNED_PLATFORMS  # the scripts the tests start
+    jax.config.update("jax_platforms", PINNED_PLATFORMS)  # before any backend starts
 
 # The reference's f32 matmuls must be true f32 on GPUs too (XLA may otherwise use
 # TF32 there), or the contract's 1e-5 f32 tolerance would measure the oracle.

@@ -467,14 +467,15 @@ def test_profile_refuses_pgle():
     assert lm.parse_args(["--profile", "p"]).profile == "p"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("extra", [["--ep", "2"], ["--shard-optimizer"]])
-def test_dp_default_lag_only_where_measured(tmp_path, extra):
+def test_dp_default_lag_only_where_measured():
     """The barrier's default (lag 1) is for dp > 1 with ep = 1 and a replicated
-    optimizer, what was measured; elsewhere it stays off unless asked for."""
-    log = lm.main(["--steps", "2", "--eval-every", "2", "--eval-batches", "1", "--out",
-                   str(tmp_path / "run"), "--no-checkpoint", *SMALL, "--dp", "2", *extra])
-    assert log["config"]["grad_reduce_lag"] == -1 and log["mesh"]["dp"] == 2
+    optimizer, what was measured; elsewhere it stays off unless asked for. (That
+    main() applies it: test_pgle_untimed_steps_... runs --dp 2 and finds lag 1.)"""
+    assert lm.default_grad_reduce_lag(dp=2, ep=1, shard_optimizer=False) == 1
+    assert lm.default_grad_reduce_lag(dp=8, ep=1, shard_optimizer=False) == 1
+    for dp, ep, shard in ((2, 2, False), (2, 1, True), (1, 1, False), (1, 2, False)):
+        assert lm.default_grad_reduce_lag(dp=dp, ep=ep, shard_optimizer=shard) is None
+    assert lm.Config().grad_reduce_lag == -1 == lm.PRESETS["tiny"].grad_reduce_lag  # off
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""Shared test set-up for mok_jax: host devices, platform, markers, random MoE
-problems.
+"""Shared test set-up for mok_jax: host devices, platform, compilation cache,
+markers, random MoE problems.
 
 Everything that must happen before JAX initializes its backends lives at the top of
 this file: pytest imports conftest.py before any test module, so what is set here
@@ -11,11 +11,19 @@ tests start as well:
   build, as the README's test command installs): on a machine with a GPU, JAX would
   otherwise run everything there, where such a build has no handlers. The GPU tests
   are then skipped by marker and the CPU tests run on the CPU.
+* A persistent JAX compilation cache in a fresh directory of this session (removed
+  at its end): a program that a test, an example run in-process or a script the
+  tests start has compiled is loaded, not compiled again, by the next one that
+  builds the same program (the key is the program's text, the compile options,
+  XLA_FLAGS, the devices and jaxlib's version). Nothing from an earlier session or
+  another build is reused.
 """
 
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 if _HOST_DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -23,10 +31,25 @@ if _HOST_DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
         os.environ.get("XLA_FLAGS", "") + f" {_HOST_DEVICES_FLAG}=8"
     ).strip()
 
+# The compilation cache, for this process and the scripts it starts (which read the
+# variable when they import jax). JAX writes the programs that took at least a
+# second to compile (jax_persistent_cache_min_compile_time_secs): the train steps
+# of the examples, which several tests build alike. Caching every program (a
+# threshold of 0) made the fast set slower, 412 s against 376 s (2026-12-03, two
+# x86 cores): its many small programs almost never recur. A second copy of this module, as
+# --import-mode=importlib makes, keeps the first one's directory.
+JAX_CACHE_DIR = os.environ.get("MOK_JAX_TESTS_JAX_CACHE_DIR", "")
+if not os.path.isdir(JAX_CACHE_DIR):
+    JAX_CACHE_DIR = tempfile.mkdtemp(prefix="mok_jax_tests_jax_cache_")
+    os.environ["MOK_JAX_TESTS_JAX_CACHE_DIR"] = JAX_CACHE_DIR
+os.environ["JAX_COMPILATION_CACHE_DIR"] = JAX_CACHE_DIR
+
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", JAX_CACHE_DIR)  # if jax came first
 
 
 def platforms_for_tests(cuda_kernels: bool) -> str | None:
@@ -76,6 +99,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU)")
     config.addinivalue_line("markers", "multigpu: needs at least 2 CUDA GPUs")
     config.addinivalue_line("markers", "slow: CPU tests of several seconds each (-m slow)")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(JAX_CACHE_DIR, ignore_errors=True)
 
 
 def _num_gpus():

@@ -655,10 +655,15 @@ def test_train_smoke_command_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_mesh_experiments_smoke(tmp_path):
-    proc = _run_script("mesh_experiments.py", "--host-devices", "2", "--batch", "4", "--seq",
-                       "32", "--repeats", "1", "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_mesh_experiments_smoke(tmp_path, capsys):
+    """mesh_experiments.py on two of this process's host devices (its command line
+    is test_help's and test_mesh_experiments_refuses_more_devices_than_visible's)."""
+    import mesh_experiments
+
+    result = mesh_experiments.main(["--devices", "2", "--batch", "4", "--seq", "32",
+                                    "--repeats", "1", "--out", str(tmp_path)])
+    stdout = capsys.readouterr().out
+    assert result["ok"], stdout
     report = json.loads((tmp_path / "mesh.json").read_text())
     assert report["devices"] == 2
     rows = report["rows"]
@@ -678,7 +683,7 @@ def test_mesh_experiments_smoke(tmp_path):
             assert r["max_rel_diff"] < 1e-5, r
     shard_map_rows = [r for r in rows if r["mode"] == "shard_map" and r["status"] == "ok"]
     assert all(r["max_rel_diff_vs_jit"] < 1e-5 for r in shard_map_rows)
-    assert "| mode | dp | ep |" in proc.stdout
+    assert "| mode | dp | ep |" in stdout
     assert (tmp_path / "mesh.png").stat().st_size > 5_000
 
 

@@ -938,6 +938,13 @@ def trace_only(cfg: Config) -> dict:
             "flops_per_token": flops_per_token(cfg)}
 
 
+def default_grad_reduce_lag(dp: int, ep: int, shard_optimizer: bool) -> int | None:
+    """The reduce barrier's lag when --grad-reduce-lag is not given: 1 where it was
+    measured to help (dp > 1, ep = 1, a replicated optimizer; docs/ledger.md,
+    2026-11-30), else None (the preset's value, off)."""
+    return 1 if dp > 1 and ep == 1 and not shard_optimizer else None
+
+
 def train(args) -> dict:
     """Runs training as configured by ``args`` (from `parse_args`); returns the log."""
     if args.host_devices:
@@ -969,8 +976,9 @@ def train(args) -> dict:
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of dp*ep = {dp * ep}")
     if cfg.n_experts % ep:
         raise SystemExit(f"--ep {ep} must divide the preset's {cfg.n_experts} experts")
-    if args.grad_reduce_lag is None and dp > 1 and ep == 1 and not args.shard_optimizer:
-        cfg = dataclasses.replace(cfg, grad_reduce_lag=1)  # see docs/ledger.md, 2026-11-30
+    lag = default_grad_reduce_lag(dp, ep, args.shard_optimizer)
+    if args.grad_reduce_lag is None and lag is not None:
+        cfg = dataclasses.replace(cfg, grad_reduce_lag=lag)
     platform = devices[0].platform
     peak = args.peak_tflops or (989.0 if platform == "gpu" else None)
 

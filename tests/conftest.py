@@ -1,13 +1,29 @@
-"""Shared test set-up for mok_jax: host devices, markers, random MoE problems.
+"""Shared test set-up for mok_jax: host devices, platform, compilation cache,
+markers, random MoE problems.
 
 Everything that must happen before JAX initializes its backends lives at the top of
-this file: pytest imports conftest.py before any test module, so the XLA flag below
-takes effect for the whole session (EP tests want 8 host devices on CPU).
+this file: pytest imports conftest.py before any test module, so what is set here
+holds for the whole session, and the environment variables for the scripts the
+tests start as well:
+
+* XLA_FLAGS: 8 host devices on CPU (the EP tests want them).
+* JAX_PLATFORMS=cpu when the installed mok_jax has no CUDA handlers (a CPU-only
+  build, as the README's test command installs): on a machine with a GPU, JAX would
+  otherwise run everything there, where such a build has no handlers. The GPU tests
+  are then skipped by marker and the CPU tests run on the CPU.
+* A persistent JAX compilation cache in a fresh directory of this session (removed
+  at its end): a program that a test, an example run in-process or a script the
+  tests start has compiled is loaded, not compiled again, by the next one that
+  builds the same program (the key is the program's text, the compile options,
+  XLA_FLAGS, the devices and jaxlib's version). Nothing from an earlier session or
+  another build is reused.
 """
 
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 if _HOST_DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -15,10 +31,46 @@ if _HOST_DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
         os.environ.get("XLA_FLAGS", "") + f" {_HOST_DEVICES_FLAG}=8"
     ).strip()
 
+# The compilation cache, for this process and the scripts it starts (which read the
+# variable when they import jax). JAX writes the programs that took at least a
+# second to compile (jax_persistent_cache_min_compile_time_secs): the train steps
+# of the examples, which several tests build alike. Caching every program (a
+# threshold of 0) made the fast set slower, 412 s against 376 s (2026-12-03, two
+# x86 cores): its many small programs almost never recur. A second copy of this module, as
+# --import-mode=importlib makes, keeps the first one's directory.
+JAX_CACHE_DIR = os.environ.get("MOK_JAX_TESTS_JAX_CACHE_DIR", "")
+if not os.path.isdir(JAX_CACHE_DIR):
+    JAX_CACHE_DIR = tempfile.mkdtemp(prefix="mok_jax_tests_jax_cache_")
+    os.environ["MOK_JAX_TESTS_JAX_CACHE_DIR"] = JAX_CACHE_DIR
+os.environ["JAX_COMPILATION_CACHE_DIR"] = JAX_CACHE_DIR
+
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", JAX_CACHE_DIR)  # if jax came first
+
+
+def platforms_for_tests(cuda_kernels: bool) -> str | None:
+    """The JAX platforms the tests must run on, given whether the installed mok_jax
+    has its CUDA handlers (``mok_jax.build_info().cuda_kernels``): "cpu" without
+    them (JAX's default backend may be a GPU, where that build cannot run), else
+    None (JAX chooses)."""
+    return None if cuda_kernels else "cpu"
+
+
+try:
+    # _mok.CUDA_KERNELS is what build_info() reports as cuda_kernels; build_info()
+    # itself would load the NVLink transport (and libnccl) into this process.
+    from mok_jax import _mok as _installed_mok
+except ImportError:  # no built mok_jax: the test modules say so when they import it
+    PINNED_PLATFORMS = None
+else:
+    PINNED_PLATFORMS = platforms_for_tests(bool(_installed_mok.CUDA_KERNELS))
+if PINNED_PLATFORMS is not None:
+    os.environ["JAX_PLATFORMS"] = PINNED_PLATFORMS  # the scripts the tests start
+    jax.config.update("jax_platforms", PINNED_PLATFORMS)  # before any backend starts
 
 # The reference's f32 matmuls must be true f32 on GPUs too (XLA may otherwise use
 # TF32 there), or the contract's 1e-5 f32 tolerance would measure the oracle.
@@ -47,6 +99,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU)")
     config.addinivalue_line("markers", "multigpu: needs at least 2 CUDA GPUs")
     config.addinivalue_line("markers", "slow: CPU tests of several seconds each (-m slow)")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(JAX_CACHE_DIR, ignore_errors=True)
 
 
 def _num_gpus():

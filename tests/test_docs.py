@@ -178,6 +178,29 @@ def test_no_reference_to_a_private_design_document():
     assert not hits, "\n".join(hits)
 
 
+def readme_commands():
+    """The shell commands at the top of README.md (its first ```bash block), each
+    without its trailing `# comment`."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        _, _, code = next(b for b in extract_blocks(f.read()) if b[0] == "bash")
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in code.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readme_test_command_then_the_cuda_build_and_the_slow_tests():
+    """The README's test command is a CPU-only build and the fast set; .ci/run runs
+    that very line first, then a CUDA build that fails without nvcc, then the slow
+    set."""
+    test_command = next(c for c in readme_commands() if "pytest" in c)
+    assert test_command.startswith("MOK_ENABLE_CUDA=OFF pip install "), test_command
+    assert test_command.endswith('pytest -q -m "not slow"'), test_command
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    runs = [i for i, ln in enumerate(lines) if ln == test_command or ln.startswith(test_command + " ||")]
+    cuda = [i for i, ln in enumerate(lines) if ln.startswith("MOK_ENABLE_CUDA=ON pip install ")]
+    slow = [i for i, ln in enumerate(lines) if ln == "pytest -q -m slow"]
+    assert runs and cuda and slow and runs[0] < cuda[0] < slow[0], lines
+
+
 # --------------------------------------------------------------------------------------
 # The documents run
 # --------------------------------------------------------------------------------------

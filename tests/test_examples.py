@@ -29,8 +29,12 @@ import optax  # noqa: E402,F401
 import orbax.checkpoint  # noqa: E402,F401
 import tqdm  # noqa: E402,F401
 
-# A short tiny-preset run: 8 x 64 bytes per step on one device.
+# A short tiny-preset run: 8 x 64 bytes per step on one device. Tests that run
+# main() in-process use these steps and sizes where they can (--stop-after for a
+# shorter run): the same train and eval programs, loaded from the session's
+# compilation cache instead of compiled again.
 STEPS = 40
+STOP = 30  # the resumed run's first part: a checkpoint step, not an eval step
 SMALL = ["--batch", "8", "--seq", "64", "--eval-batches", "4", "--log-every", "5",
          "--ckpt-every", "10", "--dp", "1", "--no-progress"]
 
@@ -49,12 +53,17 @@ def straight_run(tmp_path_factory):
     return out, log
 
 
+def _resumed_common(out):
+    return ["--steps", str(STEPS), "--eval-every", "20", "--out", str(out), *SMALL]
+
+
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory):
+    """STOP steps, then --resume to STEPS; the resume logs every step (how a run
+    reports may change between its parts)."""
     out = tmp_path_factory.mktemp("resumed")
-    common = ["--steps", str(STEPS), "--eval-every", "20", "--out", str(out), *SMALL]
-    first = lm.main([*common, "--stop-after", str(STEPS // 2)])
-    log = lm.main([*common, "--resume"])
+    first = lm.main([*_resumed_common(out), "--stop-after", str(STOP)])
+    log = lm.main([*_resumed_common(out), "--resume", "--log-every", "1"])
     return out, first, log
 
 
@@ -102,9 +111,11 @@ def test_log_json_and_loss_png(straight_run):
 def test_resume_is_bitwise_identical(straight_run, resumed_run):
     straight_out, straight = straight_run
     resumed_out, first, resumed = resumed_run
-    assert first["summary"]["steps"] == STEPS // 2
+    assert first["summary"]["steps"] == STOP
+    assert [r["step"] for r in first["eval"]] == [0, 20]
     assert [r["step"] for r in resumed["train"]] == list(range(1, STEPS + 1))
-    # Every logged metric of every step, and every eval, is the same number.
+    # Every logged metric of every step, and every eval, is the same number (the
+    # resume adds no eval at STOP, which the schedule does not evaluate).
     assert resumed["train"] == straight["train"]
     assert resumed["eval"] == straight["eval"]
     # And the final parameters and optimizer state are the same bits.
@@ -441,8 +452,9 @@ def test_log_lines_wait_only_for_their_own_step(tmp_path, monkeypatch):
 
     monkeypatch.setattr(lm, "batch_at", dispatching)
     monkeypatch.setattr(lm, "print", printing, raising=False)
-    log = lm.main(["--steps", "12", "--eval-every", "12", "--out", str(tmp_path / "run"),
-                   "--no-checkpoint", *SMALL, "--log-every", "3"])
+    log = lm.main(["--steps", str(STEPS), "--stop-after", "12", "--eval-every", "12",
+                   "--out", str(tmp_path / "run"), *SMALL, "--log-every", "3",
+                   "--ckpt-every", "12"])
     printed = {int(m.group(1)): i for i, (kind, text) in enumerate(events)
                if kind == "print" and (m := re.match(r"step (\d+): train loss", text))}
     assert sorted(printed) == [3, 6, 9, 12]
@@ -467,43 +479,45 @@ def test_profile_refuses_pgle():
     assert lm.parse_args(["--profile", "p"]).profile == "p"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("extra", [["--ep", "2"], ["--shard-optimizer"]])
-def test_dp_default_lag_only_where_measured(tmp_path, extra):
+def test_dp_default_lag_only_where_measured():
     """The barrier's default (lag 1) is for dp > 1 with ep = 1 and a replicated
-    optimizer, what was measured; elsewhere it stays off unless asked for."""
-    log = lm.main(["--steps", "2", "--eval-every", "2", "--eval-batches", "1", "--out",
-                   str(tmp_path / "run"), "--no-checkpoint", *SMALL, "--dp", "2", *extra])
-    assert log["config"]["grad_reduce_lag"] == -1 and log["mesh"]["dp"] == 2
+    optimizer, what was measured; elsewhere it stays off unless asked for. (That
+    main() applies it: test_pgle_untimed_steps_... runs --dp 2 and finds lag 1.)"""
+    assert lm.default_grad_reduce_lag(dp=2, ep=1, shard_optimizer=False) == 1
+    assert lm.default_grad_reduce_lag(dp=8, ep=1, shard_optimizer=False) == 1
+    for dp, ep, shard in ((2, 2, False), (2, 1, True), (1, 1, False), (1, 2, False)):
+        assert lm.default_grad_reduce_lag(dp=dp, ep=ep, shard_optimizer=shard) is None
+    assert lm.Config().grad_reduce_lag == -1 == lm.PRESETS["tiny"].grad_reduce_lag  # off
 
 
 @pytest.mark.slow
-def test_resume_refuses_another_run_and_a_foreign_log(tmp_path):
+def test_resume_refuses_another_run_and_a_foreign_log(resumed_run):
     """--resume continues the run that wrote the checkpoints: a command line that
     changes its model, data or schedule is refused before anything is restored (it
     used to continue silently, with the log's config rewritten), and so is a
-    log.json of another run; how the run reports may change."""
-    out = tmp_path / "run"
-    common = ["--steps", "4", "--eval-every", "4", "--out", str(out), *SMALL]
-    lm.main([*common, "--stop-after", "2"])
+    log.json of another run; how the run reports may change (the resumed run of
+    test_resume_is_bitwise_identical logs every step)."""
+    out, _, resumed = resumed_run
+    common = _resumed_common(out)
     identity = json.loads((out / "ckpt" / "run.json").read_text())
     assert identity["config"]["lr"] == lm.PRESETS["tiny"].lr
     assert "log_every" not in identity["config"] and identity["corpus"]["train_bytes"] > 0
-    for flag, value, field in (("--lr", "1e-2", "config.lr"), ("--steps", "8", "config.steps"),
+    assert resumed["config"]["log_every"] == 1 and resumed["summary"]["steps"] == STEPS
+    for flag, value, field in (("--lr", "1e-2", "config.lr"),
+                               ("--steps", str(2 * STEPS), "config.steps"),
                                ("--seed", "3", "config.seed"), ("--seq", "32", "config.seq"),
                                ("--balance", "bias", "config.balance")):
         with pytest.raises(SystemExit, match=rf"differs from the run that wrote .* in "
                                              rf"{re.escape(field)}: "):
             lm.main([*common, "--resume", flag, value])
-    log = json.loads((out / "log.json").read_text())
+    log_text = (out / "log.json").read_text()
+    log = json.loads(log_text)
     (out / "log.json").write_text(json.dumps(dict(log, config=dict(log["config"], seed=7))))
-    with pytest.raises(SystemExit, match=r"is not the log of the run .*config\.seed: 0 -> 7"):
-        lm.main([*common, "--resume"])
-    (out / "log.json").write_text(json.dumps(log))
-    resumed = lm.main([*common, "--resume", "--log-every", "1"])
-    assert resumed["summary"]["steps"] == 4
-    assert [r["step"] for r in resumed["train"]] == [1, 2, 3, 4]
-    assert [r["step"] for r in resumed["eval"]] == [0, 4]  # as a straight run's: none at 2
+    try:
+        with pytest.raises(SystemExit, match=r"is not the log of the run .*config\.seed: 0 -> 7"):
+            lm.main([*common, "--resume"])
+    finally:
+        (out / "log.json").write_text(log_text)
     with pytest.raises(SystemExit):
         lm.parse_args(["--resume", "--overwrite"])
 
@@ -641,10 +655,15 @@ def test_train_smoke_command_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_mesh_experiments_smoke(tmp_path):
-    proc = _run_script("mesh_experiments.py", "--host-devices", "2", "--batch", "4", "--seq",
-                       "32", "--repeats", "1", "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_mesh_experiments_smoke(tmp_path, capsys):
+    """mesh_experiments.py on two of this process's host devices (its command line
+    is test_help's and test_mesh_experiments_refuses_more_devices_than_visible's)."""
+    import mesh_experiments
+
+    result = mesh_experiments.main(["--devices", "2", "--batch", "4", "--seq", "32",
+                                    "--repeats", "1", "--out", str(tmp_path)])
+    stdout = capsys.readouterr().out
+    assert result["ok"], stdout
     report = json.loads((tmp_path / "mesh.json").read_text())
     assert report["devices"] == 2
     rows = report["rows"]
@@ -664,7 +683,7 @@ def test_mesh_experiments_smoke(tmp_path):
             assert r["max_rel_diff"] < 1e-5, r
     shard_map_rows = [r for r in rows if r["mode"] == "shard_map" and r["status"] == "ok"]
     assert all(r["max_rel_diff_vs_jit"] < 1e-5 for r in shard_map_rows)
-    assert "| mode | dp | ep |" in proc.stdout
+    assert "| mode | dp | ep |" in stdout
     assert (tmp_path / "mesh.png").stat().st_size > 5_000
 
 

@@ -1,11 +1,19 @@
-"""The extension's registrations and the platform guard of mok_jax.moe."""
+"""The extension's registrations, the platform guard of mok_jax.moe, and the
+platform the tests run on."""
+
+import importlib.util
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import conftest
 import mok_jax
+from conftest import platforms_for_tests
 from mok_jax import _ext, _mok
 
 
@@ -37,28 +45,77 @@ def test_lowering_names_the_ffi_targets():
     assert f"@{_ext.MOE_BACKWARD}" in grad_hlo
 
 
-@pytest.mark.gpu
-def test_gpu_without_cuda_handlers_says_how_to_rebuild():
-    problem = jax.device_put(_tiny_problem(), jax.devices("gpu")[0])
-    if "cuda" in _ext.registered_platforms():
-        y = mok_jax.moe(*problem)
-        assert np.isfinite(np.asarray(y)).all()
+def test_a_build_without_cuda_handlers_pins_the_tests_to_the_cpu():
+    """conftest.py runs the session on the CPU when the installed mok_jax has no CUDA
+    handlers (JAX's default backend may be a GPU, where such a build cannot run), and
+    leaves the choice to JAX when it has them."""
+    assert platforms_for_tests(cuda_kernels=False) == "cpu"
+    assert platforms_for_tests(cuda_kernels=True) is None
+    if mok_jax.build_info().cuda_kernels:
+        assert conftest.PINNED_PLATFORMS is None
+        assert "cuda" in _ext.registered_platforms()
     else:
-        with pytest.raises(RuntimeError, match="MOK_ENABLE_CUDA=ON"):
-            jax.block_until_ready(mok_jax.moe(*problem))
+        assert conftest.PINNED_PLATFORMS == "cpu"
+        assert jax.config.jax_platforms == "cpu" and os.environ["JAX_PLATFORMS"] == "cpu"
+        assert {d.platform for d in jax.devices()} == {"cpu"}
+        assert "cuda" not in _ext.registered_platforms()
+
+
+@pytest.mark.gpu
+def test_gpu_call_runs_with_the_cuda_handlers():
+    # A session on a GPU has them: without them conftest.py pins it to the CPU.
+    problem = jax.device_put(_tiny_problem(), jax.devices("gpu")[0])
+    y = mok_jax.moe(*problem)
+    assert np.isfinite(np.asarray(y)).all()
+
+
+def _jax_cuda_plugin_installed():
+    # jax[cuda12] / jax[cuda13] install these (without importing JAX's GPU backend).
+    return any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None for v in (12, 13))
+
+
+def test_a_build_without_cuda_handlers_on_a_gpu_says_how_to_rebuild(tmp_path):
+    """On a machine where JAX has a GPU, mok_jax.moe on that GPU from a build without
+    CUDA handlers is a RuntimeError that says how to rebuild. This session runs on
+    the CPU then (conftest.py), so the call runs in a fresh process where JAX picks
+    the GPU."""
+    if "cuda" in _ext.registered_platforms():
+        pytest.skip("this build has its CUDA handlers (test_gpu_call_runs_with_the_cuda_handlers)")
+    if not _jax_cuda_plugin_installed():
+        pytest.skip("JAX has no CUDA plugin here")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
+    code = ("import jax, jax.numpy as jnp, mok_jax\n"
+            "if jax.default_backend() != 'gpu':\n"
+            "    print('no gpu'); raise SystemExit\n"
+            "x = jnp.ones((4, 8)); ids = jnp.zeros((4, 2), jnp.int32)\n"
+            "try:\n"
+            "    jax.block_until_ready(mok_jax.moe(x, ids, jnp.ones((4, 2)), jnp.ones((2, 8, 6)),"
+            " jnp.ones((2, 3, 8))))\n"
+            "except RuntimeError as err:\n"
+            "    print('RuntimeError:', err)\n"
+            "else:\n"
+            "    print('ran')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    if proc.stdout.strip() == "no gpu":
+        pytest.skip("JAX found no GPU")
+    assert "RuntimeError:" in proc.stdout and "MOK_ENABLE_CUDA=ON" in proc.stdout, proc.stdout
+
+
+def _package_root():
+    """The folder holding the mok_jax this process imported (installed, or a dev
+    build's source tree), for PYTHONPATH: a script run from a scratch folder then
+    imports the same one."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
 
 
 @pytest.mark.slow
 def test_import_and_a_cpu_call_never_load_the_nccl_transport(tmp_path):
     """mok_jax._mok_comm links libnccl; only backend="fused" under EP imports it."""
-    import os
-    import subprocess
-    import sys
-    # The mok_jax this process imported (installed, or a dev build's source tree),
-    # from a folder where no source tree shadows it.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join(p for p in (package_root,
+           "PYTHONPATH": os.pathsep.join(p for p in (_package_root(),
                                                      os.environ.get("PYTHONPATH")) if p)}
     code = ("import sys, jax.numpy as jnp, mok_jax\n"
             "x = jnp.ones((4, 8)); ids = jnp.zeros((4, 2), jnp.int32)\n"

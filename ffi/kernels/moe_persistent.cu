@@ -128,9 +128,6 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
 }
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
-__device__ __forceinline__ Elem to_elem(float f) {
-  return Elem::bitcast(float_to_bf16(f).bits);
-}
 // Two rounded values at adjacent columns (`dst` 4-byte aligned) in one store.
 __device__ __forceinline__ void store_pair(Elem* dst, float a, float b) {
   *reinterpret_cast<uint32_t*>(dst) =

@@ -303,13 +303,14 @@ def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape, lag", [((1, 1), -1), ((2, 1), 1), ((2, 2), -1)])
+@pytest.mark.parametrize("mesh_shape, lag", [((2, 1), 1), ((2, 2), -1)])
 def test_fused_norms_are_the_same_model(mesh_shape, lag):
     """--norm fused (mok_jax.add_rms_norm: each residual add with the norm after it,
     the blocks passing the FFN output on) against --norm nnx (the add, then
-    nnx.RMSNorm): the same parameters from the same seed, and two f32 steps on dp,
-    dp with the reduce barrier (which then ties the pending branch too) and dp x ep
-    meshes give the same losses and parameters up to the order of f32 sums."""
+    nnx.RMSNorm): the same parameters from the same seed, and two f32 steps on dp
+    with the reduce barrier (which then ties the pending branch too) and on dp x ep
+    give the same losses and parameters up to the order of f32 sums. (One device
+    adds no case of its own: the norms act on each device's tokens alone.)"""
     dp, ep = mesh_shape
     mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
     rules = lm.mnn.logical_axis_rules(mesh.axis_names)

@@ -660,18 +660,23 @@ def test_train_smoke_command_line(tmp_path):
 @pytest.mark.slow
 def test_mesh_experiments_smoke(tmp_path, capsys):
     """mesh_experiments.py on two of this process's host devices (its command line
-    is test_help's and test_mesh_experiments_refuses_more_devices_than_visible's)."""
+    is test_help's and test_mesh_experiments_refuses_more_devices_than_visible's),
+    in its shard_map mode: the ep mesh against the dp baseline, the report, table
+    and plot. (Its jit mode is left out: the model's loss and gradients under
+    plain jit on dp and dp x ep meshes are inside the train steps of
+    test_reduce_barrier_... and test_weight_copies_....)"""
     import mesh_experiments
 
     result = mesh_experiments.main(["--devices", "2", "--batch", "4", "--seq", "32",
-                                    "--repeats", "1", "--out", str(tmp_path)])
+                                    "--repeats", "1", "--mode", "shard_map",
+                                    "--out", str(tmp_path)])
     stdout = capsys.readouterr().out
     assert result["ok"], stdout
     report = json.loads((tmp_path / "mesh.json").read_text())
     assert report["devices"] == 2
     rows = report["rows"]
     assert [(r["mode"], r["dp"], r["ep"]) for r in rows] == [
-        ("jit", 2, 1), ("jit", 1, 2), ("shard_map", 2, 1), ("shard_map", 1, 2)]
+        ("shard_map", 2, 1), ("shard_map", 1, 2)]
     for r in rows:
         if r["ep"] == 1:
             assert r["status"] == "ok" and r["vs"] == "baseline", r
@@ -684,8 +689,6 @@ def test_mesh_experiments_smoke(tmp_path, capsys):
             # the same bits; gradients agree to summation order at least.
             assert r["outputs_bitwise"], r
             assert r["max_rel_diff"] < 1e-5, r
-    shard_map_rows = [r for r in rows if r["mode"] == "shard_map" and r["status"] == "ok"]
-    assert all(r["max_rel_diff_vs_jit"] < 1e-5 for r in shard_map_rows)
     assert "| mode | dp | ep |" in stdout
     assert (tmp_path / "mesh.png").stat().st_size > 5_000
 

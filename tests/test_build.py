@@ -80,7 +80,10 @@ def test_a_build_from_a_new_pip_environment_recompiles_nothing(tmp_path):
     # new path with new timestamps, and scikit-build-core then clears CMakeCache.txt
     # and the top-level CMakeFiles/. A CPU-only build of this tree under those
     # conditions must find nothing to recompile, and must recompile when a
-    # dependency's content does change.
+    # dependency's content does change. One object of each target is built and
+    # checked (every object of a target has its flags and include paths): the
+    # two that include XLA's FFI headers, one of nanobind's copied sources and one
+    # plain C++ file; the other objects and the link are left out.
     import jax.ffi
     import nanobind
 
@@ -109,13 +112,19 @@ def test_a_build_from_a_new_pip_environment_recompiles_nothing(tmp_path):
             check=True, capture_output=True, text=True,
             env=dict(os.environ, PYTHONPATH=str(env_dir)))
 
+    objects = ["ffi/CMakeFiles/_mok.dir/bindings.cc.o",
+               "ffi/CMakeFiles/_mok.dir/handlers/moe_cpu.cc.o",
+               "ffi/CMakeFiles/nanobind-static.dir/__/deps/nanobind/src/implicit.cpp.o",
+               "ffi/CMakeFiles/mok_cpu.dir/cpu/routing.cc.o"]
+
     def pending():
-        out = subprocess.run([ninja, "-C", str(build), "-n"], check=True,
+        out = subprocess.run([ninja, "-C", str(build), "-n", *objects], check=True,
                              capture_output=True, text=True).stdout
         return [line for line in out.splitlines() if "Building" in line]
 
     configure(environment("first"))
-    subprocess.run([ninja, "-C", str(build)], check=True, capture_output=True)
+    assert len(pending()) == len(objects)  # the names are objects of this build
+    subprocess.run([ninja, "-C", str(build), *objects], check=True, capture_output=True)
     assert pending() == []
     second = environment("second")
     configure(second)

@@ -251,15 +251,17 @@ def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_step():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape, shard_optimizer", [((1, 1), False), ((2, 1), False),
-                                                       ((2, 1), True), ((2, 2), False)])
+@pytest.mark.parametrize("mesh_shape, shard_optimizer", [((2, 1), True), ((2, 2), False)])
 def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
     """Config.weight_copies (bf16): the train state keeps the expert stacks in bf16,
     written by the update, and the forward takes them. Two steps give the losses,
     gradient norms, parameters and optimizer state of casting in the forward, to
     the contract's bf16 tolerance (two XLA programs: the bits have been the same,
     but their summation order is XLA's choice); the copies are exactly the masters
-    cast (a cast rounds one way); f32 keeps none."""
+    cast (a cast rounds one way); f32 keeps none. Two meshes: dp with the sharded
+    optimizer (expert stacks whole on each device) and dp x ep with the replicated
+    one (a replicated update); one device and dp with the replicated optimizer
+    combine these layouts and are left out."""
     dp, ep = mesh_shape
     mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
     rules = lm.mnn.logical_axis_rules(mesh.axis_names)
@@ -301,13 +303,14 @@ def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape, lag", [((1, 1), -1), ((2, 1), 1), ((2, 2), -1)])
+@pytest.mark.parametrize("mesh_shape, lag", [((2, 1), 1), ((2, 2), -1)])
 def test_fused_norms_are_the_same_model(mesh_shape, lag):
     """--norm fused (mok_jax.add_rms_norm: each residual add with the norm after it,
     the blocks passing the FFN output on) against --norm nnx (the add, then
-    nnx.RMSNorm): the same parameters from the same seed, and two f32 steps on dp,
-    dp with the reduce barrier (which then ties the pending branch too) and dp x ep
-    meshes give the same losses and parameters up to the order of f32 sums."""
+    nnx.RMSNorm): the same parameters from the same seed, and two f32 steps on dp
+    with the reduce barrier (which then ties the pending branch too) and on dp x ep
+    give the same losses and parameters up to the order of f32 sums. (One device
+    adds no case of its own: the norms act on each device's tokens alone.)"""
     dp, ep = mesh_shape
     mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
     rules = lm.mnn.logical_axis_rules(mesh.axis_names)
@@ -657,18 +660,23 @@ def test_train_smoke_command_line(tmp_path):
 @pytest.mark.slow
 def test_mesh_experiments_smoke(tmp_path, capsys):
     """mesh_experiments.py on two of this process's host devices (its command line
-    is test_help's and test_mesh_experiments_refuses_more_devices_than_visible's)."""
+    is test_help's and test_mesh_experiments_refuses_more_devices_than_visible's),
+    in its shard_map mode: the ep mesh against the dp baseline, the report, table
+    and plot. (Its jit mode is left out: the model's loss and gradients under
+    plain jit on dp and dp x ep meshes are inside the train steps of
+    test_reduce_barrier_... and test_weight_copies_....)"""
     import mesh_experiments
 
     result = mesh_experiments.main(["--devices", "2", "--batch", "4", "--seq", "32",
-                                    "--repeats", "1", "--out", str(tmp_path)])
+                                    "--repeats", "1", "--mode", "shard_map",
+                                    "--out", str(tmp_path)])
     stdout = capsys.readouterr().out
     assert result["ok"], stdout
     report = json.loads((tmp_path / "mesh.json").read_text())
     assert report["devices"] == 2
     rows = report["rows"]
     assert [(r["mode"], r["dp"], r["ep"]) for r in rows] == [
-        ("jit", 2, 1), ("jit", 1, 2), ("shard_map", 2, 1), ("shard_map", 1, 2)]
+        ("shard_map", 2, 1), ("shard_map", 1, 2)]
     for r in rows:
         if r["ep"] == 1:
             assert r["status"] == "ok" and r["vs"] == "baseline", r
@@ -681,8 +689,6 @@ def test_mesh_experiments_smoke(tmp_path, capsys):
             # the same bits; gradients agree to summation order at least.
             assert r["outputs_bitwise"], r
             assert r["max_rel_diff"] < 1e-5, r
-    shard_map_rows = [r for r in rows if r["mode"] == "shard_map" and r["status"] == "ok"]
-    assert all(r["max_rel_diff_vs_jit"] < 1e-5 for r in shard_map_rows)
     assert "| mode | dp | ep |" in stdout
     assert (tmp_path / "mesh.png").stat().st_size > 5_000
 

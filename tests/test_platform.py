@@ -84,7 +84,6 @@ def test_a_build_without_cuda_handlers_on_a_gpu_says_how_to_rebuild(tmp_path):
     if not _jax_cuda_plugin_installed():
         pytest.skip("JAX has no CUDA plugin here")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
     code = ("import jax, jax.numpy as jnp, mok_jax\n"
             "if jax.default_backend() != 'gpu':\n"
             "    print('no gpu'); raise SystemExit\n"
@@ -96,8 +95,7 @@ def test_a_build_without_cuda_handlers_on_a_gpu_says_how_to_rebuild(tmp_path):
             "    print('RuntimeError:', err)\n"
             "else:\n"
             "    print('ran')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, check=False)
+    proc = _run_with_this_mok_jax(code, env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     if proc.stdout.strip() == "no gpu":
         pytest.skip("JAX found no GPU")
@@ -111,12 +109,19 @@ def _package_root():
     return os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
 
 
+def _run_with_this_mok_jax(code, env, cwd):
+    """Runs `code` in a fresh Python with `env`, importing the mok_jax this process
+    imported (PYTHONPATH gets its folder first)."""
+    env = {**env, "PYTHONPATH": os.pathsep.join(
+        p for p in (_package_root(), env.get("PYTHONPATH")) if p)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=cwd, check=False)
+
+
 @pytest.mark.slow
 def test_import_and_a_cpu_call_never_load_the_nccl_transport(tmp_path):
     """mok_jax._mok_comm links libnccl; only backend="fused" under EP imports it."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join(p for p in (_package_root(),
-                                                     os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     code = ("import sys, jax.numpy as jnp, mok_jax\n"
             "x = jnp.ones((4, 8)); ids = jnp.zeros((4, 2), jnp.int32)\n"
             "mok_jax.moe(x, ids, jnp.ones((4, 2)), jnp.ones((2, 8, 6)), jnp.ones((2, 3, 8)),"
@@ -124,6 +129,5 @@ def test_import_and_a_cpu_call_never_load_the_nccl_transport(tmp_path):
             "assert 'mok_jax._mok_comm' not in sys.modules, 'transport loaded'\n"
             "assert not any('libnccl' in l for l in open('/proc/self/maps')), 'libnccl mapped'\n"
             "print('ok')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, check=False)
+    proc = _run_with_this_mok_jax(code, env, tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -71,7 +71,20 @@ def _time(torch, fn, warmup, repeats):
     return times
 
 
-def bench_shape(torch, shape, passes, warmup, repeats, skip=frozenset()):
+def _time_queued(torch, fn, queue, repeats):
+    """Per-call ms of `repeats` batches of `queue` calls, synchronized once per batch
+    (bench.time_queued's method)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(queue):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3 / queue)
+    return times
+
+
+def bench_shape(torch, shape, passes, warmup, repeats, skip=frozenset(), queue=0):
     """Records of every baseline and pass on `shape`; (impl, pass) pairs in `skip`
     are recorded as skipped, not run."""
     T, K, E, H, F = shape
@@ -156,8 +169,9 @@ def bench_shape(torch, shape, passes, warmup, repeats, skip=frozenset()):
                         torch.autograd.grad((gu, o), leaves, (dgu, do))
                 with torch.no_grad() if pass_name == "fwd" else _null():
                     times = _time(torch, fn, warmup, repeats)
+                    queued = _time_queued(torch, fn, queue, repeats) if queue else None
                 rec.update(median_ms=statistics.median(times), min_ms=min(times),
-                           times_ms=times)
+                           times_ms=times, queued_times_ms=queued)
             except NotImplementedError as err:
                 rec.update(status="unavailable", error=str(err))
             except Exception as err:  # pylint: disable=broad-except
@@ -181,6 +195,7 @@ def main(argv=None):
     parser.add_argument("--passes", default="fwd,fwdbwd")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--queue", type=int, default=0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip", action="append", default=[],
                         help="IMPL/PASS/T,K,E,H,F not to run (repeatable)")
@@ -199,7 +214,7 @@ def main(argv=None):
             shape = tuple(int(v) for v in text.split(","))
             result["records"] += bench_shape(torch, shape, args.passes.split(","),
                                              args.warmup, args.repeats,
-                                             frozenset(skips.get(shape, ())))
+                                             frozenset(skips.get(shape, ())), args.queue)
     except Exception as err:  # pylint: disable=broad-except
         result["error"] = f"{type(err).__name__}: {err}"
     text = json.dumps(result)

@@ -5,7 +5,10 @@ routing excluded: expert ids and weights are made outside the timed function) on
 the bench shapes below (or a custom `--shape T,K,E,H,F`), in bf16 by default. Each
 pass is jitted and compiled, run `--warmup` times untimed (default 3), then timed
 `--repeats` times (default 20), each run blocked on; a record reports the median
-(and min and mean) of those runs. TFLOP/s count GEMM FLOPs only: forward
+(and min and mean) of those runs. `--queue N` also times `--repeats` batches of N
+calls dispatched back to back and blocked once (`queued ms`, per call): the
+device-bound time, which a blocked call exceeds by its round trip to the host
+(~0.1 ms for a jitted call on a GPU), the regime of a training loop. TFLOP/s count GEMM FLOPs only: forward
 6*T*K*H*F, forward+backward 18*T*K*H*F, credited alike to every pipeline (so the
 dense one-hot baseline's E/K times larger GEMMs count as waste). Every baseline is
 measured in the same process as `moe` (the PyTorch ones, `--torch`, in a
@@ -385,6 +388,23 @@ def time_step(step: Callable, args: Sequence[jax.Array], *, warmup: int,
     return compile_s, times_ms, compiled
 
 
+def time_queued(compiled: Callable, args: Sequence[jax.Array], *, queue: int,
+                repeats: int) -> list[float]:
+    """Per-call milliseconds of `repeats` batches: each batch dispatches `queue`
+    calls back to back and blocks once on the last, and its time is divided by
+    `queue`. The host's dispatch of one call overlaps the device's run of the one
+    before, as in a training loop, so this is the device-bound time per call; the
+    blocked runs of time_step also pay each call's round trip to the host."""
+    times_ms = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = [compiled(*args) for _ in range(queue)]
+        jax.block_until_ready(outs[-1])
+        times_ms.append((time.perf_counter() - start) * 1e3 / queue)
+        del outs
+    return times_ms
+
+
 OUTPUT_NAMES = {"fwd": ("y",),
                 "fwdbwd": ("y", "dx", "dexpert_weights", "dw_gate_up", "dw_down")}
 
@@ -438,28 +458,34 @@ def new_record(shape: Shape, impl: str, pass_name: str, *, dtype_name: str, warm
         "warmup": warmup, "repeats": repeats, "status": "ok", "error": None,
         "compile_s": None, "median_ms": None, "min_ms": None, "mean_ms": None,
         "tflops": None, "times_ms": None, "rel_err": None, "check_error": None,
-        "recipe": None,
+        "recipe": None, "queue": 0, "queued_ms": None, "queued_times_ms": None,
     }
 
 
-def finish_record(record: dict, times_ms: list[float], compile_s: float | None) -> dict:
-    """Fills the timing fields: median, min, mean and TFLOP/s at the median."""
+def finish_record(record: dict, times_ms: list[float], compile_s: float | None,
+                  queued_times_ms: list[float] | None = None) -> dict:
+    """Fills the timing fields: median, min, mean and TFLOP/s at the median; with
+    `queued_times_ms` (time_queued's) also their median, `queued_ms`."""
     median_ms = statistics.median(times_ms)
     record.update(
         compile_s=compile_s, median_ms=median_ms, min_ms=min(times_ms),
         mean_ms=statistics.fmean(times_ms), times_ms=times_ms,
         tflops=record["gemm_flops"] / (median_ms * 1e-3) / 1e12)
+    if queued_times_ms:
+        record.update(queued_times_ms=queued_times_ms,
+                      queued_ms=statistics.median(queued_times_ms))
     return record
 
 
 def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
               dtype_name: str, warmup: int, repeats: int,
               reference: list[jax.Array] | None = None,
-              verbose: bool = False, recipe: str = "native") -> dict:
+              verbose: bool = False, recipe: str = "native", queue: int = 0) -> dict:
     """One record: timings of `impl` on `shape` for `pass_name`, or its error.
 
-    With `reference` (the oracle's flat outputs), one more untimed run is compared
-    with it and the record gets `rel_err` per output (or `check_error`).
+    With `queue` > 0 also `repeats` queued batches of `queue` calls (time_queued):
+    `queued_ms`. With `reference` (the oracle's flat outputs), one more untimed run
+    is compared with it and the record gets `rel_err` per output (or `check_error`).
     `verbose` prints the traceback of a failure to stderr. `recipe`: mok_jax.moe's
     (recorded on its records; the baselines have none).
     """
@@ -484,6 +510,8 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
             args = [inputs[n] for n in names]
             compile_s, times_ms, compiled = time_step(step, args, warmup=warmup,
                                                       repeats=repeats)
+            queued_ms = (time_queued(compiled, args, queue=queue, repeats=repeats)
+                         if queue else None)
         except Exception as err:  # pylint: disable=broad-except
             # An OOM or an unsupported shape in one pipeline must not end the run.
             record.update(status="error", error=error_string(err))
@@ -499,7 +527,8 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
                 record["check_error"] = error_string(err)
                 if verbose:
                     traceback.print_exc()
-    return finish_record(record, times_ms, compile_s)
+    record["queue"] = queue
+    return finish_record(record, times_ms, compile_s, queued_ms)
 
 
 @contextlib.contextmanager
@@ -904,7 +933,8 @@ TORCH_ABOUT = {
 
 def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int,
                   repeats: int, timeout_s: float = 1800,
-                  backend: str | None = None, skip: Sequence[str] = ()) -> list[dict]:
+                  backend: str | None = None, skip: Sequence[str] = (),
+                  queue: int = 0) -> list[dict]:
     """PyTorch baselines (mok_jax/_torch_moe.py) timed in a subprocess; the
     measurements `skip` names (--skip entries) are recorded as skipped, not run.
 
@@ -925,7 +955,7 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
         return records
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_moe.py")
     cmd = [sys.executable, script, "--passes", ",".join(passes), "--warmup", str(warmup),
-           "--repeats", str(repeats)]
+           "--repeats", str(repeats), "--queue", str(queue)]
     for shape in shapes:
         dims = ",".join(str(v) for v in (shape.tokens, shape.top_k, shape.experts,
                                          shape.hidden, shape.ffn))
@@ -953,7 +983,8 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
                 if skipped(skip, impl, pass_name, shape.name):
                     record.update(status="skipped", error="named in --skip")
                 elif got.get("times_ms"):
-                    finish_record(record, got["times_ms"], None)
+                    record["queue"] = queue
+                    finish_record(record, got["times_ms"], None, got.get("queued_times_ms"))
                 else:
                     record.update(status=got.get("status", "unavailable"),
                                   error=got.get("error", result.get("error")))
@@ -982,6 +1013,11 @@ LEGEND = {
                    "the record's recipe says; torch_scaled_grouped_mm: fp8); "
                    "single-device baselines only, absent from EP records and None on "
                    "compute-only records",
+    "queued_ms": "with --queue N: the median over --repeats batches of (time of N calls "
+                 "dispatched back to back, blocked once at the end) / N: the "
+                 "device-bound time per call, without each blocked call's round trip to "
+                 "the host; None without --queue and on EP records",
+    "mok_speedup_queued": "as mok_speedup, from queued_ms",
     "recipe_speedup": "on moe records of a recipe other than native: the native moe "
                       "median / this median, same shape, pass and process (the table's "
                       "speedup column shows it for those rows)",
@@ -1017,6 +1053,9 @@ def add_speedups(records: list[dict]) -> None:
     mok_ms = {(r["shape"], r["pass"], r.get("recipe") or "native"): r["median_ms"]
               for r in records if r["impl"] == MOK and r["median_ms"] and not is_ep_record(r)
               and not is_compute_only_record(r)}
+    mok_queued = {(r["shape"], r["pass"], r.get("recipe") or "native"): r.get("queued_ms")
+                  for r in records if r["impl"] == MOK and r.get("queued_ms")
+                  and not is_ep_record(r) and not is_compute_only_record(r)}
     compute_ms = {(r["shape"], r["pass"], r["compute_only_for_ep"], r.get("recipe")):
                   r["median_ms"]
                   for r in records if is_compute_only_record(r) and r["median_ms"]}
@@ -1044,6 +1083,10 @@ def add_speedups(records: list[dict]) -> None:
         r["mok_speedup"] = (r["median_ms"] / mine
                             if mine and r["median_ms"] and r["impl"] != MOK
                             and not is_compute_only_record(r) else None)
+        queued = mok_queued.get((r["shape"], r["pass"], r.get("recipe") or "native"))
+        r["mok_speedup_queued"] = (r["queued_ms"] / queued
+                                   if queued and r.get("queued_ms") and r["impl"] != MOK
+                                   and not is_compute_only_record(r) else None)
 
 
 def ep_ratio_text(record: dict) -> str:
@@ -1079,7 +1122,9 @@ def format_table(records: list[dict]) -> str:
     """
     checked = any(r.get("rel_err") for r in records)
     ep_records = [r for r in records if is_ep_record(r)]
+    queued = any(r.get("queued_ms") for r in records)
     header = ("shape", "impl", "pass", "median ms", "min ms", "TFLOP/s", "mok speedup")
+    header += ("queued ms", "queued speedup") if queued else ()
     header += ("EP/compute",) if ep_records else ()
     header += ("max rel err",) if checked else ()
     rows = [header]
@@ -1100,6 +1145,10 @@ def format_table(records: list[dict]) -> str:
                f"{r['min_ms']:.3f}",
                f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.4f}",
                "-" if speedup is None else f"{speedup:.2f}x")
+        if queued:
+            q_ms, q_speedup = r.get("queued_ms"), r.get("mok_speedup_queued")
+            row += ("-" if q_ms is None else f"{q_ms:.3f}",
+                    "-" if q_speedup is None else f"{q_speedup:.2f}x")
         if ep_records:
             ratio = r.get("ep_time_ratio")
             row += ("(ref)" if is_compute_only_record(r)
@@ -1116,6 +1165,10 @@ def format_table(records: list[dict]) -> str:
     text = "\n".join(lines)
     text += ("\n\nmok speedup: baseline median / moe median, same shape, pass and process "
              "(> 1: moe is faster); single-device rows only.")
+    if queued:
+        text += ("\nqueued ms: per call, median of batches of --queue calls dispatched back "
+                 "to back and blocked once (device-bound; median ms blocks on every call); "
+                 "queued speedup: the same ratio from it.")
     if ep_records:
         text += ("\nEP/compute: EP=N median / the median of moe_compute_epN, moe on one "
                  "device with one rank's work (T tokens, K of E/N experts: the same rows "
@@ -1370,7 +1423,8 @@ def help_epilog() -> str:
     lines += [
         "",
         "method: each pass is jitted and compiled, run --warmup times untimed, then timed",
-        "  --repeats times (each run blocked on); records report the median. Routing is",
+        "  --repeats times (each run blocked on); records report the median. --queue N",
+        "  adds --repeats batches of N calls blocked once each (queued ms). Routing is",
         "  made outside the timed function. TFLOP/s count GEMM FLOPs only (fwd",
         "  6*T*K*H*F, fwdbwd 18*T*K*H*F) for every pipeline alike. All baselines run in",
         "  the same process as moe (torch: a subprocess just before).",
@@ -1421,6 +1475,11 @@ def build_parser() -> argparse.ArgumentParser:
                         default=list(IMPLS), help="comma list of pipelines (see below)")
     parser.add_argument("--passes", type=_csv(PASSES, "pass"), default=list(PASSES),
                         help="fwd and/or fwdbwd")
+    parser.add_argument("--queue", type=int, default=0, metavar="N",
+                        help="also time each single-device pipeline (and the torch ones) "
+                             "in --repeats batches of N calls dispatched back to back, "
+                             "blocked once per batch: the device-bound time per call "
+                             "(`queued ms`); 0 (default): not measured")
     parser.add_argument("--repeats", type=int, default=20,
                         help="timed runs per measurement (median of these; default 20)")
     parser.add_argument("--warmup", type=int, default=3,
@@ -1498,8 +1557,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     and fills in the defaults that depend on other flags (shapes, ep_shapes).
     Needs no devices; check_platform does the checks that do."""
     fail = parser.error
-    if args.repeats < 1 or args.warmup < 0:
-        fail("--repeats must be >= 1 and --warmup >= 0")
+    if args.repeats < 1 or args.warmup < 0 or args.queue < 0:
+        fail("--repeats must be >= 1, --warmup and --queue >= 0")
     if "fp8" in args.recipe and args.dtype != "bf16":
         fail("--recipe fp8 takes bfloat16 inputs: use --dtype bf16")
     names = [shape.name for shape in args.shape]
@@ -1705,7 +1764,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     pre_records = []
     if args.torch:  # before JAX initialises the GPU and reserves its memory
         pre_records = torch_records(shapes, args.passes, warmup=args.warmup,
-                                    repeats=args.repeats, backend=backend, skip=args.skip)
+                                    repeats=args.repeats, backend=backend, skip=args.skip,
+                                    queue=args.queue)
         for record in pre_records:
             _print_progress(record)
     info = machine_info()
@@ -1774,7 +1834,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     record = bench_one(shape, impl, pass_name, inputs,
                                        dtype_name=args.dtype, warmup=args.warmup,
                                        repeats=args.repeats, reference=reference,
-                                       verbose=args.verbose, recipe=recipe)
+                                       verbose=args.verbose, recipe=recipe,
+                                       queue=args.queue)
                     if args.check:
                         record["check_reference"] = check_name
                         record["check_error"] = record["check_error"] or check_error

@@ -73,7 +73,7 @@ if want memcheck; then  # every kernel of the layer (the SwiGLU-epilogue GEMM in
 fi
 cd /tmp
 if want bench; then
-  step bench timeout ${MOK_TIMEOUT_BENCH:-1200} $PY -m mok_jax.bench $( [ "${MOK_BENCH_TORCH:-1}" = 1 ] && echo --torch) --json "$OUTDIR/bench.json" ${MOK_BENCH_ARGS:-}
+  step bench timeout ${MOK_TIMEOUT_BENCH:-1200} $PY -m mok_jax.bench $( [ "${MOK_BENCH_TORCH:-1}" = 1 ] && echo --torch) --queue 10 --json "$OUTDIR/bench.json" ${MOK_BENCH_ARGS:-}
 fi
 cd - > /dev/null
 if want suite; then  # the whole suite with the GPU as default device

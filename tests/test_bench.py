@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -278,6 +279,47 @@ def test_table_and_speedups():
     assert records[2]["mok_speedup"] is None
     table = bench.format_table(records)
     assert "2.50x" in table and "tokamax: error: boom" in table
+
+
+def test_time_queued_is_per_call_time_of_each_batch():
+    calls = []
+
+    def compiled(x):
+        calls.append(1)
+        time.sleep(0.02)
+        return x
+
+    times = bench.time_queued(compiled, [jnp.zeros(2)], queue=3, repeats=2)
+    assert len(calls) == 6 and len(times) == 2
+    # Each batch is three 20 ms calls: per call 20 ms and some, far from 60.
+    assert all(20.0 <= t < 40.0 for t in times), times
+
+
+def test_queue_adds_queued_times_and_their_speedups(capsys):
+    result = bench.main(["--quick", "--shapes", "ep", "--impls", "ragged_dot,dense_onehot",
+                         "--passes", "fwd", "--repeats", "2", "--warmup", "0",
+                         "--queue", "2"])
+    for r in result["records"]:
+        assert r["status"] == "ok" and r["queue"] == 2, r
+        assert len(r["queued_times_ms"]) == 2 and r["queued_ms"] > 0, r
+    out = capsys.readouterr().out
+    assert "queued ms" in out and "queued speedup" in out
+
+    def rec(impl, ms, queued_ms):
+        return {"shape": "ep", "impl": impl, "pass": "fwd", "median_ms": ms,
+                "min_ms": ms, "tflops": 1.0, "status": "ok", "error": None,
+                "queued_ms": queued_ms}
+
+    records = [rec("moe", 2.0, 1.0), rec("ragged_dot", 5.0, 4.0), rec("dense_onehot", 6.0, None)]
+    bench.add_speedups(records)
+    assert records[1]["mok_speedup_queued"] == pytest.approx(4.0)
+    assert records[0]["mok_speedup_queued"] is None
+    assert records[2]["mok_speedup_queued"] is None
+    lines = bench.format_table(records).splitlines()
+    assert lines[0].split()[-4:] == ["queued", "ms", "queued", "speedup"]
+    assert lines[3].split()[-2:] == ["4.000", "4.00x"] and lines[4].split()[-2:] == ["-", "-"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--queue", "-1"])
 
 
 def test_check_reports_relative_errors():

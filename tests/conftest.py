@@ -11,14 +11,18 @@ tests start as well:
   build, as the README's test command installs): on a machine with a GPU, JAX would
   otherwise run everything there, where such a build has no handlers. The GPU tests
   are then skipped by marker and the CPU tests run on the CPU.
-* A persistent JAX compilation cache in a fresh directory of this session (removed
-  at its end): a program that a test, an example run in-process or a script the
-  tests start has compiled is loaded, not compiled again, by the next one that
-  builds the same program (the key is the program's text, the compile options,
-  XLA_FLAGS, the devices and jaxlib's version). Nothing from an earlier session or
-  another build is reused.
+* Where JAX can only run on the CPU here (the platform pinned to the CPU, or no
+  JAX CUDA plugin installed), a persistent JAX compilation cache in a fresh
+  directory of this pytest run (removed at its end): a program that a test, an
+  example run in-process or a script the tests start has compiled is loaded, not
+  compiled again, by the next one that builds the same program (the key is the
+  program's text, the compile options, XLA_FLAGS, the devices and jaxlib's
+  version). Nothing from an earlier run or another build is reused. Not on GPUs:
+  there the cache compresses every executable it writes with zlib, and a GPU
+  test's executable can hold a gigabyte of constants (minutes to compress).
 """
 
+import importlib.util
 import os
 import re
 import shutil
@@ -31,25 +35,10 @@ if _HOST_DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
         os.environ.get("XLA_FLAGS", "") + f" {_HOST_DEVICES_FLAG}=8"
     ).strip()
 
-# The compilation cache, for this process and the scripts it starts (which read the
-# variable when they import jax). JAX writes the programs that took at least a
-# second to compile (jax_persistent_cache_min_compile_time_secs): the train steps
-# of the examples, which several tests build alike. Caching every program (a
-# threshold of 0) made the fast set slower, 412 s against 376 s (2026-12-03, two
-# x86 cores): its many small programs almost never recur. A second copy of this module, as
-# --import-mode=importlib makes, keeps the first one's directory.
-JAX_CACHE_DIR = os.environ.get("MOK_JAX_TESTS_JAX_CACHE_DIR", "")
-if not os.path.isdir(JAX_CACHE_DIR):
-    JAX_CACHE_DIR = tempfile.mkdtemp(prefix="mok_jax_tests_jax_cache_")
-    os.environ["MOK_JAX_TESTS_JAX_CACHE_DIR"] = JAX_CACHE_DIR
-os.environ["JAX_COMPILATION_CACHE_DIR"] = JAX_CACHE_DIR
-
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-
-jax.config.update("jax_compilation_cache_dir", JAX_CACHE_DIR)  # if jax came first
 
 
 def platforms_for_tests(cuda_kernels: bool) -> str | None:
@@ -71,6 +60,31 @@ else:
 if PINNED_PLATFORMS is not None:
     os.environ["JAX_PLATFORMS"] = PINNED_PLATFORMS  # the scripts the tests start
     jax.config.update("jax_platforms", PINNED_PLATFORMS)  # before any backend starts
+
+
+def compilation_cache_wanted(platforms: str, jax_gpu_plugin: bool) -> bool:
+    """Whether the tests use a compilation cache: only where JAX runs on the CPU
+    alone (`platforms`, JAX_PLATFORMS as set, is "cpu", or JAX has no GPU plugin)."""
+    return platforms == "cpu" or not jax_gpu_plugin
+
+
+# The compilation cache, for this process and the scripts it starts (which read the
+# variable when they import jax). JAX writes the programs that took at least a
+# second to compile (jax_persistent_cache_min_compile_time_secs): the train steps
+# of the examples, which several tests build alike. Caching every program (a
+# threshold of 0) made the fast set slower, 412 s against 376 s (2026-12-03, two
+# x86 cores): its many small programs almost never recur. A second copy of this
+# module, as --import-mode=importlib makes, keeps the first one's directory.
+JAX_CACHE_DIR = None
+if compilation_cache_wanted(
+        os.environ.get("JAX_PLATFORMS", ""),
+        any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None for v in (12, 13))):
+    JAX_CACHE_DIR = os.environ.get("MOK_JAX_TESTS_JAX_CACHE_DIR", "")
+    if not os.path.isdir(JAX_CACHE_DIR):
+        JAX_CACHE_DIR = tempfile.mkdtemp(prefix="mok_jax_tests_jax_cache_")
+        os.environ["MOK_JAX_TESTS_JAX_CACHE_DIR"] = JAX_CACHE_DIR
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = JAX_CACHE_DIR
+    jax.config.update("jax_compilation_cache_dir", JAX_CACHE_DIR)
 
 # The reference's f32 matmuls must be true f32 on GPUs too (XLA may otherwise use
 # TF32 there), or the contract's 1e-5 f32 tolerance would measure the oracle.
@@ -102,7 +116,8 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(JAX_CACHE_DIR, ignore_errors=True)
+    if JAX_CACHE_DIR is not None:
+        shutil.rmtree(JAX_CACHE_DIR, ignore_errors=True)
 
 
 def _num_gpus():

@@ -57,8 +57,10 @@ def _forward_and_grads(x, ids, w, wgu, wd, **kw):
         y, stats = mok_jax.moe(x, ids, w, wgu, wd, return_stats=True, **kw)
         return jnp.sum(y.astype(jnp.float32) * cot), (y, stats)
 
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
-    return jax.jit(lambda: grad(x, w, wgu, wd))
+    # The arrays as arguments, not closed over: constants in the executable would
+    # make it as large as the weights (1.2 GB at few-tokens).
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    return lambda: grad(x, w, wgu, wd)
 
 
 def _assert_same(a, b):

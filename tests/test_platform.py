@@ -13,7 +13,7 @@ import pytest
 
 import conftest
 import mok_jax
-from conftest import platforms_for_tests
+from conftest import compilation_cache_wanted, platforms_for_tests
 from mok_jax import _ext, _mok
 
 
@@ -51,6 +51,13 @@ def test_a_build_without_cuda_handlers_pins_the_tests_to_the_cpu():
     leaves the choice to JAX when it has them."""
     assert platforms_for_tests(cuda_kernels=False) == "cpu"
     assert platforms_for_tests(cuda_kernels=True) is None
+
+
+def test_the_compilation_cache_is_used_only_where_jax_runs_on_the_cpu_alone():
+    assert compilation_cache_wanted("cpu", jax_gpu_plugin=True)
+    assert compilation_cache_wanted("", jax_gpu_plugin=False)
+    assert not compilation_cache_wanted("", jax_gpu_plugin=True)
+    assert not compilation_cache_wanted("cuda", jax_gpu_plugin=True)
     if mok_jax.build_info().cuda_kernels:
         assert conftest.PINNED_PLATFORMS is None
         assert "cuda" in _ext.registered_platforms()

@@ -295,6 +295,25 @@ def test_time_queued_is_per_call_time_of_each_batch():
     assert all(20.0 <= t < 40.0 for t in times), times
 
 
+def test_torch_queued_timing_synchronizes_once_per_batch():
+    from mok_jax import _torch_moe  # pylint: disable=import-outside-toplevel
+    events = []
+
+    class FakeTorch:
+        class cuda:  # noqa: N801  (torch.cuda's spelling)
+            @staticmethod
+            def synchronize():
+                events.append("sync")
+
+    def fn():
+        events.append("call")
+        time.sleep(0.02)
+
+    times = _torch_moe._time_queued(FakeTorch, fn, 3, 2)
+    assert events == ["call"] * 3 + ["sync"] + ["call"] * 3 + ["sync"]
+    assert len(times) == 2 and all(20.0 <= t < 40.0 for t in times), times
+
+
 def test_queue_adds_queued_times_and_their_speedups(capsys):
     result = bench.main(["--quick", "--shapes", "ep", "--impls", "ragged_dot,dense_onehot",
                          "--passes", "fwd", "--repeats", "2", "--warmup", "0",

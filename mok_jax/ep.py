@@ -16,6 +16,10 @@ Steps 3 and 4 are the very code the single-device kernel runs, each row's
 arithmetic does not depend on its neighbours, and each expert's rows arrive in
 the global order, so results and gradients are bitwise equal to EP=1, whatever
 the transport.
+
+`forward_on_virtual_ranks` runs the EP role of the persistent forward: P ranks
+served by one launch on one GPU, each with its own token, output and receive
+windows reached through pointer tables, as peers' windows would be.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import comm, primitives
+from mok_jax import _ext, comm, primitives
 from mok_jax.recipe import Recipe
 from mok_jax.transport import TRANSPORTS, Transport
 
@@ -210,3 +214,44 @@ class ExchangePath:
         dw_pairs = dw_pairs.reshape(T, K)
         d_weights = jnp.where(res.plan.kept != 0, dw_pairs, jnp.zeros_like(dw_pairs))
         return dx, d_weights, d_w_gate_up, d_w_down
+
+
+MAX_VIRTUAL_RANKS = 8
+
+
+def forward_on_virtual_ranks(x, expert_ids, expert_weights, w_gate_up, w_down, *,
+                             ranks: int, capacity: int | None = None) -> jax.Array:
+    """`mok_jax.moe`'s y, computed as `ranks` EP ranks in one persistent launch on one
+    GPU (the ``mok_moe_fwd_ranks`` FFI target; forward only, no gradient).
+
+    Rank r holds tokens ``[r*T/P, (r+1)*T/P)`` (its slices of x and y are its
+    windows) and experts ``[r*E/P, (r+1)*E/P)``; its CTAs compute its experts' rows,
+    reading each token's x row from the window of the token's rank and writing each
+    output row into the receive window of the token's rank, and combine its own
+    tokens. The result is bit for bit ``mok_jax.moe``'s at EP=1, for every P.
+    Needs the CUDA build on a compute capability 9.0 GPU, bf16 x and weights, H and
+    F multiples of 8. `capacity`: rows kept per expert (None: all).
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, (int, np.integer)):
+        raise TypeError(f"ranks must be an int, got {ranks!r}")
+    T, H = x.shape
+    E = w_gate_up.shape[0]
+    if not 1 <= ranks <= MAX_VIRTUAL_RANKS or T % ranks or E % ranks:
+        raise ValueError(f"ranks must be in [1, {MAX_VIRTUAL_RANKS}] and divide T={T} and "
+                         f"E={E}; got {ranks}")
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"capacity must be >= 0 or None, got {capacity}")
+    for name, a in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if a.dtype != jnp.bfloat16:
+            raise TypeError(f"forward_on_virtual_ranks takes bfloat16 {name}, got {a.dtype}")
+    _ext.require_target("cuda", _ext.MOE_FORWARD_RANKS)
+    if jax.default_backend() != "gpu":
+        raise RuntimeError("forward_on_virtual_ranks runs on a CUDA GPU only (JAX's default "
+                           f"backend here: {jax.default_backend()})")
+    outs = (jax.ShapeDtypeStruct((T, H), x.dtype), jax.ShapeDtypeStruct((E,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    y, *_ = jax.ffi.ffi_call(_ext.MOE_FORWARD_RANKS, outs)(
+        x, expert_ids.astype(jnp.int32), expert_weights, w_gate_up, w_down,
+        ranks=np.int64(ranks),
+        capacity=np.int64(primitives.NO_CAPACITY if capacity is None else capacity))
+    return y

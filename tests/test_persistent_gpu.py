@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mok_jax
-from mok_jax import _mok
+from mok_jax import _mok, ep
 from mok_jax.reference import moe_reference
 
 pytestmark = pytest.mark.gpu
@@ -150,3 +150,33 @@ def test_bitwise_deterministic_over_20_runs(persistent):
     first = np.asarray(persistent(lambda: fwd(*args), True))
     for _ in range(19):
         np.testing.assert_array_equal(np.asarray(persistent(lambda: fwd(*args), True)), first)
+
+
+# --- the EP role on virtual ranks ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("shape", [(256, 8, 128, 2048, 768), (96, 3, 8, 136, 200)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_virtual_ranks_give_the_one_device_bits(ranks, shape):
+    """P ranks in one launch, each with its own windows: y bit for bit the EP=1
+    forward's (the chain's and the persistent kernel's), skewed routing (empty
+    experts, experts past one 64-row block), invalid ids and capacity drops."""
+    T, K, E, H, F = shape
+    x, ids, w, wgu, wd = _problem(*shape, seed=11, skew=True)
+    ids = ids.at[::7, 0].set(E + 3).at[1::11, K - 1].set(-1)
+    for cap in (None, max(1, T * K // E // 2)):
+        cf = None if cap is None else cap * E / (T * K)
+        assert mok_jax.capacity(cf, T, K, E) == cap
+        want = jax.jit(lambda *a: mok_jax.moe(*a, capacity_factor=cf))(x, ids, w, wgu, wd)
+        got = jax.jit(lambda *a: ep.forward_on_virtual_ranks(
+            *a, ranks=ranks, capacity=cap))(x, ids, w, wgu, wd)
+        _assert_same(got, want)
+
+
+def test_virtual_ranks_repeat_bit_for_bit():
+    x, ids, w, wgu, wd = _problem(256, 8, 128, 2048, 768, seed=12)
+    f = jax.jit(lambda *a: ep.forward_on_virtual_ranks(*a, ranks=4))
+    first = f(x, ids, w, wgu, wd)
+    for _ in range(19):
+        _assert_same(f(x, ids, w, wgu, wd), first)

@@ -82,6 +82,40 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   return ffi_checks::launcher_result(op, err);
 }
 
+ffi::Error MoeForwardRanksCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                               ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
+                               ffi::AnyBuffer expert_weights, ffi::AnyBuffer w_gate_up,
+                               ffi::AnyBuffer w_down, int64_t ranks, int64_t capacity,
+                               ffi::Result<ffi::AnyBuffer> y,
+                               ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
+                               ffi::Result<ffi::Buffer<ffi::S32>> dropped,
+                               ffi::Result<ffi::Buffer<ffi::S32>> invalid) {
+  constexpr const char* op = "mok_moe_fwd_ranks (CUDA)";
+  Decoded d;
+  MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "y", *y, {d.shape.tokens, d.shape.hidden}));
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "y", *y, d.x_dtype));
+  MOK_RETURN_IF_ERROR(
+      ffi_checks::expect_shape(op, "tokens_per_expert", *tokens_per_expert, {d.shape.experts}));
+  MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
+  if (ranks < 1 || ranks > 8 || d.shape.tokens % ranks != 0 || d.shape.experts % ranks != 0) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": ranks must be in [1, 8] and divide T and E; got ranks=" +
+        std::to_string(ranks) + ", T=" + std::to_string(d.shape.tokens) +
+        ", E=" + std::to_string(d.shape.experts));
+  }
+  // No residuals: y is passed for the unused gate_up result (save_gate_up false).
+  MoeForwardArgs args = ffi_checks::forward_args(
+      d, x, expert_ids, expert_weights, w_gate_up, w_down, Recipe::kNative, capacity,
+      /*save_gate_up=*/false, *y, *y, *tokens_per_expert, *dropped, *invalid);
+  args.ranks = static_cast<int>(ranks);
+  const size_t bytes = cuda::moe_forward_workspace_bytes(d.shape, Recipe::kNative, d.x_dtype,
+                                                          false, args.ranks);
+  void* ws = nullptr;
+  MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
+  return ffi_checks::launcher_result(op, cuda::moe_forward(args, nullptr, ws, bytes, stream));
+}
+
 ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                            ffi::Buffer<ffi::S32> expert_ids, ffi::AnyBuffer expert_weights,
                            ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
@@ -208,6 +242,10 @@ auto cuda_context(Binding b) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokMoeForwardCuda, mok::MoeForwardCuda,
     mok::signatures::moe_forward(mok::signatures::cuda_context(xla::ffi::Ffi::Bind())));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokMoeForwardRanksCuda, mok::MoeForwardRanksCuda,
+    mok::signatures::moe_forward_ranks(mok::signatures::cuda_context(xla::ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokMoeBackwardCuda, mok::MoeBackwardCuda,

@@ -4,6 +4,7 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeForwardCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeForwardRanksCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokMoeBackwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokExpertFfnForwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MokExpertFfnBackwardCuda);

@@ -32,6 +32,23 @@ auto moe_forward(Binding b) {
       .template Ret<S32>();                 // invalid []
 }
 
+// The forward of `ranks` EP ranks in one launch on one device (virtual ranks;
+// CUDA only): the persistent kernel's EP role, with y bit for bit moe_forward's.
+template <typename Binding>
+auto moe_forward_ranks(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()   // x [T, H], rank o: rows [o T/P, (o+1) T/P)
+      .template Arg<S32>()                  // expert_ids [T, K]
+      .template Arg<ffi::AnyBuffer>()       // expert_weights [T, K]
+      .template Arg<ffi::AnyBuffer>()       // w_gate_up [E, H, 2F], rank o: [o E/P, (o+1) E/P)
+      .template Arg<ffi::AnyBuffer>()       // w_down [E, F, H]
+      .template Attr<int64_t>("ranks")      // P, 1..8, dividing T and E
+      .template Attr<int64_t>("capacity")   // rows kept per expert, < 0: all
+      .template Ret<ffi::AnyBuffer>()       // y [T, H]
+      .template Ret<S32>()                  // tokens_per_expert [E]
+      .template Ret<S32>()                  // dropped []
+      .template Ret<S32>();                 // invalid []
+}
+
 template <typename Binding>
 auto moe_backward(Binding b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()   // x [T, H]

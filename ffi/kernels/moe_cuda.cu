@@ -39,7 +39,7 @@ struct ForwardBuffers {
 };
 
 ForwardBuffers carve_forward(void* ws, const MoeShape& s, Recipe recipe, DType dt,
-                             bool save_gate_up, size_t* total) {
+                             bool save_gate_up, int ranks, size_t* total) {
   // The residuals, when saved, are result buffers, not workspace: gate_up, and the
   // x rows GEMM1 reads (gathered straight into the x_rows result).
   const int64_t pairs = s.tokens * s.top_k;
@@ -49,9 +49,9 @@ ForwardBuffers carve_forward(void* ws, const MoeShape& s, Recipe recipe, DType d
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
 #ifdef MOK_HAVE_SM90A
-  if (use_persistent_forward(s, recipe, dt)) {
+  if (ranks > 1 || use_persistent_forward(s, recipe, dt)) {
     b.persistent = true;
-    b.ffn_scratch_bytes = persistent_forward_workspace_bytes(s);
+    b.ffn_scratch_bytes = persistent_forward_workspace_bytes(s, ranks);
     b.ffn_scratch = c.take(b.ffn_scratch_bytes);
     *total = c.used();
     return b;
@@ -89,9 +89,9 @@ BackwardBuffers carve_backward(void* ws, const MoeShape& s, Recipe recipe, DType
 }  // namespace
 
 size_t moe_forward_workspace_bytes(const MoeShape& shape, Recipe recipe, DType x_dtype,
-                                   bool save_gate_up) {
+                                   bool save_gate_up, int ranks) {
   size_t total = 0;
-  carve_forward(nullptr, shape, recipe, x_dtype, save_gate_up, &total);
+  carve_forward(nullptr, shape, recipe, x_dtype, save_gate_up, ranks, &total);
   return total;
 }
 
@@ -106,8 +106,20 @@ std::string moe_forward(const MoeForwardArgs& a, void* x_rows_out, void* workspa
   const auto [T, K, E, H, F] = a.shape;
   const int64_t pairs = T * K;
   size_t need = 0;
+  if (a.ranks != 1) {
+#ifdef MOK_HAVE_SM90A
+    const bool can = persistent_forward_can_run(a.shape, a.recipe, a.x_dtype);
+#else
+    const bool can = false;
+#endif
+    if (!can) {
+      return "EP ranks on one launch run in the persistent forward only: it needs sm_90a "
+             "code, a compute capability 9.0 device, bf16 x and weights, the native "
+             "recipe, H and F multiples of 8 and E <= 4096";
+    }
+  }
   ForwardBuffers b = carve_forward(workspace, a.shape, a.recipe, a.x_dtype,
-                                   x_rows_out != nullptr, &need);
+                                   x_rows_out != nullptr, a.ranks, &need);
   if (need > workspace_bytes) return "MoE forward: workspace too small";
   if (x_rows_out != nullptr) b.x_rows = x_rows_out;  // saved for the backward
   const int64_t* num_rows = b.plan.expert_begin + E;  // kept rows, on the device
@@ -115,13 +127,14 @@ std::string moe_forward(const MoeForwardArgs& a, void* x_rows_out, void* workspa
 #ifdef MOK_HAVE_SM90A
   if (b.persistent) {
     MOK_RETURN_IF_MESSAGE(persistent_forward_prepare(a.shape, b.ffn_scratch,
-                                                     b.ffn_scratch_bytes, stream));
+                                                     b.ffn_scratch_bytes, stream, a.ranks));
     MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan,
                                              a.tokens_per_expert, a.dropped, a.invalid, stream));
     const PersistentForwardArgs p{a.shape,       a.weight_dtype,     a.x,
                                   a.expert_weights, a.w_gate_up,     a.w_down,
                                   b.plan.expert_begin, b.plan.row_pair, b.plan.pair_row,
-                                  x_rows_out,    a.gate_up_out,      a.y};
+                                  x_rows_out,    a.gate_up_out,      a.y,
+                                  a.ranks};
     return persistent_forward(p, b.ffn_scratch, b.ffn_scratch_bytes, stream);
   }
 #endif

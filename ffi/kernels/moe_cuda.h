@@ -22,7 +22,7 @@ using mok::MoeForwardArgs;
 // forward is given x_rows_out (and gate_up_out) and gathers x into it, not into
 // its workspace; it must be true exactly when moe_forward gets an x_rows_out.
 size_t moe_forward_workspace_bytes(const MoeShape& shape, Recipe recipe, DType x_dtype,
-                                   bool save_gate_up);
+                                   bool save_gate_up, int ranks = 1);
 size_t moe_backward_workspace_bytes(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // Enqueue on `stream`; return an empty string on success, else what failed.

@@ -13,6 +13,7 @@
 #include "cute/atom/copy_traits_sm90_tma.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/fast_math.h"
 #include "cutlass/numeric_types.h"
 #include "mok/bf16.h"
 #include "workspace.h"
@@ -39,7 +40,8 @@ constexpr int kStageCols = 256;       // B columns per stage in both GEMMs
 constexpr int kCombineTokens = 2;     // tokens per combine task (four warps each)
 constexpr int kCombineWarps = 4;      // warps per token, side by side along H
 static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
-constexpr int64_t kMaxExperts = 4096;  // the row-block prefix sums live in shared memory
+constexpr int64_t kMaxExperts = 4096;
+constexpr int kMaxRanks = 8;           // virtual EP ranks of one launch (moe_persistent.h)  // the row-block prefix sums live in shared memory
 // Auto mode: the persistent kernel where experts average at most this many rows
 // (its 64-row tiles stream the weights; with more rows the chain's CUTLASS GEMMs,
 // 128x256 tiles with warp specialisation, are faster: docs/performance.md).
@@ -98,20 +100,43 @@ struct Params {
   Tma1 tma1;  // the weight tiles, by TMA into the B stages
   Tma2 tma2;
   int64_t tokens, top_k, experts, hidden, ffn;
-  const Elem* x;
+  // EP ranks: rank o holds tokens [o T/P, (o+1) T/P) and experts [o E/P, (o+1) E/P);
+  // its windows are reached through these pointer tables only.
+  int32_t ranks;                  // P (1: the one-device forward)
+  int32_t rank_tokens;            // T / P
+  int32_t rank_experts;           // E / P
+  cutlass::FastDivmod by_rank_tokens;  // t -> (t / (T/P), t % (T/P))
+  const Elem* x_win[kMaxRanks];   // rank o's x rows [T/P, H]
+  Elem* y_win[kMaxRanks];         // rank o's y rows [T/P, H]
+  Elem* recv_win[kMaxRanks];      // rank o's expert-output rows by its pairs [T/P * K, H]
   const void* weights;
   const int64_t* expert_begin;
   const int32_t* row_pair;
   const int32_t* pair_row;
   Elem* x_rows_out;
   Elem* gate_up_out;
-  Elem* y;
-  Elem* h;           // [R, F] scratch
-  Elem* out_rows;    // [R, H] scratch
-  uint32_t* h_ready; // [max row blocks]
-  uint32_t* gemm2_done;
-  uint32_t* ticket;
+  Elem* h;              // [R, F] scratch
+  uint32_t* h_ready;    // [max row blocks]
+  uint32_t* gemm2_done; // GEMM2 tasks done, every rank's
+  uint32_t* ticket;     // [P]
 };
+
+// Token t's x row, read from the window of the rank that holds t.
+__device__ __forceinline__ const Elem* x_row(const Params& p, int64_t token) {
+  int rank, local;
+  p.by_rank_tokens(rank, local, static_cast<int>(token));
+  return p.x_win[rank] + int64_t(local) * p.hidden;
+}
+
+// Where pair `pair`'s expert-output row goes: the receive window of the rank
+// that holds its token, at the pair's place among that rank's pairs.
+__device__ __forceinline__ Elem* recv_row(const Params& p, int32_t pair) {
+  const int32_t t = pair / static_cast<int32_t>(p.top_k);
+  const int32_t k = pair - t * static_cast<int32_t>(p.top_k);
+  int rank, local;
+  p.by_rank_tokens(rank, local, t);
+  return p.recv_win[rank] + (int64_t(local) * p.top_k + k) * p.hidden;
+}
 
 __device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
   uint32_t v;
@@ -192,7 +217,7 @@ struct Control {
   uint64_t full[kStages], empty[kStages];
   uint64_t task_full[kTaskSlots], task_empty[kTaskSlots];
   Task task[kTaskSlots];
-  int64_t ticket[2];  // the producer's claimed task numbers, by claim parity
+  uint32_t ticket[2];  // the producer's claimed task numbers, by claim parity
 };
 
 __device__ __forceinline__ Elem* stage_a(char* tiles, int stage) {
@@ -202,15 +227,31 @@ __device__ __forceinline__ Elem* stage_b(char* tiles, int stage) {
   return reinterpret_cast<Elem*>(tiles + kStages * kStageABytes + stage * kStageBBytes);
 }
 
-// The numbered task list (every CTA computes the same).
+// Rank o's row blocks: [block_begin[o E/P], block_begin[(o + 1) E/P]).
+__device__ __forceinline__ int64_t rank_blocks(const Params& p, const int32_t* block_begin,
+                                               int o) {
+  return block_begin[(o + 1) * p.rank_experts] - block_begin[o * p.rank_experts];
+}
+
+// A rank's numbered task list (every CTA of the rank computes the same): the
+// GEMM1 tasks of its experts' row blocks [block0, block0 + row blocks), their
+// GEMM2 tasks (numbers up to gemm12), then the combine tasks of its tokens.
+// gemm2_all: every rank's GEMM2 tasks. Task numbers are below 2^32
+// (persistent_forward checks).
 struct TaskList {
-  int64_t n1, n2, gemm1, gemm2, total;
-  __device__ TaskList(const Params& p, int32_t row_blocks) {
-    n1 = (p.ffn + kGemm1Cols - 1) / kGemm1Cols;
-    n2 = (p.hidden + kGemm2Cols - 1) / kGemm2Cols;
-    gemm1 = int64_t(row_blocks) * n1;
-    gemm2 = int64_t(row_blocks) * n2;
-    total = gemm1 + gemm2 + (p.tokens + kCombineTokens - 1) / kCombineTokens;
+  uint32_t* ticket;  // the rank's
+  int32_t block0;
+  uint32_t n1, n2, gemm1, gemm12, gemm2_all, total;
+  __device__ TaskList(const Params& p, int32_t rank, const int32_t* block_begin) {
+    ticket = p.ticket + rank;
+    n1 = static_cast<uint32_t>((p.ffn + kGemm1Cols - 1) / kGemm1Cols);
+    n2 = static_cast<uint32_t>((p.hidden + kGemm2Cols - 1) / kGemm2Cols);
+    block0 = block_begin[rank * p.rank_experts];
+    const uint32_t row_blocks = static_cast<uint32_t>(rank_blocks(p, block_begin, rank));
+    gemm1 = row_blocks * n1;
+    gemm12 = gemm1 + row_blocks * n2;
+    gemm2_all = static_cast<uint32_t>(block_begin[p.experts]) * n2;
+    total = gemm12 + static_cast<uint32_t>((p.rank_tokens + kCombineTokens - 1) / kCombineTokens);
   }
 };
 
@@ -265,19 +306,20 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
   Tensor mW1 = p.tma1.get_tma_tensor(make_shape(p.ffn, p.hidden, int64_t(2), p.experts));
   Tensor mW2 = p.tma2.get_tma_tensor(make_shape(p.hidden, p.ffn, p.experts));
   for (int claim = 0;; ++claim) {
-    if (ptid == 0) ctl.ticket[claim & 1] = atomicAdd(p.ticket, 1u);
+    if (ptid == 0) ctl.ticket[claim & 1] = atomicAdd(list.ticket, 1u);
     producer_sync();
-    const int64_t t = ctl.ticket[claim & 1];
+    const uint32_t t = ctl.ticket[claim & 1];
     Task task{};
     if (t < list.gemm1) {
-      task = {Kind::kGemm1, int32_t(t % list.n1), t / list.n1, {}};
-    } else if (t < list.gemm1 + list.gemm2) {
-      const int64_t i = t - list.gemm1;
-      task = {Kind::kGemm2, int32_t(i % list.n2), i / list.n2, {}};
-      producer_wait_for(ptid, p.h_ready + task.block, static_cast<uint32_t>(list.n1));
+      task = {Kind::kGemm1, int32_t(t % list.n1), int64_t(list.block0) + t / list.n1, {}};
+    } else if (t < list.gemm12) {
+      const uint32_t i = t - list.gemm1;
+      task = {Kind::kGemm2, int32_t(i % list.n2), int64_t(list.block0) + i / list.n2, {}};
+      producer_wait_for(ptid, p.h_ready + task.block, list.n1);
     } else if (t < list.total) {
-      task = {Kind::kCombine, int32_t(t - list.gemm1 - list.gemm2), 0, {}};
-      producer_wait_for(ptid, p.gemm2_done, static_cast<uint32_t>(list.gemm2));
+      // A rank's tokens have rows at every rank's experts: wait for all GEMM2 tasks.
+      task = {Kind::kCombine, int32_t(t - list.gemm12), 0, {}};
+      producer_wait_for(ptid, p.gemm2_done, list.gemm2_all);
     } else {
       task.kind = Kind::kEnd;
     }
@@ -296,9 +338,9 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
     const RowBlock& rb = task.rb;
     const bool first = task.kind == Kind::kGemm1;
     const int64_t K = first ? p.hidden : p.ffn;
-    const Elem* base = first ? p.x : p.h;
+    const Elem* base = first ? p.x_win[0] : p.h;
     const ARows a = first ? ARows(ptid, rb, base, [&](int m) {
-                              return p.x + (p.row_pair[rb.row0 + m] / p.top_k) * p.hidden;
+                              return x_row(p, p.row_pair[rb.row0 + m] / p.top_k);
                             })
                           : ARows(ptid, rb, base, [&](int m) {
                               return p.h + (rb.row0 + m) * p.ffn;
@@ -400,7 +442,7 @@ __device__ void gemm1_epilogue(const Params& p, const Task& task, const Acc& acc
       const int64_t m = c / chunks_per_row, k = (c % chunks_per_row) * 8;
       const int64_t token = p.row_pair[rb.row0 + m] / p.top_k;
       *reinterpret_cast<uint4*>(p.x_rows_out + (rb.row0 + m) * H + k) =
-          *reinterpret_cast<const uint4*>(p.x + token * H + k);
+          *reinterpret_cast<const uint4*>(x_row(p, token) + k);
     }
   }
   // SwiGLU on the f32 accumulators: h = round(silu(g) u); the residual round(g, u).
@@ -438,11 +480,20 @@ __device__ void gemm2_epilogue(const Params& p, const Task& task, const Acc& acc
   auto thr = mma.get_thread_slice(ctid);
   Tensor coord = thr.partition_C(make_identity_tensor(StageTile{}));
   const int64_t n0 = int64_t(task.tile) * kGemm2Cols;
+  // A thread's accumulators lie in two rows, m0 and m0 + 8 (the wgmma C layout);
+  // each row goes to its pair's place in the receive window of its token's rank.
+  const int m0 = get<0>(coord(0));
+  Elem* dst[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int m = m0 + 8 * j;
+    dst[j] = m < rows ? recv_row(p, p.row_pair[rb.row0 + m]) : nullptr;
+  }
 #pragma unroll
   for (int i = 0; i < size(acc); i += 2) {  // adjacent column pairs (gemm1_epilogue)
     const int m = get<0>(coord(i));
     const int64_t n = n0 + get<1>(coord(i));
-    if (m < rows && n < H) store_pair(p.out_rows + (rb.row0 + m) * H + n, acc(i), acc(i + 1));
+    if (m < rows && n < H) store_pair(dst[(m - m0) >> 3] + n, acc(i), acc(i + 1));
   }
 }
 
@@ -450,15 +501,19 @@ __device__ void gemm2_epilogue(const Params& p, const Task& task, const Acc& acc
 // per column, k ascending, f32 sum rounded once (combine_rows' arithmetic). The K
 // rows' loads are issued in batches of eight before any is summed, so a token
 // waits for one load latency per batch, not one per row.
+// Rank `rank`'s combine task: its tokens' rows from its receive window, y into
+// its y window.
 template <typename W>
-__device__ void combine_task(const Params& p, int64_t task) {
+__device__ void combine_task(const Params& p, int32_t rank, int64_t task) {
   constexpr int kBatch = 8;
   const int ctid = threadIdx.x - kProducerThreads;
   const int warp = ctid >> 5, lane = ctid & 31;
   const W* weights = static_cast<const W*>(p.weights);
   const int64_t H = p.hidden;
-  const int64_t t = task * kCombineTokens + warp / kCombineWarps;
-  if (t >= p.tokens) return;
+  const int64_t local = task * kCombineTokens + warp / kCombineWarps;  // of the rank's tokens
+  if (local >= p.rank_tokens) return;
+  const int64_t t = int64_t(rank) * p.rank_tokens + local;
+  const Elem* rows = p.recv_win[rank] + local * p.top_k * H;  // its K rows, k ascending
   constexpr int64_t kStep = kCombineWarps * 32 * 8;
   for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
     float acc[8];
@@ -470,11 +525,11 @@ __device__ void combine_task(const Params& p, int64_t task) {
       bool use[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        const int64_t pair = t * p.top_k + k0 + j;
-        const int32_t r = k0 + j < p.top_k ? p.pair_row[pair] : -1;
-        use[j] = r >= 0;
+        const int64_t k = k0 + j;
+        const int64_t pair = t * p.top_k + k;
+        use[j] = k < p.top_k && p.pair_row[pair] >= 0;  // routed and kept
         wk[j] = use[j] ? to_float(weights[pair]) : 0.0f;
-        v[j] = use[j] ? __ldcg(reinterpret_cast<const uint4*>(p.out_rows + int64_t(r) * H + c))
+        v[j] = use[j] ? __ldcg(reinterpret_cast<const uint4*>(rows + k * H + c))
                       : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
@@ -489,12 +544,12 @@ __device__ void combine_task(const Params& p, int64_t task) {
     bf16* oe = reinterpret_cast<bf16*>(&o);
 #pragma unroll
     for (int i = 0; i < 8; ++i) oe[i] = float_to_bf16(acc[i]);
-    *reinterpret_cast<uint4*>(p.y + t * H + c) = o;
+    *reinterpret_cast<uint4*>(p.y_win[rank] + local * H + c) = o;
   }
 }
 
 template <typename W>
-__device__ void consume(const Params& p, Control& ctl, char* tiles) {
+__device__ void consume(const Params& p, Control& ctl, char* tiles, int32_t rank) {
   Ring<kStages> st{0, 0u};
   Ring<kTaskSlots> mail{0, 0u};
   const int lane = threadIdx.x & 31;
@@ -507,7 +562,7 @@ __device__ void consume(const Params& p, Control& ctl, char* tiles) {
     mail.advance();
     if (task.kind == Kind::kEnd) return;
     if (task.kind == Kind::kCombine) {
-      combine_task<W>(p, task.tile);
+      combine_task<W>(p, rank, task.tile);
       continue;
     }
     const bool first = task.kind == Kind::kGemm1;
@@ -566,13 +621,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) block_begin[E] = total_blocks;
   __syncthreads();
 
-  const TaskList list(p, total_blocks);
+  // This CTA's rank: the CTAs in P contiguous groups of (nearly) equal size.
+  const int32_t rank = static_cast<int32_t>(int64_t(blockIdx.x) * p.ranks / gridDim.x);
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    const TaskList list(p, rank, block_begin);
     produce(p, ctl, tiles, block_begin, list);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consume<W>(p, ctl, tiles);
+    consume<W>(p, ctl, tiles, rank);
   }
 }
 
@@ -584,19 +641,21 @@ int64_t max_row_blocks(const MoeShape& s) {
 
 struct Scratch {
   Elem* h;
-  Elem* out_rows;
-  uint32_t* counters;  // h_ready[max_row_blocks], gemm2_done, ticket
+  Elem* recv[kMaxRanks];  // each rank's receive window, its own allocation
+  uint32_t* counters;     // h_ready[max_row_blocks], gemm2_done, ticket[kMaxRanks]
   size_t counter_bytes;
 };
 
-Scratch carve(void* ws, const MoeShape& s, size_t* total) {
+Scratch carve(void* ws, const MoeShape& s, int ranks, size_t* total) {
   const int64_t rows = s.tokens * s.top_k;
   Carver c(ws);
   Scratch b{};
-  b.counter_bytes = (max_row_blocks(s) + 2) * sizeof(uint32_t);
+  b.counter_bytes = (max_row_blocks(s) + 1 + kMaxRanks) * sizeof(uint32_t);
   b.counters = static_cast<uint32_t*>(c.take(b.counter_bytes));
   b.h = static_cast<Elem*>(c.take(elem_count_bytes(rows * s.ffn)));
-  b.out_rows = static_cast<Elem*>(c.take(elem_count_bytes(rows * s.hidden)));
+  for (int o = 0; o < ranks; ++o) {
+    b.recv[o] = static_cast<Elem*>(c.take(elem_count_bytes(rows / ranks * s.hidden)));
+  }
   *total = c.used();
   return b;
 }
@@ -626,31 +685,50 @@ PersistentMode set_persistent_forward(PersistentMode mode) {
 
 // The shapes whose chain runs both GEMMs on the tensor cores (grouped_gemm.cu:
 // bf16, 16-byte rows), on a device of compute capability 9.0 (the sm_90a code).
-bool persistent_forward_supported(const MoeShape& s, Recipe recipe, DType x_dtype) {
-  const auto mode = static_cast<PersistentMode>(persistent_mode.load(std::memory_order_relaxed));
-  if (mode == PersistentMode::kOff || recipe != Recipe::kNative || x_dtype != DType::kBF16 ||
-      s.hidden <= 0 || s.ffn <= 0 || s.hidden % 8 != 0 || s.ffn % 8 != 0 || s.experts <= 0 ||
-      s.experts > kMaxExperts || s.tokens * s.top_k >= (int64_t(1) << 31)) {
-    return false;
-  }
-  if (mode == PersistentMode::kAuto && s.tokens * s.top_k > kAutoRowsPerExpert * s.experts) {
+bool persistent_forward_can_run(const MoeShape& s, Recipe recipe, DType x_dtype) {
+  if (recipe != Recipe::kNative || x_dtype != DType::kBF16 || s.hidden <= 0 || s.ffn <= 0 ||
+      s.hidden % 8 != 0 || s.ffn % 8 != 0 || s.experts <= 0 || s.experts > kMaxExperts ||
+      s.tokens * s.top_k >= (int64_t(1) << 31)) {
     return false;
   }
   DeviceInfo info;
-  if (!current_device_info(&info).empty()) return false;  // the chain reports the error
+  if (!current_device_info(&info).empty()) return false;  // the caller reports the error
   return info.cc == 90;
 }
 
-size_t persistent_forward_workspace_bytes(const MoeShape& s) {
+bool persistent_forward_supported(const MoeShape& s, Recipe recipe, DType x_dtype) {
+  const auto mode = static_cast<PersistentMode>(persistent_mode.load(std::memory_order_relaxed));
+  if (mode == PersistentMode::kOff) return false;
+  if (mode == PersistentMode::kAuto && s.tokens * s.top_k > kAutoRowsPerExpert * s.experts) {
+    return false;
+  }
+  return persistent_forward_can_run(s, recipe, x_dtype);
+}
+
+std::string persistent_forward_ranks_error(const MoeShape& s, int ranks) {
+  if (ranks < 1 || ranks > kMaxRanks) {
+    return "persistent MoE forward: ranks must be in [1, " + std::to_string(kMaxRanks) +
+           "], got " + std::to_string(ranks);
+  }
+  if (s.tokens % ranks != 0 || s.experts % ranks != 0) {
+    return "persistent MoE forward: " + std::to_string(ranks) +
+           " ranks need T and E divisible by them (T = " + std::to_string(s.tokens) +
+           ", E = " + std::to_string(s.experts) + ")";
+  }
+  return {};
+}
+
+size_t persistent_forward_workspace_bytes(const MoeShape& s, int ranks) {
   size_t total = 0;
-  carve(nullptr, s, &total);
+  carve(nullptr, s, ranks, &total);
   return total;
 }
 
 std::string persistent_forward_prepare(const MoeShape& s, void* workspace, size_t workspace_bytes,
-                                       cudaStream_t stream) {
+                                       cudaStream_t stream, int ranks) {
+  MOK_RETURN_IF_MESSAGE(persistent_forward_ranks_error(s, ranks));
   size_t need = 0;
-  const Scratch b = carve(workspace, s, &need);
+  const Scratch b = carve(workspace, s, ranks, &need);
   if (need > workspace_bytes) return "persistent MoE forward: workspace too small";
   MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(b.counters, 0, b.counter_bytes, stream));
   return {};
@@ -660,8 +738,9 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream) {
   const MoeShape& s = a.shape;
   if (s.tokens == 0) return {};
+  MOK_RETURN_IF_MESSAGE(persistent_forward_ranks_error(s, a.ranks));
   size_t need = 0;
-  const Scratch b = carve(workspace, s, &need);
+  const Scratch b = carve(workspace, s, a.ranks, &need);
   if (need > workspace_bytes) return "persistent MoE forward: workspace too small";
   Params p{};
   p.tokens = s.tokens;
@@ -680,22 +759,34 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
   if (!encoded(p.tma1) || !encoded(p.tma2)) {
     return "persistent MoE forward: cuTensorMapEncodeTiled failed for the expert weights";
   }
-  p.x = static_cast<const Elem*>(a.x);
+  // Rank o's windows: its slices of x and y, and its receive window in the scratch.
+  p.ranks = a.ranks;
+  p.rank_tokens = static_cast<int32_t>(s.tokens / a.ranks);
+  p.rank_experts = static_cast<int32_t>(s.experts / a.ranks);
+  p.by_rank_tokens = cutlass::FastDivmod(p.rank_tokens);
+  for (int o = 0; o < a.ranks; ++o) {
+    p.x_win[o] = static_cast<const Elem*>(a.x) + int64_t(o) * p.rank_tokens * s.hidden;
+    p.y_win[o] = static_cast<Elem*>(a.y) + int64_t(o) * p.rank_tokens * s.hidden;
+    p.recv_win[o] = b.recv[o];
+  }
   p.weights = a.expert_weights;
   p.expert_begin = a.expert_begin;
   p.row_pair = a.row_pair;
   p.pair_row = a.pair_row;
   p.x_rows_out = static_cast<Elem*>(a.x_rows_out);
   p.gate_up_out = static_cast<Elem*>(a.gate_up_out);
-  p.y = static_cast<Elem*>(a.y);
   p.h = b.h;
-  p.out_rows = b.out_rows;
   p.h_ready = b.counters;
   p.gemm2_done = b.counters + max_row_blocks(s);
   p.ticket = p.gemm2_done + 1;
 
   DeviceInfo info;
   MOK_RETURN_IF_MESSAGE(current_device_info(&info));
+  if (a.ranks > info.sm_count) return "persistent MoE forward: more ranks than SMs";
+  const int64_t tasks = max_row_blocks(s) * ((s.ffn + kGemm1Cols - 1) / kGemm1Cols +
+                                             (s.hidden + kGemm2Cols - 1) / kGemm2Cols) +
+                        s.tokens / kCombineTokens + 1;
+  if (tasks >= (int64_t(1) << 32)) return "persistent MoE forward: 2^32 tasks or more";
   const size_t smem = dynamic_smem_bytes(s.experts);
   auto kernel = a.weight_dtype == DType::kF32 ? moe_forward_persistent<float>
                                               : moe_forward_persistent<bf16>;

@@ -16,7 +16,16 @@
 //     gemm2_done += 1.
 //   combine tasks (8 tokens): after every GEMM2 task, each token's K rows summed
 //     over k ascending in f32 and rounded once.
-// A task only waits for tasks of lower numbers, a CTA's producer has issued every
+// EP on one launch (`ranks` P > 1, virtual ranks on one device): the CTAs form P
+// groups, rank o's group takes the GEMM tasks of experts [o E/P, (o+1) E/P) and
+// the combine of tokens [o T/P, (o+1) T/P), with its own ticket and GEMM2 counter.
+// A rank's x rows, y rows and received expert-output rows live in its own windows,
+// reached through pointer tables only: GEMM1 reads each row from the window of the
+// token's rank, GEMM2 writes each output row into the receive window of the
+// token's rank (at the pair's place), and a rank's combine waits for every rank's
+// GEMM2 tasks. P = 1 is the one-device forward.
+// A task only waits for tasks of lower numbers (of its rank, or GEMM2 tasks of
+// other ranks, which wait for nothing of another rank), a CTA's producer has issued every
 // load of a task before it claims the next, and every CTA is resident (one per SM,
 // a cooperative launch), so the lowest unfinished task can always run: no
 // deadlock. Counters pick which CTA computes a tile, never what is summed or in
@@ -43,14 +52,20 @@ enum class PersistentMode : int { kOff = 0, kAuto = 1, kAlways = 2 };
 // can compare the two paths.
 PersistentMode set_persistent_forward(PersistentMode mode);
 
-// Whether the persistent forward takes this call under the current mode (it can
-// where the build has sm_90a code, the device is compute capability 9.0, x and
-// the weights are bf16, the recipe is the native one, H and F are multiples of 8
-// and E <= 4096).
+// Whether the persistent forward can run this call (the build has sm_90a code, the
+// device is compute capability 9.0, x and the weights are bf16, the recipe is the
+// native one, H and F are multiples of 8 and E <= 4096).
+bool persistent_forward_can_run(const MoeShape& shape, Recipe recipe, DType x_dtype);
+
+// Whether it takes this call under the current mode.
 bool persistent_forward_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
-// Its device scratch: h rows, expert-output rows and the task counters.
-size_t persistent_forward_workspace_bytes(const MoeShape& shape);
+// Why `ranks` cannot split this shape (empty when it can: 1 <= ranks <= 8, T and E
+// divisible by ranks).
+std::string persistent_forward_ranks_error(const MoeShape& shape, int ranks);
+
+// Its device scratch: h rows, the ranks' receive windows and the task counters.
+size_t persistent_forward_workspace_bytes(const MoeShape& shape, int ranks = 1);
 
 struct PersistentForwardArgs {
   MoeShape shape;
@@ -65,12 +80,14 @@ struct PersistentForwardArgs {
   void* x_rows_out;              // [T * K, H] the gathered x rows, or nullptr
   void* gate_up_out;             // [T * K, 2F] round(gate, up), or nullptr
   void* y;                       // [T, H]
+  int ranks = 1;                 // P: EP ranks on this launch (x and y split in P windows)
 };
 
 // Zeroes the task counters in `workspace` (enqueued before the routing plan, so
 // that the pass after it is the one launch).
 std::string persistent_forward_prepare(const MoeShape& shape, void* workspace,
-                                       size_t workspace_bytes, cudaStream_t stream);
+                                       size_t workspace_bytes, cudaStream_t stream,
+                                       int ranks = 1);
 
 // The launch; the routing plan must be enqueued before it on `stream`.
 std::string persistent_forward(const PersistentForwardArgs& args, void* workspace,

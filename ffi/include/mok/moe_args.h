@@ -24,6 +24,10 @@ struct MoeForwardArgs {
   int32_t* tokens_per_expert;    // [E]
   int32_t* dropped;              // []
   int32_t* invalid;              // []
+  // EP ranks served by one launch on this device (virtual ranks: x and y split in
+  // `ranks` windows of T/ranks tokens, the experts in `ranks` groups); > 1 runs the
+  // persistent forward only (moe_persistent.h).
+  int ranks = 1;
 };
 
 struct MoeBackwardArgs {

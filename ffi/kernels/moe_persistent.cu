@@ -121,21 +121,29 @@ struct Params {
   uint32_t* ticket;     // [P]
 };
 
+// The ranks' window tables, copied to shared memory at start (indexing the kernel
+// parameters by a run-time rank would copy them to local memory).
+struct Windows {
+  const Elem* x[kMaxRanks];
+  Elem* y[kMaxRanks];
+  Elem* recv[kMaxRanks];
+};
+
 // Token t's x row, read from the window of the rank that holds t.
-__device__ __forceinline__ const Elem* x_row(const Params& p, int64_t token) {
+__device__ __forceinline__ const Elem* x_row(const Params& p, const Windows& w, int64_t token) {
   int rank, local;
   p.by_rank_tokens(rank, local, static_cast<int>(token));
-  return p.x_win[rank] + int64_t(local) * p.hidden;
+  return w.x[rank] + int64_t(local) * p.hidden;
 }
 
 // Where pair `pair`'s expert-output row goes: the receive window of the rank
 // that holds its token, at the pair's place among that rank's pairs.
-__device__ __forceinline__ Elem* recv_row(const Params& p, int32_t pair) {
+__device__ __forceinline__ Elem* recv_row(const Params& p, const Windows& w, int32_t pair) {
   const int32_t t = pair / static_cast<int32_t>(p.top_k);
   const int32_t k = pair - t * static_cast<int32_t>(p.top_k);
   int rank, local;
   p.by_rank_tokens(rank, local, t);
-  return p.recv_win[rank] + (int64_t(local) * p.top_k + k) * p.hidden;
+  return w.recv[rank] + (int64_t(local) * p.top_k + k) * p.hidden;
 }
 
 __device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
@@ -298,7 +306,8 @@ __device__ __forceinline__ void producer_wait_for(int ptid, const uint32_t* coun
   producer_sync();
 }
 
-__device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_t* block_begin,
+__device__ void produce(const Params& p, const Windows& win, Control& ctl, char* tiles,
+                        const int32_t* block_begin,
                         const TaskList& list) {
   const int ptid = threadIdx.x;  // 0..127
   Ring<kStages> st{0, 1u};       // the empty barriers: the first lap passes at once
@@ -338,9 +347,9 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
     const RowBlock& rb = task.rb;
     const bool first = task.kind == Kind::kGemm1;
     const int64_t K = first ? p.hidden : p.ffn;
-    const Elem* base = first ? p.x_win[0] : p.h;
+    const Elem* base = first ? win.x[0] : p.h;
     const ARows a = first ? ARows(ptid, rb, base, [&](int m) {
-                              return x_row(p, p.row_pair[rb.row0 + m] / p.top_k);
+                              return x_row(p, win, p.row_pair[rb.row0 + m] / p.top_k);
                             })
                           : ARows(ptid, rb, base, [&](int m) {
                               return p.h + (rb.row0 + m) * p.ffn;
@@ -430,7 +439,8 @@ __device__ __forceinline__ void consumer_signal(uint32_t* counter) {
   }
 }
 
-__device__ void gemm1_epilogue(const Params& p, const Task& task, const Acc& acc) {
+__device__ void gemm1_epilogue(const Params& p, const Windows& win, const Task& task,
+                               const Acc& acc) {
   const int ctid = threadIdx.x - kProducerThreads;
   const RowBlock& rb = task.rb;
   const int64_t F = p.ffn, H = p.hidden;
@@ -442,7 +452,7 @@ __device__ void gemm1_epilogue(const Params& p, const Task& task, const Acc& acc
       const int64_t m = c / chunks_per_row, k = (c % chunks_per_row) * 8;
       const int64_t token = p.row_pair[rb.row0 + m] / p.top_k;
       *reinterpret_cast<uint4*>(p.x_rows_out + (rb.row0 + m) * H + k) =
-          *reinterpret_cast<const uint4*>(x_row(p, token) + k);
+          *reinterpret_cast<const uint4*>(x_row(p, win, token) + k);
     }
   }
   // SwiGLU on the f32 accumulators: h = round(silu(g) u); the residual round(g, u).
@@ -471,7 +481,8 @@ __device__ void gemm1_epilogue(const Params& p, const Task& task, const Acc& acc
   }
 }
 
-__device__ void gemm2_epilogue(const Params& p, const Task& task, const Acc& acc) {
+__device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& task,
+                               const Acc& acc) {
   const int ctid = threadIdx.x - kProducerThreads;
   const RowBlock& rb = task.rb;
   const int64_t H = p.hidden;
@@ -487,7 +498,7 @@ __device__ void gemm2_epilogue(const Params& p, const Task& task, const Acc& acc
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int m = m0 + 8 * j;
-    dst[j] = m < rows ? recv_row(p, p.row_pair[rb.row0 + m]) : nullptr;
+    dst[j] = m < rows ? recv_row(p, win, p.row_pair[rb.row0 + m]) : nullptr;
   }
 #pragma unroll
   for (int i = 0; i < size(acc); i += 2) {  // adjacent column pairs (gemm1_epilogue)
@@ -504,7 +515,7 @@ __device__ void gemm2_epilogue(const Params& p, const Task& task, const Acc& acc
 // Rank `rank`'s combine task: its tokens' rows from its receive window, y into
 // its y window.
 template <typename W>
-__device__ void combine_task(const Params& p, int32_t rank, int64_t task) {
+__device__ void combine_task(const Params& p, const Windows& win, int32_t rank, int64_t task) {
   constexpr int kBatch = 8;
   const int ctid = threadIdx.x - kProducerThreads;
   const int warp = ctid >> 5, lane = ctid & 31;
@@ -513,7 +524,7 @@ __device__ void combine_task(const Params& p, int32_t rank, int64_t task) {
   const int64_t local = task * kCombineTokens + warp / kCombineWarps;  // of the rank's tokens
   if (local >= p.rank_tokens) return;
   const int64_t t = int64_t(rank) * p.rank_tokens + local;
-  const Elem* rows = p.recv_win[rank] + local * p.top_k * H;  // its K rows, k ascending
+  const Elem* rows = win.recv[rank] + local * p.top_k * H;  // its K rows, k ascending
   constexpr int64_t kStep = kCombineWarps * 32 * 8;
   for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
     float acc[8];
@@ -544,12 +555,13 @@ __device__ void combine_task(const Params& p, int32_t rank, int64_t task) {
     bf16* oe = reinterpret_cast<bf16*>(&o);
 #pragma unroll
     for (int i = 0; i < 8; ++i) oe[i] = float_to_bf16(acc[i]);
-    *reinterpret_cast<uint4*>(p.y_win[rank] + local * H + c) = o;
+    *reinterpret_cast<uint4*>(win.y[rank] + local * H + c) = o;
   }
 }
 
 template <typename W>
-__device__ void consume(const Params& p, Control& ctl, char* tiles, int32_t rank) {
+__device__ void consume(const Params& p, const Windows& win, Control& ctl, char* tiles,
+                        int32_t rank) {
   Ring<kStages> st{0, 0u};
   Ring<kTaskSlots> mail{0, 0u};
   const int lane = threadIdx.x & 31;
@@ -562,17 +574,17 @@ __device__ void consume(const Params& p, Control& ctl, char* tiles, int32_t rank
     mail.advance();
     if (task.kind == Kind::kEnd) return;
     if (task.kind == Kind::kCombine) {
-      combine_task<W>(p, rank, task.tile);
+      combine_task<W>(p, win, rank, task.tile);
       continue;
     }
     const bool first = task.kind == Kind::kGemm1;
     const int64_t K = first ? p.hidden : p.ffn;
     mma_k_loop(ctl, tiles, st, static_cast<int>((K + kBlockK - 1) / kBlockK), acc);
     if (first) {
-      gemm1_epilogue(p, task, acc);
+      gemm1_epilogue(p, win, task, acc);
       consumer_signal(p.h_ready + task.block);
     } else {
-      gemm2_epilogue(p, task, acc);
+      gemm2_epilogue(p, win, task, acc);
       consumer_signal(p.gemm2_done);
     }
   }
@@ -586,7 +598,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) & ~uintptr_t(kSmemAlign - 1));
   int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + kTileBytes);  // [E + 1]
   __shared__ Control ctl;
+  __shared__ Windows win;
   if (threadIdx.x == 0) {
+#pragma unroll
+    for (int o = 0; o < kMaxRanks; ++o) {  // constant indices: read from the parameters
+      win.x[o] = p.x_win[o];
+      win.y[o] = p.y_win[o];
+      win.recv[o] = p.recv_win[o];
+    }
     prefetch_tma_descriptor(p.tma1.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma2.get_tma_descriptor());
     for (int s = 0; s < kStages; ++s) {
@@ -626,10 +645,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     const TaskList list(p, rank, block_begin);
-    produce(p, ctl, tiles, block_begin, list);
+    produce(p, win, ctl, tiles, block_begin, list);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consume<W>(p, ctl, tiles, rank);
+    consume<W>(p, win, ctl, tiles, rank);
   }
 }
 

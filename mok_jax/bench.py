@@ -160,7 +160,10 @@ IMPLS = ("moe", "ragged_dot", "dense_onehot", "tokamax")
 # Selectable, not run by default: mok_jax.moe forced onto its XLA-exchange path,
 # and on one GPU with its forward always the kernel chain, or always the persistent
 # kernel where that can run (moe picks between them by shape).
-EXTRA_IMPLS = ("moe_xla", "moe_chain", "moe_persistent")
+EXTRA_IMPLS = ("moe_xla", "moe_chain", "moe_persistent", "moe_vranks2", "moe_vranks4",
+               "moe_vranks8")
+# The EP role of the persistent forward on P virtual ranks of one GPU (forward only).
+VIRTUAL_RANKS = {"moe_vranks2": 2, "moe_vranks4": 4, "moe_vranks8": 8}
 PASSES = ("fwd", "fwdbwd")
 
 IMPL_ABOUT = {
@@ -178,6 +181,11 @@ IMPL_ABOUT = {
     "moe_persistent": "mok_jax.moe with its forward always the persistent kernel where "
                       "that can run (one launch after the routing plan; moe picks it for "
                       "few rows per expert only; same bits; not in the default list)",
+    **{name: f"mok_jax.ep.forward_on_virtual_ranks(ranks={p}): the persistent forward as "
+             f"{p} EP ranks in one launch on one GPU, each with its own windows (forward "
+             "only; T and E divisible by the ranks; the same bits as moe; compare with "
+             "moe_persistent; not in the default list)"
+       for name, p in VIRTUAL_RANKS.items()},
 }
 PASS_ABOUT = {
     "fwd": "y = layer(x, ids, weights, w_gate_up, w_down); GEMM FLOPs 6*T*K*H*F",
@@ -194,6 +202,8 @@ GPU_ONLY = {
                  "kernel (on CPU moe_chain would time moe again)",
     "moe_persistent": "needs a CUDA GPU: the persistent forward is a CUDA kernel (on CPU "
                       "moe_persistent would time moe again)",
+    **{name: "needs a CUDA GPU: the persistent forward is a CUDA kernel"
+       for name in VIRTUAL_RANKS},
     "tokamax": "needs a CUDA GPU: tokamax's Pallas Mosaic kernels run on GPUs only "
                "(on CPU tokamax.ragged_dot falls back to XLA's ragged_dot, which the "
                "ragged_dot row already times)",
@@ -258,6 +268,9 @@ def resolve_impl(name: str) -> tuple[MoEFn | None, str | None]:
         except Exception as err:  # pylint: disable=broad-except
             return None, f"mok_jax.moe not importable: {type(err).__name__}: {err}"
         return (functools.partial(moe, backend="xla") if name == "moe_xla" else moe), None
+    if name in VIRTUAL_RANKS:
+        from mok_jax import ep  # pylint: disable=import-outside-toplevel
+        return functools.partial(ep.forward_on_virtual_ranks, ranks=VIRTUAL_RANKS[name]), None
     if name == "ragged_dot":
         return baselines.ragged_dot_moe, None
     if name == "dense_onehot":
@@ -1335,6 +1348,8 @@ RAGGED_DOT_DENSE_WGRAD_LIMIT = 64 * 2**30
 
 def auto_skip(shape: Shape, impl: str, pass_name: str, backend: str) -> str | None:
     """Why a measurement is not attempted by default, or None."""
+    if impl in VIRTUAL_RANKS and pass_name != "fwd":
+        return "forward only: the virtual ranks' launch has no backward"
     if impl == "ragged_dot" and pass_name == "fwdbwd" and backend == "gpu":
         dense = shape.experts * shape.tokens * shape.top_k * shape.hidden * 4
         if dense >= RAGGED_DOT_DENSE_WGRAD_LIMIT:

@@ -133,6 +133,20 @@ def test_persistent_forward_rows_need_a_gpu_and_restore_the_mode(impl):
         assert _mok.set_persistent_forward(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
 
 
+def test_virtual_rank_rows_are_forward_only_gpu_measurements():
+    shape = bench.QUICK_SHAPES["ep"]
+    for name, ranks in bench.VIRTUAL_RANKS.items():
+        assert name in bench.EXTRA_IMPLS and name in bench.IMPL_ABOUT
+        fn, why = bench.resolve_impl(name)
+        assert why is None and fn.keywords == {"ranks": ranks}
+        assert "forward only" in bench.auto_skip(shape, name, "fwdbwd", "gpu")
+        assert bench.auto_skip(shape, name, "fwd", "gpu") is None
+        record = bench.bench_one(shape, name, "fwd", {}, dtype_name="bf16", warmup=0,
+                                 repeats=1)
+        if jax.default_backend() == "cpu":
+            assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
+
+
 def test_gemm_flops():
     shape = bench.FULL_SHAPES["small-experts"]
     assert shape.gemm_flops("fwd") == 6 * 16384 * 8 * 2048 * 768

@@ -211,17 +211,17 @@ def test_sharded_optimizer_state_and_step(tmp_path):
 def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_step():
     """--grad-reduce-lag ties layer i's expert weights to layer i-lag's input: the
     backward gains one optimization barrier per tied layer (what pins each
-    data-parallel all-reduce inside the backward), in f32 and in bf16 (where the
-    weights are tied in the layer's compute dtype), on dp and dp x ep meshes. The
-    step's loss, gradient norm and new parameters are those without it, to the
-    contract's tolerances: the two are different XLA programs, whose summation
-    order XLA chooses (on a CPU it removes the barriers before fusing, and the
-    bits have been the same; that is XLA's choice, not mok_jax's)."""
+    data-parallel all-reduce inside the backward). Lags 0 and 1 in f32 on dp, and
+    lag 1 in bf16 (where the weights are tied in the layer's compute dtype) on
+    dp x ep (where the tied weights are split over ep). The step's loss, gradient
+    norm and new parameters are those without it, to the contract's tolerances:
+    the two are different XLA programs, whose summation order XLA chooses (on a
+    CPU it removes the barriers before fusing, and the bits have been the same;
+    that is XLA's choice, not mok_jax's)."""
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 33)), jnp.int32)
     results = {}
     cases = [((2, 1), "float32", -1), ((2, 1), "float32", 0), ((2, 1), "float32", 1),
-             ((2, 1), "bfloat16", -1), ((2, 1), "bfloat16", 1),
-             ((2, 2), "float32", -1), ((2, 2), "float32", 1)]
+             ((2, 2), "bfloat16", -1), ((2, 2), "bfloat16", 1)]
     for (dp, ep), dtype, lag in cases:
         mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
         cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=2, dtype=dtype, grad_reduce_lag=lag)

@@ -183,13 +183,13 @@ def test_make_inputs_routing():
 @pytest.mark.slow
 def test_quick_run_writes_json(tmp_path):
     path = tmp_path / "sub" / "bench.json"
-    bench.main(["--quick", "--repeats", "2", "--json", str(path)])
+    bench.main(["--quick", "--warmup", "0", "--repeats", "2", "--json", str(path)])
     result = json.loads(path.read_text())
 
     machine = result["machine"]
     for key in ("jax_version", "backend", "device_kind", "date_utc", "git_commit"):
         assert key in machine
-    assert result["argv"] == ["--quick", "--repeats", "2", "--json", str(path)]
+    assert result["argv"] == ["--quick", "--warmup", "0", "--repeats", "2", "--json", str(path)]
 
     records = result["records"]
     keys = [(r["shape"], r["impl"], r["pass"]) for r in records]

@@ -291,7 +291,7 @@ def test_time_queued_is_per_call_time_of_each_batch():
 
     times = bench.time_queued(compiled, [jnp.zeros(2)], queue=3, repeats=2)
     assert len(calls) == 6 and len(times) == 2
-    # Each batch is three 20 ms calls: per call 20 ms and some, far from 60.
+    # A batch is three 20 ms sleeps: 20 ms and some after dividing by three, not 60.
     assert all(20.0 <= t < 40.0 for t in times), times
 
 

@@ -7,12 +7,12 @@ pass is jitted and compiled, run `--warmup` times untimed (default 3), then time
 `--repeats` times (default 20), each run blocked on; a record reports the median
 (and min and mean) of those runs. `--queue N` also times `--repeats` batches of N
 calls dispatched back to back and blocked once (`queued ms`, per call): the
-device-bound time, which a blocked call exceeds by its round trip to the host
-(~0.1 ms for a jitted call on a GPU), the regime of a training loop. TFLOP/s count GEMM FLOPs only: forward
-6*T*K*H*F, forward+backward 18*T*K*H*F, credited alike to every pipeline (so the
-dense one-hot baseline's E/K times larger GEMMs count as waste). Every baseline is
-measured in the same process as `moe` (the PyTorch ones, `--torch`, in a
-subprocess run just before). `mok speedup` is baseline median / `moe` median of
+device-bound time, the regime of a training loop, which a blocked call exceeds by
+its round trip to the host (~0.1 ms for a jitted call on a GPU). TFLOP/s count
+GEMM FLOPs only: forward 6*T*K*H*F, forward+backward 18*T*K*H*F, credited alike
+to every pipeline (so the dense one-hot baseline's E/K times larger GEMMs count
+as waste). Every baseline is measured in the same process as `moe` (the PyTorch
+ones, `--torch`, in a subprocess run just before). `mok speedup` is baseline median / `moe` median of
 the same shape and pass (> 1: `moe` is faster).
 
 EP (`--ep N`): `moe` on a mesh of N devices, experts and tokens sharded, T tokens
@@ -1063,12 +1063,12 @@ def add_speedups(records: list[dict]) -> None:
     the same shape, pass and EP size (that median: `ep_reference_ms`, its impl:
     `ep_reference`), and `ep_time_ratio_all_experts` = EP median / the one-device
     moe median of the same recipe (`one_device_ms`)."""
-    mok_ms = {(r["shape"], r["pass"], r.get("recipe") or "native"): r["median_ms"]
-              for r in records if r["impl"] == MOK and r["median_ms"] and not is_ep_record(r)
-              and not is_compute_only_record(r)}
-    mok_queued = {(r["shape"], r["pass"], r.get("recipe") or "native"): r.get("queued_ms")
-                  for r in records if r["impl"] == MOK and r.get("queued_ms")
-                  and not is_ep_record(r) and not is_compute_only_record(r)}
+    def single_device_moe(field):
+        return {(r["shape"], r["pass"], r.get("recipe") or "native"): r.get(field)
+                for r in records if r["impl"] == MOK and r.get(field)
+                and not is_ep_record(r) and not is_compute_only_record(r)}
+
+    mok_ms, mok_queued = single_device_moe("median_ms"), single_device_moe("queued_ms")
     compute_ms = {(r["shape"], r["pass"], r["compute_only_for_ep"], r.get("recipe")):
                   r["median_ms"]
                   for r in records if is_compute_only_record(r) and r["median_ms"]}
@@ -1092,14 +1092,13 @@ def add_speedups(records: list[dict]) -> None:
             r["recipe_speedup"] = (native / r["median_ms"]
                                    if native and r["median_ms"] else None)
             continue
-        # A baseline against moe of its own recipe.
-        r["mok_speedup"] = (r["median_ms"] / mine
-                            if mine and r["median_ms"] and r["impl"] != MOK
-                            and not is_compute_only_record(r) else None)
+        # A baseline against moe of its own recipe, from blocked and queued times.
+        baseline = r["impl"] != MOK and not is_compute_only_record(r)
         queued = mok_queued.get((r["shape"], r["pass"], r.get("recipe") or "native"))
+        r["mok_speedup"] = (r["median_ms"] / mine
+                            if baseline and mine and r["median_ms"] else None)
         r["mok_speedup_queued"] = (r["queued_ms"] / queued
-                                   if queued and r.get("queued_ms") and r["impl"] != MOK
-                                   and not is_compute_only_record(r) else None)
+                                   if baseline and queued and r.get("queued_ms") else None)
 
 
 def ep_ratio_text(record: dict) -> str:

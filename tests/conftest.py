@@ -62,6 +62,12 @@ if PINNED_PLATFORMS is not None:
     jax.config.update("jax_platforms", PINNED_PLATFORMS)  # before any backend starts
 
 
+def jax_cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin is installed (jax[cuda12] / jax[cuda13]), found
+    without starting JAX's GPU backend."""
+    return any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None for v in (12, 13))
+
+
 def compilation_cache_wanted(platforms: str, jax_gpu_plugin: bool) -> bool:
     """Whether the tests use a compilation cache: only where JAX runs on the CPU
     alone (`platforms`, JAX_PLATFORMS as set, is "cpu", or JAX has no GPU plugin)."""
@@ -76,9 +82,7 @@ def compilation_cache_wanted(platforms: str, jax_gpu_plugin: bool) -> bool:
 # x86 cores): its many small programs almost never recur. A second copy of this
 # module, as --import-mode=importlib makes, keeps the first one's directory.
 JAX_CACHE_DIR = None
-if compilation_cache_wanted(
-        os.environ.get("JAX_PLATFORMS", ""),
-        any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None for v in (12, 13))):
+if compilation_cache_wanted(os.environ.get("JAX_PLATFORMS", ""), jax_cuda_plugin_installed()):
     JAX_CACHE_DIR = os.environ.get("MOK_JAX_TESTS_JAX_CACHE_DIR", "")
     if not os.path.isdir(JAX_CACHE_DIR):
         JAX_CACHE_DIR = tempfile.mkdtemp(prefix="mok_jax_tests_jax_cache_")

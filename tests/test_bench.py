@@ -197,13 +197,13 @@ def test_make_inputs_routing():
 @pytest.mark.slow
 def test_quick_run_writes_json(tmp_path):
     path = tmp_path / "sub" / "bench.json"
-    bench.main(["--quick", "--repeats", "2", "--json", str(path)])
+    bench.main(["--quick", "--warmup", "0", "--repeats", "2", "--json", str(path)])
     result = json.loads(path.read_text())
 
     machine = result["machine"]
     for key in ("jax_version", "backend", "device_kind", "date_utc", "git_commit"):
         assert key in machine
-    assert result["argv"] == ["--quick", "--repeats", "2", "--json", str(path)]
+    assert result["argv"] == ["--quick", "--warmup", "0", "--repeats", "2", "--json", str(path)]
 
     records = result["records"]
     keys = [(r["shape"], r["impl"], r["pass"]) for r in records]
@@ -305,7 +305,7 @@ def test_time_queued_is_per_call_time_of_each_batch():
 
     times = bench.time_queued(compiled, [jnp.zeros(2)], queue=3, repeats=2)
     assert len(calls) == 6 and len(times) == 2
-    # Each batch is three 20 ms calls: per call 20 ms and some, far from 60.
+    # A batch is three 20 ms sleeps: 20 ms and some after dividing by three, not 60.
     assert all(20.0 <= t < 40.0 for t in times), times
 
 

@@ -206,9 +206,8 @@ def test_ci_runs_the_readme_test_command_then_the_cuda_build_and_the_slow_tests(
 # --------------------------------------------------------------------------------------
 
 
-# The README's blocks in the fast set; the other documents' with -m slow.
-@pytest.mark.parametrize("relpath", [d if d == "README.md" else pytest.param(d, marks=pytest.mark.slow)
-                                     for d in DOCS if python_blocks(d)[0]])
+# Every document's blocks, README's included, with -m slow.
+@pytest.mark.parametrize("relpath", [d for d in DOCS if python_blocks(d)[0]])
 @pytest.mark.slow
 def test_python_blocks_run(relpath, tmp_path):
     runnable, _ = python_blocks(relpath)

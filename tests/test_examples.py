@@ -33,10 +33,10 @@ import tqdm  # noqa: E402,F401
 # main() in-process use these steps and sizes where they can (--stop-after for a
 # shorter run): the same train and eval programs, loaded from the session's
 # compilation cache instead of compiled again.
-STEPS = 40
-STOP = 30  # the resumed run's first part: a checkpoint step, not an eval step
+STEPS = 20
+STOP = 15  # the resumed run's first part: a checkpoint step, not an eval step
 SMALL = ["--batch", "8", "--seq", "64", "--eval-batches", "4", "--log-every", "5",
-         "--ckpt-every", "10", "--dp", "1", "--no-progress"]
+         "--ckpt-every", "5", "--dp", "1", "--no-progress"]
 
 
 def _run_script(name, *args, timeout=240):
@@ -49,12 +49,12 @@ def _run_script(name, *args, timeout=240):
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    log = lm.main(["--steps", str(STEPS), "--eval-every", "20", "--out", str(out), *SMALL])
+    log = lm.main(["--steps", str(STEPS), "--eval-every", "10", "--out", str(out), *SMALL])
     return out, log
 
 
 def _resumed_common(out):
-    return ["--steps", str(STEPS), "--eval-every", "20", "--out", str(out), *SMALL]
+    return ["--steps", str(STEPS), "--eval-every", "10", "--out", str(out), *SMALL]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def resumed_run(tmp_path_factory):
 def test_tiny_training_eval_loss_falls(straight_run):
     _, log = straight_run
     evals = log["eval"]
-    assert [e["step"] for e in evals] == [0, 20, 40]
+    assert [e["step"] for e in evals] == [0, 10, 20]
     initial, final = evals[0]["loss"], evals[-1]["loss"]
     assert abs(initial - math.log(256)) < 1.0, initial  # starts near uniform over bytes
     assert final < 0.8 * initial, (initial, final)
@@ -112,7 +112,7 @@ def test_resume_is_bitwise_identical(straight_run, resumed_run):
     straight_out, straight = straight_run
     resumed_out, first, resumed = resumed_run
     assert first["summary"]["steps"] == STOP
-    assert [r["step"] for r in first["eval"]] == [0, 20]
+    assert [r["step"] for r in first["eval"]] == [0, 10]
     assert [r["step"] for r in resumed["train"]] == list(range(1, STEPS + 1))
     # Every logged metric of every step, and every eval, is the same number (the
     # resume adds no eval at STOP, which the schedule does not evaluate).
@@ -211,17 +211,17 @@ def test_sharded_optimizer_state_and_step(tmp_path):
 def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_step():
     """--grad-reduce-lag ties layer i's expert weights to layer i-lag's input: the
     backward gains one optimization barrier per tied layer (what pins each
-    data-parallel all-reduce inside the backward), in f32 and in bf16 (where the
-    weights are tied in the layer's compute dtype), on dp and dp x ep meshes. The
-    step's loss, gradient norm and new parameters are those without it, to the
-    contract's tolerances: the two are different XLA programs, whose summation
-    order XLA chooses (on a CPU it removes the barriers before fusing, and the
-    bits have been the same; that is XLA's choice, not mok_jax's)."""
+    data-parallel all-reduce inside the backward). Lags 0 and 1 in f32 on dp, and
+    lag 1 in bf16 (where the weights are tied in the layer's compute dtype) on
+    dp x ep (where the tied weights are split over ep). The step's loss, gradient
+    norm and new parameters are those without it, to the contract's tolerances:
+    the two are different XLA programs, whose summation order XLA chooses (on a
+    CPU it removes the barriers before fusing, and the bits have been the same;
+    that is XLA's choice, not mok_jax's)."""
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 33)), jnp.int32)
     results = {}
     cases = [((2, 1), "float32", -1), ((2, 1), "float32", 0), ((2, 1), "float32", 1),
-             ((2, 1), "bfloat16", -1), ((2, 1), "bfloat16", 1),
-             ((2, 2), "float32", -1), ((2, 2), "float32", 1)]
+             ((2, 2), "bfloat16", -1), ((2, 2), "bfloat16", 1)]
     for (dp, ep), dtype, lag in cases:
         mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
         cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=2, dtype=dtype, grad_reduce_lag=lag)

@@ -1,7 +1,6 @@
 """The extension's registrations, the platform guard of mok_jax.moe, and the
 platform the tests run on."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 
 import conftest
 import mok_jax
-from conftest import compilation_cache_wanted, platforms_for_tests
+from conftest import compilation_cache_wanted, jax_cuda_plugin_installed, platforms_for_tests
 from mok_jax import _ext, _mok
 
 
@@ -76,11 +75,6 @@ def test_gpu_call_runs_with_the_cuda_handlers():
     assert np.isfinite(np.asarray(y)).all()
 
 
-def _jax_cuda_plugin_installed():
-    # jax[cuda12] / jax[cuda13] install these (without importing JAX's GPU backend).
-    return any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None for v in (12, 13))
-
-
 def test_a_build_without_cuda_handlers_on_a_gpu_says_how_to_rebuild(tmp_path):
     """On a machine where JAX has a GPU, mok_jax.moe on that GPU from a build without
     CUDA handlers is a RuntimeError that says how to rebuild. This session runs on
@@ -88,7 +82,7 @@ def test_a_build_without_cuda_handlers_on_a_gpu_says_how_to_rebuild(tmp_path):
     the GPU."""
     if "cuda" in _ext.registered_platforms():
         pytest.skip("this build has its CUDA handlers (test_gpu_call_runs_with_the_cuda_handlers)")
-    if not _jax_cuda_plugin_installed():
+    if not jax_cuda_plugin_installed():
         pytest.skip("JAX has no CUDA plugin here")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     code = ("import jax, jax.numpy as jnp, mok_jax\n"

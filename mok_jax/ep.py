@@ -229,6 +229,8 @@ def forward_on_virtual_ranks(x, expert_ids, expert_weights, w_gate_up, w_down, *
     reading each token's x row from the window of the token's rank and writing each
     output row into the receive window of the token's rank, and combine its own
     tokens. The result is bit for bit ``mok_jax.moe``'s at EP=1, for every P.
+    ``ranks=1`` is the one-device forward as ``mok_jax.moe`` runs it (the
+    persistent kernel where the forward's mode picks it, else the kernel chain).
     Needs the CUDA build on a compute capability 9.0 GPU, bf16 x and weights, H and
     F multiples of 8. `capacity`: rows kept per expert (None: all).
     """

@@ -40,8 +40,8 @@ constexpr int kStageCols = 256;       // B columns per stage in both GEMMs
 constexpr int kCombineTokens = 2;     // tokens per combine task (four warps each)
 constexpr int kCombineWarps = 4;      // warps per token, side by side along H
 static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
-constexpr int64_t kMaxExperts = 4096;
-constexpr int kMaxRanks = 8;           // virtual EP ranks of one launch (moe_persistent.h)  // the row-block prefix sums live in shared memory
+constexpr int64_t kMaxExperts = 4096;  // the row-block prefix sums live in shared memory
+constexpr int kMaxRanks = 8;           // EP ranks of one launch (moe_persistent.h)
 // Auto mode: the persistent kernel where experts average at most this many rows
 // (its 64-row tiles stream the weights; with more rows the chain's CUTLASS GEMMs,
 // 128x256 tiles with warp specialisation, are faster: docs/performance.md).

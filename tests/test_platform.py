@@ -50,13 +50,6 @@ def test_a_build_without_cuda_handlers_pins_the_tests_to_the_cpu():
     leaves the choice to JAX when it has them."""
     assert platforms_for_tests(cuda_kernels=False) == "cpu"
     assert platforms_for_tests(cuda_kernels=True) is None
-
-
-def test_the_compilation_cache_is_used_only_where_jax_runs_on_the_cpu_alone():
-    assert compilation_cache_wanted("cpu", jax_gpu_plugin=True)
-    assert compilation_cache_wanted("", jax_gpu_plugin=False)
-    assert not compilation_cache_wanted("", jax_gpu_plugin=True)
-    assert not compilation_cache_wanted("cuda", jax_gpu_plugin=True)
     if mok_jax.build_info().cuda_kernels:
         assert conftest.PINNED_PLATFORMS is None
         assert "cuda" in _ext.registered_platforms()
@@ -65,6 +58,16 @@ def test_the_compilation_cache_is_used_only_where_jax_runs_on_the_cpu_alone():
         assert jax.config.jax_platforms == "cpu" and os.environ["JAX_PLATFORMS"] == "cpu"
         assert {d.platform for d in jax.devices()} == {"cpu"}
         assert "cuda" not in _ext.registered_platforms()
+
+
+def test_the_compilation_cache_is_used_only_where_jax_runs_on_the_cpu_alone():
+    assert compilation_cache_wanted("cpu", jax_gpu_plugin=True)
+    assert compilation_cache_wanted("", jax_gpu_plugin=False)
+    assert not compilation_cache_wanted("", jax_gpu_plugin=True)
+    assert not compilation_cache_wanted("cuda", jax_gpu_plugin=True)
+    wanted = compilation_cache_wanted(os.environ.get("JAX_PLATFORMS", ""),
+                                      jax_cuda_plugin_installed())
+    assert (conftest.JAX_CACHE_DIR is not None) == wanted
 
 
 @pytest.mark.gpu

@@ -189,7 +189,7 @@ def readme_commands():
 def test_ci_runs_the_readme_test_command_then_the_cuda_build_and_the_slow_tests():
     """The README's test command is a CPU-only build and the fast set; .ci/run runs
     that very line first, then a CUDA build that fails without nvcc, then the slow
-    set."""
+    set: tests/test_examples.py in one process, every other file in another."""
     test_command = next(c for c in readme_commands() if "pytest" in c)
     assert test_command.startswith("MOK_ENABLE_CUDA=OFF pip install "), test_command
     assert test_command.endswith('pytest -q -m "not slow"'), test_command
@@ -197,8 +197,11 @@ def test_ci_runs_the_readme_test_command_then_the_cuda_build_and_the_slow_tests(
         lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
     runs = [i for i, ln in enumerate(lines) if ln == test_command or ln.startswith(test_command + " ||")]
     cuda = [i for i, ln in enumerate(lines) if ln.startswith("MOK_ENABLE_CUDA=ON pip install ")]
-    slow = [i for i, ln in enumerate(lines) if ln == "pytest -q -m slow"]
-    assert runs and cuda and slow and runs[0] < cuda[0] < slow[0], lines
+    slow = [i for i, ln in enumerate(lines) if ln.startswith("pytest -q -m slow")]
+    examples = [i for i in slow if lines[i].startswith("pytest -q -m slow tests/test_examples.py ")]
+    rest = [i for i in slow if "--ignore=tests/test_examples.py" in lines[i]]
+    assert runs and cuda and examples and rest and runs[0] < cuda[0] < min(slow), lines
+    assert len(slow) == 2, lines  # the two halves, nothing else run twice or left out
 
 
 # --------------------------------------------------------------------------------------

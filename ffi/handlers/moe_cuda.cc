@@ -14,6 +14,7 @@
 #include "signatures.h"
 #include "kernels/expert_ffn_cuda.h"
 #include "kernels/moe_cuda.h"
+#include "kernels/moe_persistent.h"
 
 namespace mok {
 namespace {
@@ -98,12 +99,9 @@ ffi::Error MoeForwardRanksCuda(cudaStream_t stream, ffi::ScratchAllocator scratc
   MOK_RETURN_IF_ERROR(
       ffi_checks::expect_shape(op, "tokens_per_expert", *tokens_per_expert, {d.shape.experts}));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
-  if (ranks < 1 || ranks > 8 || d.shape.tokens % ranks != 0 || d.shape.experts % ranks != 0) {
-    return ffi::Error::InvalidArgument(
-        std::string(op) + ": ranks must be in [1, 8] and divide T and E; got ranks=" +
-        std::to_string(ranks) + ", T=" + std::to_string(d.shape.tokens) +
-        ", E=" + std::to_string(d.shape.experts));
-  }
+  // Before the workspace is sized: its receive windows follow `ranks`.
+  const std::string bad_ranks = cuda::persistent_forward_ranks_error(d.shape, ranks);
+  if (!bad_ranks.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + bad_ranks);
   // No residuals: y is passed for the unused gate_up result (save_gate_up false).
   MoeForwardArgs args = ffi_checks::forward_args(
       d, x, expert_ids, expert_weights, w_gate_up, w_down, Recipe::kNative, capacity,

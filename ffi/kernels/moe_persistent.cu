@@ -41,7 +41,7 @@ constexpr int kCombineTokens = 2;     // tokens per combine task (four warps eac
 constexpr int kCombineWarps = 4;      // warps per token, side by side along H
 static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
 constexpr int64_t kMaxExperts = 4096;  // the row-block prefix sums live in shared memory
-constexpr int kMaxRanks = 8;           // EP ranks of one launch (moe_persistent.h)
+constexpr int kMaxRanks = kMaxPersistentRanks;  // EP ranks of one launch
 // Auto mode: the persistent kernel where experts average at most this many rows
 // (its 64-row tiles stream the weights; with more rows the chain's CUTLASS GEMMs,
 // 128x256 tiles with warp specialisation, are faster: docs/performance.md).
@@ -722,19 +722,6 @@ bool persistent_forward_supported(const MoeShape& s, Recipe recipe, DType x_dtyp
     return false;
   }
   return persistent_forward_can_run(s, recipe, x_dtype);
-}
-
-std::string persistent_forward_ranks_error(const MoeShape& s, int ranks) {
-  if (ranks < 1 || ranks > kMaxRanks) {
-    return "persistent MoE forward: ranks must be in [1, " + std::to_string(kMaxRanks) +
-           "], got " + std::to_string(ranks);
-  }
-  if (s.tokens % ranks != 0 || s.experts % ranks != 0) {
-    return "persistent MoE forward: " + std::to_string(ranks) +
-           " ranks need T and E divisible by them (T = " + std::to_string(s.tokens) +
-           ", E = " + std::to_string(s.experts) + ")";
-  }
-  return {};
 }
 
 size_t persistent_forward_workspace_bytes(const MoeShape& s, int ranks) {

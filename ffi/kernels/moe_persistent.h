@@ -60,9 +60,23 @@ bool persistent_forward_can_run(const MoeShape& shape, Recipe recipe, DType x_dt
 // Whether it takes this call under the current mode.
 bool persistent_forward_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
+// EP ranks one launch serves at most.
+constexpr int kMaxPersistentRanks = 8;
+
 // Why `ranks` cannot split this shape (empty when it can: 1 <= ranks <= 8, T and E
-// divisible by ranks).
-std::string persistent_forward_ranks_error(const MoeShape& shape, int ranks);
+// divisible by ranks). Host-only; the FFI handler checks its attribute with it.
+inline std::string persistent_forward_ranks_error(const MoeShape& s, int64_t ranks) {
+  if (ranks < 1 || ranks > kMaxPersistentRanks) {
+    return "persistent MoE forward: ranks must be in [1, " +
+           std::to_string(kMaxPersistentRanks) + "], got " + std::to_string(ranks);
+  }
+  if (s.tokens % ranks != 0 || s.experts % ranks != 0) {
+    return "persistent MoE forward: " + std::to_string(ranks) +
+           " ranks need T and E divisible by them (T = " + std::to_string(s.tokens) +
+           ", E = " + std::to_string(s.experts) + ")";
+  }
+  return {};
+}
 
 // Its device scratch: h rows, the ranks' receive windows and the task counters.
 size_t persistent_forward_workspace_bytes(const MoeShape& shape, int ranks = 1);

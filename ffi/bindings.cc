@@ -97,27 +97,28 @@ NB_MODULE(_mok, m) {
 #endif
 #ifdef MOK_HAVE_SM90A
   nb::enum_<mok::cuda::PersistentMode>(m, "PersistentMode",
-                                       "When the one-device forward runs as one persistent "
-                                       "kernel after the routing plan.")
+                                       "When the one-device forward and backward each run "
+                                       "as one persistent kernel after the routing plan.")
       .value("OFF", mok::cuda::PersistentMode::kOff, "never: the kernel chain")
       .value("AUTO", mok::cuda::PersistentMode::kAuto, "where it is faster (the default)")
       .value("ALWAYS", mok::cuda::PersistentMode::kAlways, "wherever it can");
-  m.def("set_persistent_forward", &mok::cuda::set_persistent_forward, nb::arg("mode"),
-        "Sets when the one-device forward runs as one persistent kernel after the routing "
-        "plan (gather, expert GEMMs, combine in one launch) instead of the kernel chain, "
-        "for every later call in this process; returns the previous mode. Every mode gives "
-        "the same bits; tests and the benchmark compare the paths.");
+  m.def("set_persistent_kernels", &mok::cuda::set_persistent_kernels, nb::arg("mode"),
+        "Sets when the one-device forward and backward each run as one persistent kernel "
+        "after the routing plan (gathers, expert GEMMs, SwiGLU, combine in one launch) "
+        "instead of the kernel chains, for every later call in this process; returns the "
+        "previous mode. Every mode gives the same bits; tests and the benchmark compare "
+        "the paths.");
   m.def(
-      "persistent_forward_shape",
+      "persistent_shape",
       [](int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn) {
         const mok::MoeShape s{tokens, top_k, experts, hidden, ffn};
-        return mok::cuda::persistent_forward_supported(s, mok::Recipe::kNative,
+        return mok::cuda::persistent_supported(s, mok::Recipe::kNative,
                                                        mok::DType::kBF16);
       },
       nb::arg("tokens"), nb::arg("top_k"), nb::arg("experts"), nb::arg("hidden"),
       nb::arg("ffn"),
-      "Whether a bf16 one-device forward of these sizes on this device runs as the "
-      "persistent kernel under the current mode.");
+      "Whether a bf16 one-device forward and backward of these sizes on this device run "
+      "as the persistent kernels under the current mode.");
 #endif
   nb::enum_<mok::DType>(m, "DType", "Element types the kernels accept.", nb::is_arithmetic())
       .value("F32", mok::DType::kF32)

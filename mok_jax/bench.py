@@ -517,7 +517,7 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
     fn = with_recipe(fn, impl, recipe)
     if impl == "tokamax":
         record["note"] = baselines.tokamax_available()[1] or None
-    with persistent_forward(PERSISTENT_MODES.get(impl, "AUTO")):
+    with persistent_kernels(PERSISTENT_MODES.get(impl, "AUTO")):
         try:
             step, names = build_step(fn, pass_name)
             args = [inputs[n] for n in names]
@@ -545,7 +545,7 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
 
 
 @contextlib.contextmanager
-def persistent_forward(mode: str):
+def persistent_kernels(mode: str):
     """The persistent forward of mok_jax's CUDA handlers in `mode` ("OFF", "AUTO",
     their default, or "ALWAYS") while the block runs; nothing where the build has
     none."""
@@ -553,7 +553,7 @@ def persistent_forward(mode: str):
         from mok_jax import _mok  # pylint: disable=import-outside-toplevel
     except ImportError:
         _mok = None
-    setter = getattr(_mok, "set_persistent_forward", None)
+    setter = getattr(_mok, "set_persistent_kernels", None)
     if setter is None:
         yield
         return

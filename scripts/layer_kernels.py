@@ -147,7 +147,7 @@ def main(argv=None) -> int:
             inputs["expert_ids"] = jax.numpy.asarray(skewed[shape.name])
         for pass_name in passes:
             with tempfile.TemporaryDirectory() as trace_dir, \
-                    bench.persistent_forward(args.persistent):
+                    bench.persistent_kernels(args.persistent):
                 ops = profile_pass(inputs, pass_name, calls=args.calls, warmup=args.warmup,
                                    trace_dir=trace_dir, recipe=args.recipe)
             text, names = kernel_table(ops, args.calls)

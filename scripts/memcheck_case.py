@@ -54,14 +54,14 @@ def run_persistent():
     """The persistent forward forced on: rows past a 64-row block, H and F not
     multiples of the 64-wide tiles, capacity drops, T below a block."""
     from mok_jax import _mok
-    if not hasattr(_mok, "set_persistent_forward"):  # no sm_90a code in this build
+    if not hasattr(_mok, "set_persistent_kernels"):  # no sm_90a code in this build
         return
-    previous = _mok.set_persistent_forward(_mok.PersistentMode.ALWAYS)
-    assert _mok.persistent_forward_shape(100, 2, 4, 136, 200)
+    previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
+    assert _mok.persistent_shape(100, 2, 4, 136, 200)
     run(200, 2, 6, 128, 64, jnp.bfloat16, None)
     run(100, 2, 4, 136, 200, jnp.bfloat16, 0.5)
     run(3, 2, 3, 8, 8, jnp.bfloat16, None)
-    _mok.set_persistent_forward(previous)
+    _mok.set_persistent_kernels(previous)
 
 
 if __name__ == "__main__":

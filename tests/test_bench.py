@@ -129,8 +129,8 @@ def test_persistent_forward_rows_need_a_gpu_and_restore_the_mode(impl):
     if jax.default_backend() == "cpu":  # the switch is a CUDA kernel's: not attempted
         assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
     from mok_jax import _mok
-    if hasattr(_mok, "set_persistent_forward"):  # the default mode is back
-        assert _mok.set_persistent_forward(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
+    if hasattr(_mok, "set_persistent_kernels"):  # the default mode is back
+        assert _mok.set_persistent_kernels(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
 
 
 def test_virtual_rank_rows_are_forward_only_gpu_measurements():

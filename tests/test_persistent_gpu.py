@@ -1,11 +1,11 @@
-"""The persistent forward (one kernel after the routing plan: gather, GEMM1 with
-SwiGLU, GEMM2, combine) gives the kernel chain's bits on the GPU.
+"""The persistent kernels (one kernel per pass after the routing plan; the forward:
+gather, GEMM1 with SwiGLU, GEMM2, combine; the backward: dgrads, SwiGLU's backward,
+weight gradients, the dx combine) give the kernel chains' bits on the GPU.
 
-`_mok.set_persistent_forward(OFF)` makes the handlers run the chain (gather,
-grouped GEMMs, SwiGLU, combine as separate kernels), `ALWAYS` the persistent
-kernel wherever it can run (the default, `AUTO`, picks it for few rows per
-expert only); the results must be equal bit for bit, the residuals the backward
-reads included (so the gradients too).
+`_mok.set_persistent_kernels(OFF)` makes the handlers run the chains (gathers,
+grouped GEMMs, SwiGLU, combines as separate kernels), `ALWAYS` the persistent
+kernels wherever they can run (the default, `AUTO`, picks them for few rows per
+expert only); y, the residuals and every gradient must be equal bit for bit.
 """
 
 import jax
@@ -34,18 +34,18 @@ def _problem(T, K, E, H, F, seed=0, skew=False, weight_dtype=jnp.float32):
 
 @pytest.fixture
 def persistent():
-    """run(fn, enabled): fn() with the persistent forward always (where it can run) or
-    never, the mode restored after."""
-    if not hasattr(_mok, "set_persistent_forward"):
-        pytest.fail("this build has no persistent forward (sm_90a kernels)")
+    """run(fn, enabled): fn() with the persistent kernels always (where they can run)
+    or never, the mode restored after."""
+    if not hasattr(_mok, "set_persistent_kernels"):
+        pytest.fail("this build has no persistent kernels (sm_90a code)")
     modes = {True: _mok.PersistentMode.ALWAYS, False: _mok.PersistentMode.OFF}
 
     def run(fn, enabled):
-        previous = _mok.set_persistent_forward(modes[enabled])
+        previous = _mok.set_persistent_kernels(modes[enabled])
         try:
             return jax.block_until_ready(fn())
         finally:
-            _mok.set_persistent_forward(previous)
+            _mok.set_persistent_kernels(previous)
 
     return run
 
@@ -72,11 +72,11 @@ def _assert_same(a, b):
 def _check(persistent, args, **kw):
     T, K = args[1].shape
     E, H, F2 = args[3].shape
-    previous = _mok.set_persistent_forward(_mok.PersistentMode.ALWAYS)
+    previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
     try:
-        takes = _mok.persistent_forward_shape(T, K, E, H, F2 // 2)
+        takes = _mok.persistent_shape(T, K, E, H, F2 // 2)
     finally:
-        _mok.set_persistent_forward(previous)
+        _mok.set_persistent_kernels(previous)
     assert takes, "the persistent kernel does not take this shape"
     fwd = lambda: mok_jax.moe(*args, return_stats=True, **kw)
     step = _forward_and_grads(*args, **kw)
@@ -135,13 +135,13 @@ def test_every_pair_invalid_gives_zeros(persistent):
 
 
 def test_auto_mode_takes_few_rows_per_expert_only():
-    assert _mok.set_persistent_forward(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
-    assert _mok.persistent_forward_shape(256, 8, 128, 2048, 768)        # 16 rows per expert
-    assert _mok.persistent_forward_shape(1024, 8, 128, 2048, 768)       # 64
-    assert not _mok.persistent_forward_shape(1025, 8, 128, 2048, 768)   # just over 64
-    assert not _mok.persistent_forward_shape(2048, 8, 128, 2048, 768)   # 128
-    assert not _mok.persistent_forward_shape(256, 8, 128, 2048, 764)    # F % 8 != 0
-    assert not _mok.persistent_forward_shape(256, 8, 5000, 2048, 768)   # E > 4096
+    assert _mok.set_persistent_kernels(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
+    assert _mok.persistent_shape(256, 8, 128, 2048, 768)        # 16 rows per expert
+    assert _mok.persistent_shape(1024, 8, 128, 2048, 768)       # 64
+    assert not _mok.persistent_shape(1025, 8, 128, 2048, 768)   # just over 64
+    assert not _mok.persistent_shape(2048, 8, 128, 2048, 768)   # 128
+    assert not _mok.persistent_shape(256, 8, 128, 2048, 764)    # F % 8 != 0
+    assert not _mok.persistent_shape(256, 8, 5000, 2048, 768)   # E > 4096
 
 
 def test_bitwise_deterministic_over_20_runs(persistent):
@@ -150,6 +150,16 @@ def test_bitwise_deterministic_over_20_runs(persistent):
     first = np.asarray(persistent(lambda: fwd(*args), True))
     for _ in range(19):
         np.testing.assert_array_equal(np.asarray(persistent(lambda: fwd(*args), True)), first)
+
+
+def test_backward_bitwise_deterministic_over_20_runs(persistent):
+    """The backward's tasks land on different CTAs from run to run; every gradient
+    stays the same bits (each element reduced by one CTA, in a fixed order)."""
+    step = _forward_and_grads(*_problem(2048, 8, 64, 512, 256, seed=9, skew=True))
+    first = persistent(step, True)
+    for _ in range(19):
+        _assert_same(persistent(step, True), first)
+
 
 
 # --- the EP role on virtual ranks ---------------------------------------------------------

@@ -18,13 +18,14 @@ ExpertFfnShape ffn_shape(const MoeShape& s) {
   return {s.tokens * s.top_k, s.experts, s.hidden, s.ffn};
 }
 
-// The one place that chooses how the forward runs after the routing plan: the
-// persistent kernel (moe_persistent.h) where it takes the call, else the kernel
-// chain (gather, expert FFN, combine). Both give the same bits.
-// (The persistent kernel exists in sm_90a builds only; elsewhere the chain runs.)
+// The one place that chooses how a pass runs after the routing plan: the
+// persistent kernels (moe_persistent.h) where they take the call, else the kernel
+// chain (gather, expert FFN, combine). Both give the same bits. The forward and the
+// backward follow one rule, so a training step runs both one way or both the other.
+// (The persistent kernels exist in sm_90a builds only; elsewhere the chain runs.)
 #ifdef MOK_HAVE_SM90A
-bool use_persistent_forward(const MoeShape& s, Recipe recipe, DType dt) {
-  return persistent_forward_supported(s, recipe, dt);
+bool use_persistent(const MoeShape& s, Recipe recipe, DType dt) {
+  return persistent_supported(s, recipe, dt);
 }
 #endif
 
@@ -49,7 +50,7 @@ ForwardBuffers carve_forward(void* ws, const MoeShape& s, Recipe recipe, DType d
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
 #ifdef MOK_HAVE_SM90A
-  if (ranks > 1 || use_persistent_forward(s, recipe, dt)) {
+  if (ranks > 1 || use_persistent(s, recipe, dt)) {
     b.persistent = true;
     b.ffn_scratch_bytes = persistent_forward_workspace_bytes(s, ranks);
     b.ffn_scratch = c.take(b.ffn_scratch_bytes);
@@ -67,6 +68,7 @@ ForwardBuffers carve_forward(void* ws, const MoeShape& s, Recipe recipe, DType d
 
 struct BackwardBuffers {
   RoutingPlanDevice plan;
+  bool persistent;  // the pass is the persistent kernel (decided once, by the carve)
   void* dy_rows;  // [R, H], then the dx rows (the expert FFN reads dy first)
   void* ffn_scratch;
   size_t ffn_scratch_bytes;
@@ -79,6 +81,15 @@ BackwardBuffers carve_backward(void* ws, const MoeShape& s, Recipe recipe, DType
   BackwardBuffers b{};
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
+#ifdef MOK_HAVE_SM90A
+  if (use_persistent(s, recipe, dt)) {
+    b.persistent = true;
+    b.ffn_scratch_bytes = persistent_backward_workspace_bytes(s);
+    b.ffn_scratch = c.take(b.ffn_scratch_bytes);
+    *total = c.used();
+    return b;
+  }
+#endif
   b.dy_rows = c.take(pairs * s.hidden * elem_bytes(dt));
   b.ffn_scratch_bytes = expert_ffn_backward_rows_bytes(ffn_shape(s), recipe, dt);
   b.ffn_scratch = c.take(b.ffn_scratch_bytes);
@@ -108,7 +119,7 @@ std::string moe_forward(const MoeForwardArgs& a, void* x_rows_out, void* workspa
   size_t need = 0;
   if (a.ranks != 1) {
 #ifdef MOK_HAVE_SM90A
-    const bool can = persistent_forward_can_run(a.shape, a.recipe, a.x_dtype);
+    const bool can = persistent_can_run(a.shape, a.recipe, a.x_dtype);
 #else
     const bool can = false;
 #endif
@@ -161,6 +172,20 @@ std::string moe_backward(const MoeBackwardArgs& a, const void* x_rows, void* wor
   if (x_rows == nullptr && pairs > 0) return "MoE backward: the forward's x rows are missing";
   const int64_t* num_rows = b.plan.expert_begin + E;
 
+#ifdef MOK_HAVE_SM90A
+  if (b.persistent) {
+    MOK_RETURN_IF_MESSAGE(
+        persistent_backward_prepare(a.shape, b.ffn_scratch, b.ffn_scratch_bytes, stream));
+    MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan,
+                                             nullptr, nullptr, nullptr, stream));
+    const PersistentBackwardArgs p{a.shape,        a.weight_dtype,   a.dy,
+                                   x_rows,         a.gate_up,        a.expert_weights,
+                                   a.w_gate_up,    a.w_down,         b.plan.expert_begin,
+                                   b.plan.row_pair, b.plan.pair_row, a.dx,
+                                   a.d_expert_weights, a.d_w_gate_up, a.d_w_down};
+    return persistent_backward(p, b.ffn_scratch, b.ffn_scratch_bytes, stream);
+  }
+#endif
   MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan, nullptr,
                                            nullptr, nullptr, stream));
   // x rows: the forward's (x_rows), not gathered again. dy rows: a plain gather.

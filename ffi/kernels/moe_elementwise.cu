@@ -5,14 +5,10 @@
 
 #include "cuda_check.h"
 #include "mok/bf16.h"
+#include "swiglu_math.cuh"
 
 namespace mok::cuda {
 namespace {
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Vec {
-  T v[V];
-};
 
 // The built-in type of V elements' bytes, for kernels that only move data.
 template <int Bytes> struct RawOf;
@@ -20,15 +16,6 @@ template <> struct RawOf<2> { using type = unsigned short; };
 template <> struct RawOf<4> { using type = unsigned int; };
 template <> struct RawOf<16> { using type = uint4; };
 
-template <typename T, int V>
-__device__ __forceinline__ Vec<T, V> load_vec(const T* p) {
-  return *reinterpret_cast<const Vec<T, V>*>(p);
-}
-template <typename T, int V>
-__device__ __forceinline__ void store_vec(T* p, const Vec<T, V>& v) {
-  *reinterpret_cast<Vec<T, V>*>(p) = v;
-}
-__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 // Elements per thread: 16-byte vectors when the row length allows it.
 template <typename T>
@@ -135,13 +122,6 @@ swiglu_forward_kernel(const float* __restrict__ gate_up, const int64_t* __restri
   }
 }
 
-// Sum over a warp in a fixed order (a fixed xor tree): same bits on every run.
-__device__ __forceinline__ float warp_sum_fixed(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-
 // d_weights[p] = <dh_raw row, h row>: each lane sums its elements in order, then
 // the lanes' partials are added by warp_sum_fixed.
 template <typename X, typename W, int V>
@@ -150,54 +130,13 @@ swiglu_backward_kernel(const X* __restrict__ gate_up, const float* __restrict__ 
                        const W* __restrict__ weights, const int32_t* __restrict__ row_pair,
                        const int64_t* __restrict__ num_rows, int64_t ffn, X* __restrict__ wh_rows,
                        X* __restrict__ d_gate_up, W* __restrict__ d_weights) {
-  constexpr int kU = kUnroll / 2;
   const int64_t n = *num_rows;
   const int lane = lane_id();
   for (int64_t r = first_warp(); r < n; r += warp_stride()) {
     const int64_t p = row_pair[r];
-    const float w = to_float(weights[p]);
-    const X* g = gate_up + r * 2 * ffn;
-    const X* u = g + ffn;
-    const float* dh = dh_raw + r * ffn;
-    X* dg = d_gate_up + r * 2 * ffn;
-    X* du = dg + ffn;
-    float dw = 0.0f;
-    for (int64_t f0 = int64_t(lane) * V; f0 < ffn; f0 += 32 * V * kU) {
-      Vec<X, V> gv[kU], uv[kU];
-      Vec<float, V> dv[kU];
-#pragma unroll
-      for (int j = 0; j < kU; ++j) {
-        const int64_t f = f0 + j * 32 * V;
-        if (f < ffn) {
-          gv[j] = load_vec<X, V>(g + f);
-          uv[j] = load_vec<X, V>(u + f);
-          dv[j] = load_vec<float, V>(dh + f);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kU; ++j) {
-        const int64_t f = f0 + j * 32 * V;
-        if (f >= ffn) continue;
-        Vec<X, V> hv, dgv, duv;
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          const float gf = to_float(gv[j].v[i]), uf = to_float(uv[j].v[i]);
-          const float s = sigmoid(gf);
-          const float silu = gf * s;
-          const float h = round_to<X>(silu * uf);
-          hv.v[i] = from_float<X>(w * h);  // dW_down's operand: round_x(w h)
-          const float dhr = dv[j].v[i];
-          dw += dhr * h;  // <dy, o> = <dy @ Wd^T, h>
-          const float dhw = w * dhr;
-          dgv.v[i] = from_float<X>(dhw * uf * (s * (1.0f + gf * (1.0f - s))));
-          duv.v[i] = from_float<X>(dhw * silu);
-        }
-        store_vec<X, V>(wh_rows + r * ffn + f, hv);
-        store_vec<X, V>(dg + f, dgv);
-        store_vec<X, V>(du + f, duv);
-      }
-    }
-    const float total = warp_sum_fixed(dw);
+    const float total = swiglu_backward_row<X, V, kUnroll / 2>(
+        gate_up + r * 2 * ffn, dh_raw + r * ffn, to_float(weights[p]), ffn, lane,
+        wh_rows + r * ffn, d_gate_up + r * 2 * ffn);
     if (lane == 0) d_weights[p] = from_float<W>(total);
   }
 }

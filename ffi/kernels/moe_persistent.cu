@@ -6,68 +6,38 @@
 
 #include "cuda_check.h"
 #include "device_info.h"
-#include "cute/arch/copy_sm80.hpp"
-#include "cute/atom/mma_atom.hpp"
-#include "cute/tensor.hpp"
-// after cute/tensor.hpp, which declares what the TMA traits build on
-#include "cute/atom/copy_traits_sm90_tma.hpp"
-#include "cutlass/arch/barrier.h"
-#include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/fast_math.h"
-#include "cutlass/numeric_types.h"
-#include "mok/bf16.h"
+#include "moe_persistent_common.cuh"
+#include "swiglu_math.cuh"
 #include "workspace.h"
 
 namespace mok::cuda {
 namespace {
 
-using namespace cute;
-using Elem = cutlass::bfloat16_t;
+using namespace persistent;
 
-constexpr int kProducerThreads = 128;  // warp group 0: the loads
-constexpr int kConsumerThreads = 256;  // warp groups 1 and 2: wgmma, epilogues, combine
-constexpr int kThreads = kProducerThreads + kConsumerThreads;
-constexpr int kProducerRegs = 56;      // setmaxnreg: 128 x 56 + 256 x 224 <= 64K (no spills)
-constexpr int kConsumerRegs = 224;
-constexpr int kTaskSlots = 2;          // tasks handed from the producer, not yet taken
-constexpr int kBlockRows = 64;        // rows per GEMM task (one wgmma M)
-constexpr int kBlockK = 64;           // K per pipeline stage (one 128-byte swizzle row)
-constexpr int kStages = 5;
 constexpr int kGemm1Cols = 128;       // F columns per GEMM1 task (gate and up each)
 constexpr int kSlabCols = 64;         // B columns per TMA box (one 128-byte swizzle row)
 constexpr int kGemm2Cols = 256;       // H columns per GEMM2 task
-constexpr int kStageCols = 256;       // B columns per stage in both GEMMs
 constexpr int kCombineTokens = 2;     // tokens per combine task (four warps each)
 constexpr int kCombineWarps = 4;      // warps per token, side by side along H
 static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
-constexpr int64_t kMaxExperts = 4096;  // the row-block prefix sums live in shared memory
 constexpr int kMaxRanks = kMaxPersistentRanks;  // EP ranks of one launch
 // Auto mode: the persistent kernel where experts average at most this many rows
 // (its 64-row tiles stream the weights; with more rows the chain's CUTLASS GEMMs,
 // 128x256 tiles with warp specialisation, are faster: docs/performance.md).
 constexpr int64_t kAutoRowsPerExpert = 64;
 
-// Shared-memory tiles: A K-major, B (the weights, [K, N] row-major) N-major, both
-// with 128-byte swizzle, as wgmma reads them.
-using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
-                                       Shape<Int<kBlockRows>, Int<kBlockK>>{}));
 // B's atoms (64 N x 8 K) K first: each 64-column slab of a stage is 64 K rows of
 // 128 bytes, one 8 KB TMA box. A stage is four slabs; GEMM1's are gate, up, gate,
 // up (columns f0..f0+63, then f0+64..f0+127), so each warp group's 128 columns
 // hold matching gate and up columns 64 apart, in the same thread's accumulators.
 using LayoutSlab = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
                                           Shape<Int<kSlabCols>, Int<kBlockK>>{}, Step<_2, _1>{}));
-using LayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                       Shape<Int<kStageCols>, Int<kBlockK>>{}, Step<_2, _1>{}));
-constexpr int kStageABytes = kBlockRows * kBlockK * 2;   // 8 KB
-constexpr int kStageBBytes = kStageCols * kBlockK * 2;   // 32 KB
-constexpr int kTileBytes = kStages * (kStageABytes + kStageBBytes);
-constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes
 
 // Two warp groups side by side along N, 64 x 128 each: a stage's 64 x 256 tile.
 using Mma = decltype(make_tiled_mma(
     SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}, Layout<Shape<_1, _2, _1>>{}));
-using StageTile = Shape<Int<kBlockRows>, Int<kStageCols>>;
 using Acc = decltype(partition_fragment_C(Mma{}, StageTile{}));  // a consumer thread's
 
 // The weights as the TMA loads see them. W_gate_up[e] is [H, 2F] row-major, viewed
@@ -94,7 +64,6 @@ auto make_tma2(const Elem* w, int64_t H, int64_t F, int64_t E) {
 }
 using Tma1 = decltype(make_tma1(nullptr, 0, 0, 0));
 using Tma2 = decltype(make_tma2(nullptr, 0, 0, 0));
-using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
 struct Params {
   Tma1 tma1;  // the weight tiles, by TMA into the B stages
@@ -146,69 +115,6 @@ __device__ __forceinline__ Elem* recv_row(const Params& p, const Windows& w, int
   return w.recv[rank] + (int64_t(local) * p.top_k + k) * p.hidden;
 }
 
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
-
-// Two rounded values at adjacent columns (`dst` 4-byte aligned) in one store.
-__device__ __forceinline__ void store_pair(Elem* dst, float a, float b) {
-  *reinterpret_cast<uint32_t*>(dst) =
-      uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
-}
-
-// Roles: warp group 0 loads (the producer), warp groups 1 and 2 compute (the
-// consumers). Named barriers (0 is __syncthreads):
-enum : uint32_t { kConsumerSync = 1, kProducerSync = 2 };
-__device__ __forceinline__ void consumer_sync() {
-  cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerSync);
-}
-__device__ __forceinline__ void producer_sync() {
-  cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerSync);
-}
-
-// A position in a ring of barriers: slot and the parity to wait for.
-template <int N>
-struct Ring {
-  int slot;
-  uint32_t phase;
-  __device__ void advance() {
-    if (++slot == N) {
-      slot = 0;
-      phase ^= 1u;
-    }
-  }
-};
-
-// Row block `block` (of all experts' 64-row blocks, in expert order): its expert,
-// first row and end row.
-struct RowBlock {
-  int64_t expert, row0, row_end;
-  // Its rows (an expert's rows past the block's 64 are its next block's).
-  __device__ int64_t rows() const { return min(row_end - row0, int64_t(kBlockRows)); }
-};
-
-__device__ __forceinline__ RowBlock find_block(const int32_t* block_begin, int64_t experts,
-                                               const int64_t* expert_begin, int64_t block) {
-  int64_t lo = 0, hi = experts;  // the last e with block_begin[e] <= block
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
-    if (block_begin[mid] <= block) lo = mid; else hi = mid;
-  }
-  const int64_t begin = expert_begin[lo];
-  return {lo, begin + (block - block_begin[lo]) * kBlockRows, expert_begin[lo + 1]};
-}
-
 // A task as the producer hands it to the consumers.
 enum class Kind : int32_t { kGemm1, kGemm2, kCombine, kEnd };
 struct Task {
@@ -228,12 +134,6 @@ struct Control {
   uint32_t ticket[2];  // the producer's claimed task numbers, by claim parity
 };
 
-__device__ __forceinline__ Elem* stage_a(char* tiles, int stage) {
-  return reinterpret_cast<Elem*>(tiles + stage * kStageABytes);
-}
-__device__ __forceinline__ Elem* stage_b(char* tiles, int stage) {
-  return reinterpret_cast<Elem*>(tiles + kStages * kStageABytes + stage * kStageBBytes);
-}
 
 // Rank o's row blocks: [block_begin[o E/P], block_begin[(o + 1) E/P]).
 __device__ __forceinline__ int64_t rank_blocks(const Params& p, const int32_t* block_begin,
@@ -267,44 +167,6 @@ struct TaskList {
 // to the consumers, then streams its K blocks through the stages (A rows by
 // cp.async from every producer thread, the weight tile by TMA from thread 0),
 // running ahead across task boundaries as far as the free stages allow.
-
-// The A rows of a row block one producer thread loads: 16-byte chunks ptid + 128 j
-// (j < 4) of a K block's 64 rows x 8 chunks.
-struct ARows {
-  const Elem* src[4];
-  bool valid[4];
-  template <class RowStart>
-  __device__ ARows(int ptid, const RowBlock& rb, const Elem* base, RowStart row_start) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int m = (ptid + j * kProducerThreads) >> 3;
-      valid[j] = m < rb.row_end - rb.row0;  // m < 64
-      src[j] = valid[j] ? row_start(m) : base;
-    }
-  }
-  // cp.async of the K block at column k0 into the stage tile (zeros past the rows or K).
-  __device__ void load(int ptid, Elem* tile, int64_t k0, int64_t K, const Elem* base) const {
-    Tensor sA = make_tensor(make_smem_ptr(tile), LayoutA{});
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int c = ptid + j * kProducerThreads;
-      const int m = c >> 3, kc = (c & 7) * 8;
-      const bool ok = valid[j] && k0 + kc < K;
-      cp_async_16(&sA(m, kc), ok ? src[j] + k0 + kc : base, ok);
-    }
-  }
-};
-
-// Spins (one thread) until *counter >= target; then every producer thread may read
-// what the counted tasks wrote.
-__device__ __forceinline__ void producer_wait_for(int ptid, const uint32_t* counter,
-                                                  uint32_t target) {
-  if (ptid == 0) {
-    while (load_acquire(counter) < target) __nanosleep(64);
-    __threadfence();
-  }
-  producer_sync();
-}
 
 __device__ void produce(const Params& p, const Windows& win, Control& ctl, char* tiles,
                         const int32_t* block_begin,
@@ -399,45 +261,6 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
 // ---- Consumers: two warp groups side by side along N (64 x 128 each of a 64 x
 // 256 stage tile), the epilogues from their accumulators, and the combine.
 
-// One K loop over the stages the producer fills, in the producer's order.
-__device__ __forceinline__ void mma_k_loop(Control& ctl, char* tiles, Ring<kStages>& st,
-                                           int k_blocks, Acc& acc) {
-  const int ctid = threadIdx.x - kProducerThreads;
-  Mma mma;
-  auto thr = mma.get_thread_slice(ctid);
-#pragma unroll 1
-  for (int kb = 0; kb < k_blocks; ++kb) {
-    Barrier::wait(&ctl.full[st.slot], st.phase);
-    cutlass::arch::fence_view_async_shared();  // cp.async writes -> wgmma reads
-    Tensor sA = make_tensor(make_smem_ptr(stage_a(tiles, st.slot)), LayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(stage_b(tiles, st.slot)), LayoutB{});
-    Tensor rA = thr.make_fragment_A(thr.partition_A(sA));
-    Tensor rB = thr.make_fragment_B(thr.partition_B(sB));
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-    mma.accumulate_ = kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-#pragma unroll
-    for (int k = 0; k < size<2>(rA); ++k) {
-      cute::gemm(mma, rA(_, _, k), rB(_, _, k), acc);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) Barrier::arrive(&ctl.empty[st.slot]);
-    st.advance();
-  }
-}
-
-// Every consumer thread's global writes of the task done, then one release increment.
-__device__ __forceinline__ void consumer_signal(uint32_t* counter) {
-  consumer_sync();
-  if (threadIdx.x == kProducerThreads) {
-    __threadfence();
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
-  }
-}
 
 __device__ void gemm1_epilogue(const Params& p, const Windows& win, const Task& task,
                                const Acc& acc) {
@@ -579,7 +402,8 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
     }
     const bool first = task.kind == Kind::kGemm1;
     const int64_t K = first ? p.hidden : p.ffn;
-    mma_k_loop(ctl, tiles, st, static_cast<int>((K + kBlockK - 1) / kBlockK), acc);
+    mma_k_loop<Mma, LayoutA, LayoutB>(ctl, tiles, st,
+                                      static_cast<int>((K + kBlockK - 1) / kBlockK), acc);
     if (first) {
       gemm1_epilogue(p, win, task, acc);
       consumer_signal(p.h_ready + task.block);
@@ -622,23 +446,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Row blocks per expert, prefix-summed (every CTA the same, from the plan).
   using Scan = cub::BlockScan<int32_t, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  const int64_t E = p.experts;
-  const int64_t per = (E + kThreads - 1) / kThreads;
-  const int64_t e0 = threadIdx.x * per, e1 = min(E, e0 + per);
-  int32_t mine = 0;
-  for (int64_t e = e0; e < e1; ++e) {
-    mine += static_cast<int32_t>((p.expert_begin[e + 1] - p.expert_begin[e] + kBlockRows - 1) /
-                                 kBlockRows);
-  }
-  int32_t before = 0, total_blocks = 0;
-  Scan(scan_tmp).ExclusiveSum(mine, before, total_blocks);
-  for (int64_t e = e0; e < e1; ++e) {
-    block_begin[e] = before;
-    before += static_cast<int32_t>(
-        (p.expert_begin[e + 1] - p.expert_begin[e] + kBlockRows - 1) / kBlockRows);
-  }
-  if (threadIdx.x == 0) block_begin[E] = total_blocks;
-  __syncthreads();
+  scan_row_blocks<kThreads, Scan>(p.expert_begin, p.experts, block_begin, scan_tmp);
 
   // This CTA's rank: the CTAs in P contiguous groups of (nearly) equal size.
   const int32_t rank = static_cast<int32_t>(int64_t(blockIdx.x) * p.ranks / gridDim.x);
@@ -655,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 size_t elem_count_bytes(int64_t n) { return static_cast<size_t>(n) * sizeof(Elem); }
 
 int64_t max_row_blocks(const MoeShape& s) {
-  return (s.tokens * s.top_k + kBlockRows - 1) / kBlockRows + s.experts;
+  return persistent::max_row_blocks(s.tokens * s.top_k, s.experts);
 }
 
 struct Scratch {
@@ -683,28 +491,18 @@ size_t dynamic_smem_bytes(int64_t experts) {
   return kTileBytes + kSmemAlign + (experts + 1) * sizeof(int32_t);
 }
 
-// Whether the driver wrote the descriptor: CuTe leaves it zero when
-// cuTensorMapEncodeTiled fails (and release builds do not stop there).
-template <class Tma>
-bool encoded(const Tma& tma) {
-  const auto* words = reinterpret_cast<const uint64_t*>(tma.get_tma_descriptor());
-  for (size_t i = 0; i < sizeof(TmaDescriptor) / sizeof(uint64_t); ++i) {
-    if (words[i] != 0) return true;
-  }
-  return false;
-}
 
 std::atomic<int> persistent_mode{static_cast<int>(PersistentMode::kAuto)};
 
 }  // namespace
 
-PersistentMode set_persistent_forward(PersistentMode mode) {
+PersistentMode set_persistent_kernels(PersistentMode mode) {
   return static_cast<PersistentMode>(persistent_mode.exchange(static_cast<int>(mode)));
 }
 
 // The shapes whose chain runs both GEMMs on the tensor cores (grouped_gemm.cu:
 // bf16, 16-byte rows), on a device of compute capability 9.0 (the sm_90a code).
-bool persistent_forward_can_run(const MoeShape& s, Recipe recipe, DType x_dtype) {
+bool persistent_can_run(const MoeShape& s, Recipe recipe, DType x_dtype) {
   if (recipe != Recipe::kNative || x_dtype != DType::kBF16 || s.hidden <= 0 || s.ffn <= 0 ||
       s.hidden % 8 != 0 || s.ffn % 8 != 0 || s.experts <= 0 || s.experts > kMaxExperts ||
       s.tokens * s.top_k >= (int64_t(1) << 31)) {
@@ -715,13 +513,13 @@ bool persistent_forward_can_run(const MoeShape& s, Recipe recipe, DType x_dtype)
   return info.cc == 90;
 }
 
-bool persistent_forward_supported(const MoeShape& s, Recipe recipe, DType x_dtype) {
+bool persistent_supported(const MoeShape& s, Recipe recipe, DType x_dtype) {
   const auto mode = static_cast<PersistentMode>(persistent_mode.load(std::memory_order_relaxed));
   if (mode == PersistentMode::kOff) return false;
   if (mode == PersistentMode::kAuto && s.tokens * s.top_k > kAutoRowsPerExpert * s.experts) {
     return false;
   }
-  return persistent_forward_can_run(s, recipe, x_dtype);
+  return persistent_can_run(s, recipe, x_dtype);
 }
 
 size_t persistent_forward_workspace_bytes(const MoeShape& s, int ranks) {
@@ -755,7 +553,7 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
   p.hidden = s.hidden;
   p.ffn = s.ffn;
   // The TMA descriptors need 16-byte aligned bases and 16-byte strides (H and F are
-  // multiples of 8: persistent_forward_supported).
+  // multiples of 8: persistent_supported).
   if (reinterpret_cast<uintptr_t>(a.w_gate_up) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(a.w_down) % 16 != 0) {
     return "persistent MoE forward: the expert weights are not 16-byte aligned";

@@ -42,23 +42,24 @@
 
 namespace mok::cuda {
 
-// When the persistent forward runs: never (the kernel chain), where it is the
-// faster one (the default: at most 64 rows per expert, where the GEMMs stream the
-// weights; docs/performance.md), or wherever it can.
+// When the persistent kernels (the forward's and the backward's) run: never (the
+// kernel chains), where they are the faster ones (the default: at most 64 rows per
+// expert, where the GEMMs stream the weights; docs/performance.md), or wherever
+// they can. The forward and the backward follow the same mode and rule.
 enum class PersistentMode : int { kOff = 0, kAuto = 1, kAlways = 2 };
 
 // Sets the mode for every later call in this process and returns the previous one.
 // All modes give the same bits: the switch exists so that tests and the benchmark
 // can compare the two paths.
-PersistentMode set_persistent_forward(PersistentMode mode);
+PersistentMode set_persistent_kernels(PersistentMode mode);
 
-// Whether the persistent forward can run this call (the build has sm_90a code, the
+// Whether the persistent kernels can run this call (the build has sm_90a code, the
 // device is compute capability 9.0, x and the weights are bf16, the recipe is the
 // native one, H and F are multiples of 8 and E <= 4096).
-bool persistent_forward_can_run(const MoeShape& shape, Recipe recipe, DType x_dtype);
+bool persistent_can_run(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // Whether it takes this call under the current mode.
-bool persistent_forward_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
+bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // EP ranks one launch serves at most.
 constexpr int kMaxPersistentRanks = 8;
@@ -106,5 +107,46 @@ std::string persistent_forward_prepare(const MoeShape& shape, void* workspace,
 // The launch; the routing plan must be enqueued before it on `stream`.
 std::string persistent_forward(const PersistentForwardArgs& args, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream);
+
+// The backward after the routing plan as one persistent kernel
+// (moe_persistent_backward.cu), on one device, under the same rule as the forward
+// (persistent_supported) and with the same bits as the chain's backward.
+// Tasks, numbered in this order, each waiting only for lower-numbered ones:
+//   dgrad2 (64 rows x 256 F columns): dh = dy rows @ W_down^T in f32, the dy rows
+//     loaded straight from dy by their tokens (no gathered copy);
+//   SwiGLU's backward (64 rows): after the rows' dgrad2 tiles, the chain's
+//     swiglu_backward row by row (round(w h), d gate_up, d expert_weights);
+//   dgrad1 (64 rows x 256 H columns): dx rows = d gate_up @ W_gate_up^T;
+//   the weight gradients (64 x 256 tiles of each expert's dW_down and dW_gate_up),
+//     after the expert's SwiGLU tasks, over its rows in 64-row K blocks, ascending;
+//   the combine (2 tokens): after every dgrad1 task, dx = the sum over k ascending
+//     of each token's dx rows (f32, rounded once).
+size_t persistent_backward_workspace_bytes(const MoeShape& shape);
+
+struct PersistentBackwardArgs {
+  MoeShape shape;
+  DType weight_dtype;            // of expert_weights and d_expert_weights (f32 or bf16)
+  const void* dy;                // [T, H] bf16
+  const void* x_rows;            // [T * K, H] the forward's gathered x rows
+  const void* gate_up;           // [T * K, 2F] the forward's round(gate, up)
+  const void* expert_weights;    // [T, K]
+  const void* w_gate_up;         // [E, H, 2F]
+  const void* w_down;            // [E, F, H]
+  const int64_t* expert_begin;   // [E + 1] the routing plan's
+  const int32_t* row_pair;       // [T * K]
+  const int32_t* pair_row;       // [T * K]
+  void* dx;                      // [T, H]
+  void* d_expert_weights;        // [T, K]
+  void* d_w_gate_up;             // [E, H, 2F]
+  void* d_w_down;                // [E, F, H]
+};
+
+// Zeroes the task counters in `workspace` (enqueued before the routing plan).
+std::string persistent_backward_prepare(const MoeShape& shape, void* workspace,
+                                        size_t workspace_bytes, cudaStream_t stream);
+
+// The launch; the routing plan must be enqueued before it on `stream`.
+std::string persistent_backward(const PersistentBackwardArgs& args, void* workspace,
+                                size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace mok::cuda

@@ -1,0 +1,596 @@
+// The MoE backward after the routing plan as one persistent kernel (moe_persistent.h).
+#include <cub/block/block_scan.cuh>
+
+#include "cuda_check.h"
+#include "device_info.h"
+#include "moe_persistent.h"
+#include "moe_persistent_common.cuh"
+#include "swiglu_math.cuh"
+#include "workspace.h"
+
+namespace mok::cuda {
+namespace {
+
+using namespace persistent;
+
+constexpr int kCombineTokens = 2;  // tokens per combine task (four warps each)
+constexpr int kCombineWarps = 4;   // warps per token, side by side along H
+static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
+// setmaxnreg: the producer's task decoding and weight-gradient loads need more than
+// the forward's 56 registers (it spilled there).
+constexpr int kBwdProducerRegs = 88;
+constexpr int kBwdConsumerRegs = 208;
+static_assert(regs_split_fits(kBwdProducerRegs, kBwdConsumerRegs));
+
+// The dgrads read the weights as B [N, K] K-major tiles; the weight gradients read
+// both operands from rows ([rows, M] and [rows, N]: M- and N-major tiles).
+using MmaKK = decltype(make_tiled_mma(
+    SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>{}, Layout<Shape<_1, _2, _1>>{}));
+using MmaMN = decltype(make_tiled_mma(
+    SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{},
+    Layout<Shape<_1, _2, _1>>{}));
+using AccKK = decltype(partition_fragment_C(MmaKK{}, StageTile{}));
+using AccMN = decltype(partition_fragment_C(MmaMN{}, StageTile{}));
+
+// A weight as the TMA loads see it, (N, K, E) with K contiguous: W_down[e] [F, H] is
+// dgrad2's B (N = F, K = H), W_gate_up[e] [H, 2F] dgrad1's (N = H, K = 2F).
+template <class Ptr>
+CUTE_HOST_DEVICE auto k_major_view(Ptr w, int64_t N, int64_t K, int64_t E) {
+  return make_tensor(w, make_layout(make_shape(N, K, E), make_stride(K, Int<1>{}, N * K)));
+}
+using TileBK = Shape<Int<kStageCols>, Int<kBlockK>>;
+auto make_tma_k(const Elem* w, int64_t N, int64_t K, int64_t E) {
+  return make_tma_atom(SM90_TMA_LOAD{}, k_major_view(make_gmem_ptr(w), N, K, E), LayoutBK{},
+                       TileBK{});
+}
+using TmaK = decltype(make_tma_k(nullptr, 0, 0, 0));
+
+struct Params {
+  TmaK tma_down;     // W_down as (F, H, E)
+  TmaK tma_gate_up;  // W_gate_up as (H, 2F, E)
+  int64_t tokens, top_k, experts, hidden, ffn;
+  const Elem* dy;        // [T, H]
+  const Elem* x_rows;    // [R, H] the forward's gathered x rows
+  const bf16* gate_up;   // [R, 2F] the forward's rounded gate and up
+  const void* weights;   // [T, K]
+  void* d_weights;       // [T, K]
+  const int64_t* expert_begin;
+  const int32_t* row_pair;
+  const int32_t* pair_row;
+  float* dh;             // [R, F] scratch: dy rows @ W_down^T, f32
+  Elem* wh;              // [R, F] scratch: round(w h), dW_down's A
+  Elem* dgu;             // [R, 2F] scratch: d gate_up
+  Elem* dx_rows;         // [R, H] scratch
+  Elem* dx;              // [T, H]
+  Elem* d_w_gate_up;     // [E, H, 2F]
+  Elem* d_w_down;        // [E, F, H]
+  uint32_t* block_ready;   // [row blocks]: dgrad2 tiles done, + 1 once SwiGLU's backward is
+  uint32_t* expert_ready;  // [E]: the expert's row blocks through SwiGLU's backward
+  uint32_t* dgrad1_done;   // dgrad1 tasks done
+  uint32_t* ticket;
+};
+
+// The task kinds, in task-number order.
+enum class Kind : int32_t { kDgrad2, kSwiglu, kDgrad1, kWgradDown, kWgradGateUp, kCombine, kEnd };
+struct Task {
+  Kind kind;
+  int32_t tile;   // N tile (dgrad tasks) or combine task number
+  int32_t mtile;  // M tile (weight-gradient tasks)
+  int64_t block;  // row block (dgrad and SwiGLU tasks) or expert (weight gradients)
+  RowBlock rb;    // its rows (a weight gradient's: all of the expert's rows)
+};
+
+struct Control {
+  uint64_t full[kStages], empty[kStages];
+  uint64_t task_full[kTaskSlots], task_empty[kTaskSlots];
+  Task task[kTaskSlots];
+  uint32_t ticket[2];
+};
+
+__host__ __device__ constexpr uint32_t tiles_of(int64_t n, int tile) {
+  return static_cast<uint32_t>((n + tile - 1) / tile);
+}
+
+// The numbered task list (every CTA computes the same):
+//   dgrad2 (row block x F tile of 256): dh = dy rows @ W_down^T, K = H, f32 to scratch;
+//   SwiGLU's backward (row block): after the block's dgrad2 tiles, wh, d gate_up and
+//     d expert_weights for its rows (the chain's swiglu_backward, row by row);
+//   dgrad1 (row block x H tile of 256): dx rows = d gate_up @ W_gate_up^T, K = 2F;
+//   the weight gradients (expert x 64-row M tile, its 256-column N tiles one after
+//     another), after the expert's SwiGLU tasks: dW_down = wh^T dy rows, dW_gate_up =
+//     x rows^T d gate_up, over the expert's rows in ascending 64-row K blocks;
+//   the combine (2 tokens): after every dgrad1 task, dx = the sum of each token's
+//     dx rows over k ascending, f32, rounded once.
+struct TaskList {
+  uint32_t nf, nh, mf, mh, n2f, blocks;
+  uint32_t dgrad2_end, swiglu_end, dgrad1_end, wdown_end, wgu_end, total;
+  __device__ TaskList(const Params& p, const int32_t* block_begin) {
+    nf = tiles_of(p.ffn, kStageCols);
+    nh = tiles_of(p.hidden, kStageCols);
+    mf = tiles_of(p.ffn, kBlockRows);
+    mh = tiles_of(p.hidden, kBlockRows);
+    n2f = tiles_of(2 * p.ffn, kStageCols);
+    blocks = static_cast<uint32_t>(block_begin[p.experts]);
+    const uint32_t E = static_cast<uint32_t>(p.experts);
+    dgrad2_end = blocks * nf;
+    swiglu_end = dgrad2_end + blocks;
+    dgrad1_end = swiglu_end + blocks * nh;
+    wdown_end = dgrad1_end + E * mf;
+    wgu_end = wdown_end + E * mh;
+    total = wgu_end + tiles_of(p.tokens, kCombineTokens);
+  }
+};
+
+// The host's bound on the task count (persistent_backward checks it is below 2^32).
+int64_t max_tasks(const MoeShape& s) {
+  const int64_t blocks = max_row_blocks(s.tokens * s.top_k, s.experts);
+  return blocks * (tiles_of(s.ffn, kStageCols) + 1 + tiles_of(s.hidden, kStageCols)) +
+         s.experts * (int64_t(tiles_of(s.ffn, kBlockRows)) + tiles_of(s.hidden, kBlockRows)) +
+         tiles_of(s.tokens, kCombineTokens) + 1;
+}
+
+// ---- Producer
+
+// One K block of a weight-gradient tile by cp.async: A [64 M, 64 rows] M-major from
+// the A rows, B [256 N, 64 rows] N-major from the B rows; thread ptid takes row
+// ptid / 2 and every other 16-byte chunk of it (zeros past the rows, M or N).
+template <class ARow, class BRow>
+__device__ __forceinline__ void load_wgrad_block(int ptid, char* tiles, int slot, int64_t r0,
+                                                 int64_t rows, int64_t m0, int64_t M, int64_t n0,
+                                                 int64_t N, const Elem* base, ARow a_row,
+                                                 BRow b_row) {
+  const int r = ptid >> 1, half = ptid & 1;
+  const bool valid = r < rows;
+  const Elem* a = valid ? a_row(r0 + r) + m0 : base;
+  const Elem* b = valid ? b_row(r0 + r) + n0 : base;
+  Tensor sA = make_tensor(make_smem_ptr(stage_a(tiles, slot)), LayoutAM{});
+  Tensor sB = make_tensor(make_smem_ptr(stage_b(tiles, slot)), LayoutB{});
+#pragma unroll
+  for (int c = half; c < kBlockRows / 8; c += 2) {
+    const bool ok = valid && m0 + 8 * c < M;
+    cp_async_16(&sA(8 * c, r), ok ? a + 8 * c : base, ok);
+  }
+#pragma unroll
+  for (int c = half; c < kStageCols / 8; c += 2) {
+    const bool ok = valid && n0 + 8 * c < N;
+    cp_async_16(&sB(8 * c, r), ok ? b + 8 * c : base, ok);
+  }
+}
+
+__device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_t* block_begin,
+                        const TaskList& list) {
+  const int ptid = threadIdx.x;  // 0..127
+  const int64_t H = p.hidden, F = p.ffn;
+  Ring<kStages> st{0, 1u};
+  Ring<kTaskSlots> mail{0, 1u};
+  Tensor mDown = p.tma_down.get_tma_tensor(make_shape(F, H, p.experts));
+  Tensor mGateUp = p.tma_gate_up.get_tma_tensor(make_shape(H, 2 * F, p.experts));
+  for (int claim = 0;; ++claim) {
+    if (ptid == 0) ctl.ticket[claim & 1] = atomicAdd(p.ticket, 1u);
+    producer_sync();
+    const uint32_t t = ctl.ticket[claim & 1];
+    Task task{};
+    if (t < list.dgrad2_end) {
+      task = {Kind::kDgrad2, int32_t(t % list.nf), 0, int64_t(t / list.nf), {}};
+    } else if (t < list.swiglu_end) {
+      task = {Kind::kSwiglu, 0, 0, int64_t(t - list.dgrad2_end), {}};
+      producer_wait_for(ptid, p.block_ready + task.block, list.nf);
+    } else if (t < list.dgrad1_end) {
+      const uint32_t i = t - list.swiglu_end;
+      task = {Kind::kDgrad1, int32_t(i % list.nh), 0, int64_t(i / list.nh), {}};
+      producer_wait_for(ptid, p.block_ready + task.block, list.nf + 1);
+    } else if (t < list.wgu_end) {
+      const bool down = t < list.wdown_end;
+      const uint32_t i = t - (down ? list.dgrad1_end : list.wdown_end);
+      const uint32_t m_tiles = down ? list.mf : list.mh;
+      const int64_t e = i / m_tiles;
+      task = {down ? Kind::kWgradDown : Kind::kWgradGateUp, 0, int32_t(i % m_tiles), e,
+              {e, p.expert_begin[e], p.expert_begin[e + 1]}};
+      producer_wait_for(ptid, p.expert_ready + e,
+                        static_cast<uint32_t>(block_begin[e + 1] - block_begin[e]));
+    } else if (t < list.total) {
+      task = {Kind::kCombine, int32_t(t - list.wgu_end), 0, 0, {}};
+      producer_wait_for(ptid, p.dgrad1_done, list.blocks * list.nh);
+    } else {
+      task.kind = Kind::kEnd;
+    }
+    if (task.kind == Kind::kDgrad2 || task.kind == Kind::kSwiglu || task.kind == Kind::kDgrad1) {
+      task.rb = find_block(block_begin, p.experts, p.expert_begin, task.block);
+    }
+    if (ptid == 0) {  // hand the task over
+      Barrier::wait(&ctl.task_empty[mail.slot], mail.phase);
+      ctl.task[mail.slot] = task;
+      Barrier::arrive(&ctl.task_full[mail.slot]);
+    }
+    mail.advance();
+    if (task.kind == Kind::kEnd) break;
+    if (task.kind == Kind::kSwiglu || task.kind == Kind::kCombine) continue;
+
+    const RowBlock& rb = task.rb;
+    if (task.kind == Kind::kDgrad2 || task.kind == Kind::kDgrad1) {
+      const bool second = task.kind == Kind::kDgrad2;
+      const int64_t K = second ? H : 2 * F;
+      const Elem* base = second ? p.dy : p.dgu;
+      const ARows a = second ? ARows(ptid, rb, base, [&](int m) {
+                                 return p.dy + (p.row_pair[rb.row0 + m] / p.top_k) * H;
+                               })
+                             : ARows(ptid, rb, base, [&](int m) {
+                                 return p.dgu + (rb.row0 + m) * 2 * F;
+                               });
+      const int k_blocks = static_cast<int>((K + kBlockK - 1) / kBlockK);
+#pragma unroll 1
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        Barrier::wait(&ctl.empty[st.slot], st.phase);
+        a.load(ptid, stage_a(tiles, st.slot), int64_t(kb) * kBlockK, K, base);
+        cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
+        if (ptid == 0) {
+          Barrier::arrive_and_expect_tx(&ctl.full[st.slot], kStageBBytes);
+          Tensor sb = make_tensor(make_smem_ptr(stage_b(tiles, st.slot)), LayoutBK{});
+          auto issue = [&](const TmaK& tma, auto& mW) {
+            Tensor g = local_tile(mW(_, _, rb.expert), TileBK{}, make_coord(task.tile, kb));
+            auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
+                                          group_modes<0, 2>(g));
+            copy(tma.with(ctl.full[st.slot]), tg, ts);
+          };
+          if (second) {
+            issue(p.tma_down, mDown);
+          } else {
+            issue(p.tma_gate_up, mGateUp);
+          }
+        }
+        st.advance();
+      }
+      continue;
+    }
+    // A weight gradient: for each N tile, the expert's rows in 64-row K blocks.
+    const bool down = task.kind == Kind::kWgradDown;
+    const int64_t M = down ? F : H, N = down ? H : 2 * F;
+    const int64_t m0 = int64_t(task.mtile) * kBlockRows;
+    const int64_t rows = rb.row_end - rb.row0;
+    const int k_blocks = static_cast<int>((rows + kBlockRows - 1) / kBlockRows);
+    const int n_tiles = static_cast<int>(tiles_of(N, kStageCols));
+#pragma unroll 1
+    for (int step = 0; step < n_tiles * k_blocks; ++step) {
+      const int kb = step % k_blocks;
+      const int64_t n0 = int64_t(step / k_blocks) * kStageCols;
+      Barrier::wait(&ctl.empty[st.slot], st.phase);
+      const int64_t r0 = rb.row0 + int64_t(kb) * kBlockRows;
+      const int64_t n_rows = min(int64_t(kBlockRows), rb.row_end - r0);
+      if (down) {
+        load_wgrad_block(
+            ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, p.dy,
+            [&](int64_t r) { return p.wh + r * F; },
+            [&](int64_t r) { return p.dy + (p.row_pair[r] / p.top_k) * H; });
+      } else {
+        load_wgrad_block(
+            ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, p.dy,
+            [&](int64_t r) { return p.x_rows + r * H; },
+            [&](int64_t r) { return p.dgu + r * 2 * F; });
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
+      if (ptid == 0) Barrier::arrive(&ctl.full[st.slot]);  // no TMA bytes in this stage
+      st.advance();
+    }
+  }
+  // The tail: no producer thread exits while a copy it issued may still be landing.
+  cp_async_wait<0>();
+#pragma unroll 1
+  for (int s = 0; s < kStages; ++s) {
+    Barrier::wait(&ctl.empty[st.slot], st.phase);
+    st.advance();
+  }
+}
+
+// ---- Consumers
+
+// Calls store(m, n, v0, v1) for each pair of adjacent accumulators (columns n and
+// n + 1 of row m; n even) of this thread's part of the 64 x 256 tile.
+template <class Mma, class Acc, class Store>
+__device__ __forceinline__ void for_each_pair(const Acc& acc, Store store) {
+  const int ctid = threadIdx.x - kProducerThreads;
+  Mma mma;
+  auto thr = mma.get_thread_slice(ctid);
+  Tensor coord = thr.partition_C(make_identity_tensor(StageTile{}));
+#pragma unroll
+  for (int i = 0; i < size(acc); i += 2) {
+    store(get<0>(coord(i)), get<1>(coord(i)), acc(i), acc(i + 1));
+  }
+}
+
+// Every consumer thread's writes done, then release increments of both counters.
+__device__ __forceinline__ void consumer_signal2(uint32_t* a, uint32_t* b) {
+  consumer_sync();
+  if (threadIdx.x == kProducerThreads) {
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a) : "memory");
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(b) : "memory");
+  }
+}
+
+// SwiGLU's backward over a row block: a warp per row (swiglu_backward_row, as the
+// chain computes it).
+template <typename W>
+__device__ void swiglu_task(const Params& p, const RowBlock& rb) {
+  const int ctid = threadIdx.x - kProducerThreads;
+  const int warp = ctid >> 5, lane = ctid & 31;
+  const W* weights = static_cast<const W*>(p.weights);
+  W* d_weights = static_cast<W*>(p.d_weights);
+  const int64_t F = p.ffn;
+  for (int64_t m = warp; m < rb.rows(); m += kConsumerThreads / 32) {
+    const int64_t r = rb.row0 + m;
+    const int32_t pair = p.row_pair[r];
+    const float total = swiglu_backward_row<bf16, 4, 2>(
+        p.gate_up + r * 2 * F, p.dh + r * F, to_float(weights[pair]), F, lane,
+        reinterpret_cast<bf16*>(p.wh + r * F), reinterpret_cast<bf16*>(p.dgu + r * 2 * F));
+    if (lane == 0) d_weights[pair] = from_float<W>(total);
+  }
+}
+
+// dx for two tokens, four warps each along H: each token's dx rows summed over k
+// ascending in f32 and rounded once (combine_rows' arithmetic without weights);
+// an unrouted or dropped pair adds nothing and gets d expert_weights = 0.
+template <typename W>
+__device__ void combine_task(const Params& p, int64_t task) {
+  constexpr int kBatch = 8;
+  const int ctid = threadIdx.x - kProducerThreads;
+  const int warp = ctid >> 5, lane = ctid & 31;
+  const int64_t H = p.hidden, K = p.top_k;
+  const int64_t t = task * kCombineTokens + warp / kCombineWarps;
+  if (t >= p.tokens) return;
+  if (warp % kCombineWarps == 0) {
+    W* d_weights = static_cast<W*>(p.d_weights);
+    for (int64_t k = lane; k < K; k += 32) {
+      if (p.pair_row[t * K + k] < 0) d_weights[t * K + k] = from_float<W>(0.0f);
+    }
+  }
+  constexpr int64_t kStep = kCombineWarps * 32 * 8;
+  for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    for (int64_t k0 = 0; k0 < K; k0 += kBatch) {
+      uint4 v[kBatch];
+      bool use[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int64_t k = k0 + j;
+        const int32_t r = k < K ? p.pair_row[t * K + k] : -1;
+        use[j] = r >= 0;
+        v[j] = use[j] ? __ldcg(reinterpret_cast<const uint4*>(p.dx_rows + int64_t(r) * H + c))
+                      : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (!use[j]) continue;
+        const bf16* e = reinterpret_cast<const bf16*>(&v[j]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += to_float(e[i]);
+      }
+    }
+    uint4 o;
+    bf16* oe = reinterpret_cast<bf16*>(&o);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) oe[i] = float_to_bf16(acc[i]);
+    *reinterpret_cast<uint4*>(p.dx + t * H + c) = o;
+  }
+}
+
+template <typename W>
+__device__ void consume(const Params& p, Control& ctl, char* tiles) {
+  Ring<kStages> st{0, 0u};
+  Ring<kTaskSlots> mail{0, 0u};
+  const int lane = threadIdx.x & 31;
+  const int64_t H = p.hidden, F = p.ffn;
+  for (;;) {
+    Barrier::wait(&ctl.task_full[mail.slot], mail.phase);
+    const Task task = ctl.task[mail.slot];
+    __syncwarp();
+    if (lane == 0) Barrier::arrive(&ctl.task_empty[mail.slot]);
+    mail.advance();
+    const RowBlock& rb = task.rb;
+    switch (task.kind) {
+      case Kind::kEnd:
+        return;
+      case Kind::kCombine:
+        combine_task<W>(p, task.tile);
+        break;
+      case Kind::kSwiglu:
+        swiglu_task<W>(p, rb);
+        consumer_signal2(p.block_ready + task.block, p.expert_ready + rb.expert);
+        break;
+      case Kind::kDgrad2: {
+        AccKK acc;
+        mma_k_loop<MmaKK, LayoutA, LayoutBK>(ctl, tiles, st,
+                                             static_cast<int>((H + kBlockK - 1) / kBlockK), acc);
+        const int64_t rows = rb.rows(), f0 = int64_t(task.tile) * kStageCols;
+        for_each_pair<MmaKK>(acc, [&](int m, int n, float v0, float v1) {
+          const int64_t f = f0 + n;
+          if (m < rows && f < F) {
+            *reinterpret_cast<float2*>(p.dh + (rb.row0 + m) * F + f) = make_float2(v0, v1);
+          }
+        });
+        consumer_signal(p.block_ready + task.block);
+        break;
+      }
+      case Kind::kDgrad1: {
+        AccKK acc;
+        mma_k_loop<MmaKK, LayoutA, LayoutBK>(
+            ctl, tiles, st, static_cast<int>((2 * F + kBlockK - 1) / kBlockK), acc);
+        const int64_t rows = rb.rows(), h0 = int64_t(task.tile) * kStageCols;
+        for_each_pair<MmaKK>(acc, [&](int m, int n, float v0, float v1) {
+          const int64_t h = h0 + n;
+          if (m < rows && h < H) store_pair(p.dx_rows + (rb.row0 + m) * H + h, v0, v1);
+        });
+        consumer_signal(p.dgrad1_done);
+        break;
+      }
+      default: {  // a weight gradient
+        const bool down = task.kind == Kind::kWgradDown;
+        const int64_t M = down ? F : H, N = down ? H : 2 * F;
+        const int64_t m0 = int64_t(task.mtile) * kBlockRows;
+        const int k_blocks = static_cast<int>((rb.row_end - rb.row0 + kBlockRows - 1) / kBlockRows);
+        const int n_tiles = static_cast<int>(tiles_of(N, kStageCols));
+        Elem* d = (down ? p.d_w_down : p.d_w_gate_up) + rb.expert * M * N;
+#pragma unroll 1
+        for (int nt = 0; nt < n_tiles; ++nt) {
+          const int64_t n0 = int64_t(nt) * kStageCols;
+          AccMN acc;
+          if (k_blocks == 0) {
+            clear(acc);  // an expert without rows: a zero gradient
+          } else {
+            mma_k_loop<MmaMN, LayoutAM, LayoutB>(ctl, tiles, st, k_blocks, acc);
+          }
+          for_each_pair<MmaMN>(acc, [&](int m, int n, float v0, float v1) {
+            if (m0 + m < M && n0 + n < N) store_pair(d + (m0 + m) * N + n0 + n, v0, v1);
+          });
+        }
+        break;
+      }
+    }
+  }
+}
+
+template <typename W>
+__global__ void __launch_bounds__(kThreads, 1)
+    moe_backward_persistent(const __grid_constant__ Params p) {
+  extern __shared__ char smem_raw[];
+  char* tiles = reinterpret_cast<char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) & ~uintptr_t(kSmemAlign - 1));
+  int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + kTileBytes);  // [E + 1]
+  __shared__ Control ctl;
+  if (threadIdx.x == 0) {
+    prefetch_tma_descriptor(p.tma_down.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_gate_up.get_tma_descriptor());
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&ctl.full[s], kProducerThreads + 1);  // cp.async arrivals + thread 0's
+      Barrier::init(&ctl.empty[s], kConsumerThreads / 32);
+    }
+    for (int s = 0; s < kTaskSlots; ++s) {
+      Barrier::init(&ctl.task_full[s], 1);
+      Barrier::init(&ctl.task_empty[s], kConsumerThreads / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  using Scan = cub::BlockScan<int32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  scan_row_blocks<kThreads, Scan>(p.expert_begin, p.experts, block_begin, scan_tmp);
+
+  if (threadIdx.x < kProducerThreads) {
+    cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegs>();
+    const TaskList list(p, block_begin);
+    produce(p, ctl, tiles, block_begin, list);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kBwdConsumerRegs>();
+    consume<W>(p, ctl, tiles);
+  }
+}
+
+size_t elem_bytes(int64_t n) { return static_cast<size_t>(n) * sizeof(Elem); }
+
+struct Scratch {
+  uint32_t* counters;  // block_ready[max row blocks], expert_ready[E], dgrad1_done, ticket
+  size_t counter_bytes;
+  float* dh;
+  Elem* wh;
+  Elem* dgu;
+  Elem* dx_rows;
+};
+
+Scratch carve(void* ws, const MoeShape& s, size_t* total) {
+  const int64_t rows = s.tokens * s.top_k;
+  Carver c(ws);
+  Scratch b{};
+  b.counter_bytes = (max_row_blocks(rows, s.experts) + s.experts + 2) * sizeof(uint32_t);
+  b.counters = static_cast<uint32_t*>(c.take(b.counter_bytes));
+  b.dh = static_cast<float*>(c.take(static_cast<size_t>(rows * s.ffn) * sizeof(float)));
+  b.wh = static_cast<Elem*>(c.take(elem_bytes(rows * s.ffn)));
+  b.dgu = static_cast<Elem*>(c.take(elem_bytes(rows * 2 * s.ffn)));
+  b.dx_rows = static_cast<Elem*>(c.take(elem_bytes(rows * s.hidden)));
+  *total = c.used();
+  return b;
+}
+
+}  // namespace
+
+size_t persistent_backward_workspace_bytes(const MoeShape& s) {
+  size_t total = 0;
+  carve(nullptr, s, &total);
+  return total;
+}
+
+std::string persistent_backward_prepare(const MoeShape& s, void* workspace,
+                                        size_t workspace_bytes, cudaStream_t stream) {
+  size_t need = 0;
+  const Scratch b = carve(workspace, s, &need);
+  if (need > workspace_bytes) return "persistent MoE backward: workspace too small";
+  MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(b.counters, 0, b.counter_bytes, stream));
+  return {};
+}
+
+std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace,
+                                size_t workspace_bytes, cudaStream_t stream) {
+  const MoeShape& s = a.shape;
+  size_t need = 0;
+  const Scratch b = carve(workspace, s, &need);
+  if (need > workspace_bytes) return "persistent MoE backward: workspace too small";
+  if (reinterpret_cast<uintptr_t>(a.w_gate_up) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(a.w_down) % 16 != 0) {
+    return "persistent MoE backward: the expert weights are not 16-byte aligned";
+  }
+  if (max_tasks(s) >= (int64_t(1) << 32)) return "persistent MoE backward: 2^32 tasks or more";
+  Params p{};
+  p.tokens = s.tokens;
+  p.top_k = s.top_k;
+  p.experts = s.experts;
+  p.hidden = s.hidden;
+  p.ffn = s.ffn;
+  p.tma_down = make_tma_k(static_cast<const Elem*>(a.w_down), s.ffn, s.hidden, s.experts);
+  p.tma_gate_up =
+      make_tma_k(static_cast<const Elem*>(a.w_gate_up), s.hidden, 2 * s.ffn, s.experts);
+  if (!encoded(p.tma_down) || !encoded(p.tma_gate_up)) {
+    return "persistent MoE backward: cuTensorMapEncodeTiled failed for the expert weights";
+  }
+  p.dy = static_cast<const Elem*>(a.dy);
+  p.x_rows = static_cast<const Elem*>(a.x_rows);
+  p.gate_up = static_cast<const bf16*>(a.gate_up);
+  p.weights = a.expert_weights;
+  p.d_weights = a.d_expert_weights;
+  p.expert_begin = a.expert_begin;
+  p.row_pair = a.row_pair;
+  p.pair_row = a.pair_row;
+  p.dh = b.dh;
+  p.wh = b.wh;
+  p.dgu = b.dgu;
+  p.dx_rows = b.dx_rows;
+  p.dx = static_cast<Elem*>(a.dx);
+  p.d_w_gate_up = static_cast<Elem*>(a.d_w_gate_up);
+  p.d_w_down = static_cast<Elem*>(a.d_w_down);
+  const int64_t blocks = max_row_blocks(s.tokens * s.top_k, s.experts);
+  p.block_ready = b.counters;
+  p.expert_ready = b.counters + blocks;
+  p.dgrad1_done = p.expert_ready + s.experts;
+  p.ticket = p.dgrad1_done + 1;
+
+  DeviceInfo info;
+  MOK_RETURN_IF_MESSAGE(current_device_info(&info));
+  const size_t smem = kTileBytes + kSmemAlign + (s.experts + 1) * sizeof(int32_t);
+  auto kernel = a.weight_dtype == DType::kF32 ? moe_backward_persistent<float>
+                                              : moe_backward_persistent<bf16>;
+  MOK_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(info.sm_count));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  // Cooperative: every CTA resident at once (tasks wait for other CTAs' tasks).
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  MOK_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, kernel, p));
+  return {};
+}
+
+}  // namespace mok::cuda

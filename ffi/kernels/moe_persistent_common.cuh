@@ -1,0 +1,261 @@
+// What the persistent MoE kernels (moe_persistent.cu, the forward;
+// moe_persistent_backward.cu, the backward) share: one CTA per SM, a producer warp
+// group that claims numbered tasks and streams each task's K blocks into a ring of
+// shared-memory stages (A rows by cp.async, tiles by TMA or cp.async), two consumer
+// warp groups that run wgmma on the stages (64 x 256 per stage, 64 x 128 each), and
+// the counters through which tasks wait for one another (release increments,
+// acquire loads). sm_90a device code; included by those two files only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cute/arch/copy_sm80.hpp"
+#include "cute/atom/mma_atom.hpp"
+#include "cute/tensor.hpp"
+// after cute/tensor.hpp, which declares what the TMA traits build on
+#include "cute/atom/copy_traits_sm90_tma.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/numeric_types.h"
+#include "mok/bf16.h"
+
+namespace mok::cuda::persistent {
+
+using namespace cute;
+using Elem = cutlass::bfloat16_t;
+
+constexpr int kProducerThreads = 128;  // warp group 0: the loads
+constexpr int kConsumerThreads = 256;  // warp groups 1 and 2: wgmma, epilogues, combine
+constexpr int kThreads = kProducerThreads + kConsumerThreads;
+// Registers a thread holds at launch (64K over 384 threads, in steps of 8).
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
+// Whether a setmaxnreg split (producer, consumers) can be granted: the consumers'
+// increase must come from what the producer gives back (an increase the pool
+// cannot grant waits forever).
+constexpr bool regs_split_fits(int producer, int consumer) {
+  return producer % 8 == 0 && consumer % 8 == 0 &&
+         kProducerThreads * (kLaunchRegs - producer) >= kConsumerThreads * (consumer - kLaunchRegs);
+}
+constexpr int kProducerRegs = 56;      // the forward's setmaxnreg split
+constexpr int kConsumerRegs = 224;
+static_assert(regs_split_fits(kProducerRegs, kConsumerRegs));
+constexpr int kTaskSlots = 2;          // tasks handed from the producer, not yet taken
+constexpr int kBlockRows = 64;        // rows per GEMM task (one wgmma M)
+constexpr int kBlockK = 64;           // K per pipeline stage (one 128-byte swizzle row)
+constexpr int kStages = 5;
+constexpr int kStageCols = 256;       // B columns per stage (every GEMM)
+constexpr int64_t kMaxExperts = 4096;  // the row-block prefix sums live in shared memory
+
+// Shared-memory tiles: A K-major, B (the weights, [K, N] row-major) N-major, both
+// with 128-byte swizzle, as wgmma reads them.
+using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                       Shape<Int<kBlockRows>, Int<kBlockK>>{}));
+// B [N, K] tiles N-major (64 N x 8 K atoms, K first: a 64-column slab is 64 K rows
+// of 128 bytes) and K-major.
+using LayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
+                                       Shape<Int<kStageCols>, Int<kBlockK>>{}, Step<_2, _1>{}));
+using LayoutBK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                        Shape<Int<kStageCols>, Int<kBlockK>>{}));
+// A [M, K] tiles M-major (the weight gradients' row-major operands, read as A^T).
+using LayoutAM = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
+                                        Shape<Int<kBlockRows>, Int<kBlockK>>{}));
+constexpr int kStageABytes = kBlockRows * kBlockK * 2;   // 8 KB
+constexpr int kStageBBytes = kStageCols * kBlockK * 2;   // 32 KB
+constexpr int kTileBytes = kStages * (kStageABytes + kStageBBytes);
+constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes
+using StageTile = Shape<Int<kBlockRows>, Int<kStageCols>>;
+using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem),
+               "r"(bytes)
+               : "memory");
+}
+
+// Two rounded values at adjacent columns (`dst` 4-byte aligned) in one store.
+__device__ __forceinline__ void store_pair(Elem* dst, float a, float b) {
+  *reinterpret_cast<uint32_t*>(dst) =
+      uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
+}
+
+// Roles: warp group 0 loads (the producer), warp groups 1 and 2 compute (the
+// consumers). Named barriers (0 is __syncthreads):
+enum : uint32_t { kConsumerSync = 1, kProducerSync = 2 };
+__device__ __forceinline__ void consumer_sync() {
+  cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerSync);
+}
+__device__ __forceinline__ void producer_sync() {
+  cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerSync);
+}
+
+// A position in a ring of barriers: slot and the parity to wait for.
+template <int N>
+struct Ring {
+  int slot;
+  uint32_t phase;
+  __device__ void advance() {
+    if (++slot == N) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Row block `block` (of all experts' 64-row blocks, in expert order): its expert,
+// first row and end row.
+struct RowBlock {
+  int64_t expert, row0, row_end;
+  // Its rows (an expert's rows past the block's 64 are its next block's).
+  __device__ int64_t rows() const { return min(row_end - row0, int64_t(kBlockRows)); }
+};
+
+__device__ __forceinline__ RowBlock find_block(const int32_t* block_begin, int64_t experts,
+                                               const int64_t* expert_begin, int64_t block) {
+  int64_t lo = 0, hi = experts;  // the last e with block_begin[e] <= block
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (block_begin[mid] <= block) lo = mid; else hi = mid;
+  }
+  const int64_t begin = expert_begin[lo];
+  return {lo, begin + (block - block_begin[lo]) * kBlockRows, expert_begin[lo + 1]};
+}
+
+__device__ __forceinline__ Elem* stage_a(char* tiles, int stage) {
+  return reinterpret_cast<Elem*>(tiles + stage * kStageABytes);
+}
+__device__ __forceinline__ Elem* stage_b(char* tiles, int stage) {
+  return reinterpret_cast<Elem*>(tiles + kStages * kStageABytes + stage * kStageBBytes);
+}
+
+// The A rows of a row block one producer thread loads: 16-byte chunks ptid + 128 j
+// (j < 4) of a K block's 64 rows x 8 chunks.
+struct ARows {
+  const Elem* src[4];
+  bool valid[4];
+  template <class RowStart>
+  __device__ ARows(int ptid, const RowBlock& rb, const Elem* base, RowStart row_start) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int m = (ptid + j * kProducerThreads) >> 3;
+      valid[j] = m < rb.row_end - rb.row0;  // m < 64
+      src[j] = valid[j] ? row_start(m) : base;
+    }
+  }
+  // cp.async of the K block at column k0 into the stage tile (zeros past the rows or K).
+  __device__ void load(int ptid, Elem* tile, int64_t k0, int64_t K, const Elem* base) const {
+    Tensor sA = make_tensor(make_smem_ptr(tile), LayoutA{});
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c = ptid + j * kProducerThreads;
+      const int m = c >> 3, kc = (c & 7) * 8;
+      const bool ok = valid[j] && k0 + kc < K;
+      cp_async_16(&sA(m, kc), ok ? src[j] + k0 + kc : base, ok);
+    }
+  }
+};
+
+// Spins (one thread) until *counter >= target; then every producer thread may read
+// what the counted tasks wrote.
+__device__ __forceinline__ void producer_wait_for(int ptid, const uint32_t* counter,
+                                                  uint32_t target) {
+  if (ptid == 0) {
+    while (load_acquire(counter) < target) __nanosleep(64);
+    __threadfence();
+  }
+  producer_sync();
+}
+
+// Row blocks per expert, prefix-summed into block_begin[0..E] (shared memory), by
+// every thread of the CTA (each CTA computes the same from the plan).
+template <int kThreadsInCta, class Scan>
+__device__ __forceinline__ void scan_row_blocks(const int64_t* expert_begin, int64_t E,
+                                                int32_t* block_begin,
+                                                typename Scan::TempStorage& tmp) {
+  const int64_t per = (E + kThreadsInCta - 1) / kThreadsInCta;
+  const int64_t e0 = threadIdx.x * per, e1 = min(E, e0 + per);
+  int32_t mine = 0;
+  for (int64_t e = e0; e < e1; ++e) {
+    mine += static_cast<int32_t>((expert_begin[e + 1] - expert_begin[e] + kBlockRows - 1) /
+                                 kBlockRows);
+  }
+  int32_t before = 0, total_blocks = 0;
+  Scan(tmp).ExclusiveSum(mine, before, total_blocks);
+  for (int64_t e = e0; e < e1; ++e) {
+    block_begin[e] = before;
+    before += static_cast<int32_t>((expert_begin[e + 1] - expert_begin[e] + kBlockRows - 1) /
+                                   kBlockRows);
+  }
+  if (threadIdx.x == 0) block_begin[E] = total_blocks;
+  __syncthreads();
+}
+
+// One K loop over the stages the producer fills, in the producer's order: the
+// tiled MMA `Mma` on stage tiles laid out as SmemA and SmemB.
+template <class Mma, class SmemA, class SmemB, class Ctl, class Acc>
+__device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<kStages>& st,
+                                           int k_blocks, Acc& acc) {
+  const int ctid = threadIdx.x - kProducerThreads;
+  Mma mma;
+  auto thr = mma.get_thread_slice(ctid);
+#pragma unroll 1
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    Barrier::wait(&ctl.full[st.slot], st.phase);
+    cutlass::arch::fence_view_async_shared();  // cp.async writes -> wgmma reads
+    Tensor sA = make_tensor(make_smem_ptr(stage_a(tiles, st.slot)), SmemA{});
+    Tensor sB = make_tensor(make_smem_ptr(stage_b(tiles, st.slot)), SmemB{});
+    Tensor rA = thr.make_fragment_A(thr.partition_A(sA));
+    Tensor rB = thr.make_fragment_B(thr.partition_B(sB));
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    mma.accumulate_ = kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+#pragma unroll
+    for (int k = 0; k < size<2>(rA); ++k) {
+      cute::gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) Barrier::arrive(&ctl.empty[st.slot]);
+    st.advance();
+  }
+}
+
+// Every consumer thread's global writes of the task done, then one release increment.
+__device__ __forceinline__ void consumer_signal(uint32_t* counter) {
+  consumer_sync();
+  if (threadIdx.x == kProducerThreads) {
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+  }
+}
+
+// Whether the driver wrote the descriptor: CuTe leaves it zero when
+// cuTensorMapEncodeTiled fails (and release builds do not stop there).
+template <class Tma>
+bool encoded(const Tma& tma) {
+  const auto* words = reinterpret_cast<const uint64_t*>(tma.get_tma_descriptor());
+  for (size_t i = 0; i < sizeof(TmaDescriptor) / sizeof(uint64_t); ++i) {
+    if (words[i] != 0) return true;
+  }
+  return false;
+}
+
+// Upper bound of the row blocks of R = T K rows over E experts.
+inline int64_t max_row_blocks(int64_t rows, int64_t experts) {
+  return (rows + kBlockRows - 1) / kBlockRows + experts;
+}
+
+}  // namespace mok::cuda::persistent

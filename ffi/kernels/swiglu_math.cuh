@@ -1,0 +1,106 @@
+// The SwiGLU arithmetic every CUDA path of the layer shares, so that the kernel
+// chain (moe_elementwise.cu) and the persistent kernels (moe_persistent*.cu) give
+// the same bits: one definition of each rounded step, of the lanes' element order
+// and of the warp reduction.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mok/bf16.h"
+
+namespace mok::cuda {
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T, V>*>(p);
+}
+template <typename T, int V>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, V>& v) {
+  *reinterpret_cast<Vec<T, V>*>(p) = v;
+}
+
+// V floats from L2 (ld.global.cg): rows another thread block of the same launch
+// wrote are never read through a stale L1 line.
+template <int V>
+__device__ __forceinline__ Vec<float, V> load_floats_cg(const float* p) {
+  Vec<float, V> out;
+  if constexpr (V == 4) {
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(p));
+    out.v[0] = v.x, out.v[1] = v.y, out.v[2] = v.z, out.v[3] = v.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) out.v[i] = __ldcg(p + i);
+  }
+  return out;
+}
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+// Sum over a warp in a fixed order (a fixed xor tree): same bits on every run.
+__device__ __forceinline__ float warp_sum_fixed(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// SwiGLU's backward for one row, by one warp (every lane calls it): from the
+// rounded residual (gate row g, up row g + ffn), GEMM2's dgrad dh (f32) and the
+// row's combine weight w,
+//   h = round_x(silu(g) u); wh = round_x(w h) (dW_down's operand);
+//   dg = round_x(w dh u silu'(g)); du = round_x(w dh silu(g));
+// returns <dh, h> over the row: lane l sums its elements (V at a time from l V,
+// kU vectors per step) in order, then warp_sum_fixed adds the lanes.
+template <typename X, int V, int kU>
+__device__ __forceinline__ float swiglu_backward_row(const X* __restrict__ g,
+                                                     const float* __restrict__ dh, float w,
+                                                     int64_t ffn, int lane, X* __restrict__ wh,
+                                                     X* __restrict__ dg) {
+  const X* u = g + ffn;
+  X* du = dg + ffn;
+  float dw = 0.0f;
+  for (int64_t f0 = int64_t(lane) * V; f0 < ffn; f0 += 32 * V * kU) {
+    Vec<X, V> gv[kU], uv[kU];
+    Vec<float, V> dv[kU];
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const int64_t f = f0 + j * 32 * V;
+      if (f < ffn) {
+        gv[j] = load_vec<X, V>(g + f);
+        uv[j] = load_vec<X, V>(u + f);
+        dv[j] = load_floats_cg<V>(dh + f);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const int64_t f = f0 + j * 32 * V;
+      if (f >= ffn) continue;
+      Vec<X, V> hv, dgv, duv;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float gf = to_float(gv[j].v[i]), uf = to_float(uv[j].v[i]);
+        const float s = sigmoid(gf);
+        const float silu = gf * s;
+        const float h = round_to<X>(silu * uf);
+        hv.v[i] = from_float<X>(w * h);
+        const float dhr = dv[j].v[i];
+        dw += dhr * h;  // <dy, o> = <dy @ Wd^T, h>
+        const float dhw = w * dhr;
+        dgv.v[i] = from_float<X>(dhw * uf * (s * (1.0f + gf * (1.0f - s))));
+        duv.v[i] = from_float<X>(dhw * silu);
+      }
+      store_vec<X, V>(wh + f, hv);
+      store_vec<X, V>(dg + f, dgv);
+      store_vec<X, V>(du + f, duv);
+    }
+  }
+  return warp_sum_fixed(dw);
+}
+
+}  // namespace mok::cuda

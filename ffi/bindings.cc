@@ -117,8 +117,20 @@ NB_MODULE(_mok, m) {
       },
       nb::arg("tokens"), nb::arg("top_k"), nb::arg("experts"), nb::arg("hidden"),
       nb::arg("ffn"),
-      "Whether a bf16 one-device forward and backward of these sizes on this device run "
-      "as the persistent kernels under the current mode.");
+      "Whether a bf16 one-device forward of these sizes on this device runs as the "
+      "persistent kernel under the current mode.");
+  m.def(
+      "persistent_backward_shape",
+      [](int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn) {
+        const mok::MoeShape s{tokens, top_k, experts, hidden, ffn};
+        return mok::cuda::persistent_backward_supported(s, mok::Recipe::kNative,
+                                                        mok::DType::kBF16);
+      },
+      nb::arg("tokens"), nb::arg("top_k"), nb::arg("experts"), nb::arg("hidden"),
+      nb::arg("ffn"),
+      "Whether a bf16 one-device backward of these sizes on this device runs as the "
+      "persistent kernel under the current mode (ALWAYS only: AUTO keeps the chain's "
+      "backward, the faster one today).");
 #endif
   nb::enum_<mok::DType>(m, "DType", "Element types the kernels accept.", nb::is_arithmetic())
       .value("F32", mok::DType::kF32)

@@ -176,11 +176,12 @@ IMPL_ABOUT = {
                "kernels); needs a CUDA GPU",
     "moe_xla": "mok_jax.moe(backend='xla'): moe on its XLA-exchange path "
                "(not in the default list)",
-    "moe_chain": "mok_jax.moe with its forward always the kernel chain (gather, "
-                 "grouped GEMMs, combine as separate kernels; not in the default list)",
-    "moe_persistent": "mok_jax.moe with its forward always the persistent kernel where "
-                      "that can run (one launch after the routing plan; moe picks it for "
-                      "few rows per expert only; same bits; not in the default list)",
+    "moe_chain": "mok_jax.moe with both passes always the kernel chains (gathers, "
+                 "grouped GEMMs, combines as separate kernels; not in the default list)",
+    "moe_persistent": "mok_jax.moe with both passes always the persistent kernels where "
+                      "they can run (one launch per pass after the routing plan; moe "
+                      "picks the forward's for few rows per expert only and the chain's "
+                      "backward; same bits; not in the default list)",
     **{name: f"mok_jax.ep.forward_on_virtual_ranks(ranks={p}): the persistent forward as "
              f"{p} EP ranks in one launch on one GPU, each with its own windows (forward "
              "only; T and E divisible by the ranks; the same bits as moe; compare with "
@@ -198,9 +199,9 @@ MOK = "moe"
 # Measurements that need a CUDA GPU: on a CPU backend they are recorded as skipped
 # with this reason (and a note is printed) instead of being attempted.
 GPU_ONLY = {
-    "moe_chain": "needs a CUDA GPU: the persistent forward it switches off is a CUDA "
-                 "kernel (on CPU moe_chain would time moe again)",
-    "moe_persistent": "needs a CUDA GPU: the persistent forward is a CUDA kernel (on CPU "
+    "moe_chain": "needs a CUDA GPU: the persistent kernels it switches off are CUDA "
+                 "kernels (on CPU moe_chain would time moe again)",
+    "moe_persistent": "needs a CUDA GPU: the persistent kernels are CUDA kernels (on CPU "
                       "moe_persistent would time moe again)",
     **{name: "needs a CUDA GPU: the persistent forward is a CUDA kernel"
        for name in VIRTUAL_RANKS},
@@ -546,7 +547,7 @@ def bench_one(shape: Shape, impl: str, pass_name: str, inputs: dict, *,
 
 @contextlib.contextmanager
 def persistent_kernels(mode: str):
-    """The persistent forward of mok_jax's CUDA handlers in `mode` ("OFF", "AUTO",
+    """The persistent kernels of mok_jax's CUDA handlers in `mode` ("OFF", "AUTO",
     their default, or "ALWAYS") while the block runs; nothing where the build has
     none."""
     try:

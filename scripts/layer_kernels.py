@@ -115,9 +115,9 @@ def main(argv=None) -> int:
     parser.add_argument("--hot-expert", type=int, default=0, metavar="N",
                         help="with --load-max: expert N takes that load instead of expert 0")
     parser.add_argument("--persistent", choices=("OFF", "AUTO", "ALWAYS"), default="AUTO",
-                        help="when the forward runs as the persistent kernel: never (the "
-                             "kernel chain), where mok_jax picks it (default), or wherever "
-                             "it can")
+                        help="when each pass runs as its persistent kernel: never (the "
+                             "kernel chains), where mok_jax picks it (default: the "
+                             "forward's at few rows per expert), or wherever it can")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes if s not in bench.FULL_SHAPES]
     if unknown:
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
                        else f", expert {args.hot_expert} at {args.load_max:g}x the mean")
             print(f"## {shape.name} (T {shape.tokens}, K {shape.top_k}, E {shape.experts}, "
                   f"H {shape.hidden}, F {shape.ffn}){routing}, {args.dtype}, recipe "
-                  f"{args.recipe}, persistent forward {args.persistent}, {pass_name} on "
+                  f"{args.recipe}, persistent kernels {args.persistent}, {pass_name} on "
                   f"{jax.devices()[0].device_kind}\n{text}\n", flush=True)
     for name, kernel in legend.items():
         if name != kernel:

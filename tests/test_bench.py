@@ -123,7 +123,7 @@ def test_tokamax_available_reports_reason():
 
 
 @pytest.mark.parametrize("impl", ["moe_chain", "moe_persistent"])
-def test_persistent_forward_rows_need_a_gpu_and_restore_the_mode(impl):
+def test_persistent_rows_need_a_gpu_and_restore_the_mode(impl):
     record = bench.bench_one(bench.QUICK_SHAPES["ep"], impl, "fwd", {}, dtype_name="bf16",
                              warmup=0, repeats=1)
     if jax.default_backend() == "cpu":  # the switch is a CUDA kernel's: not attempted

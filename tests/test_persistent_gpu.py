@@ -4,8 +4,9 @@ weight gradients, the dx combine) give the kernel chains' bits on the GPU.
 
 `_mok.set_persistent_kernels(OFF)` makes the handlers run the chains (gathers,
 grouped GEMMs, SwiGLU, combines as separate kernels), `ALWAYS` the persistent
-kernels wherever they can run (the default, `AUTO`, picks them for few rows per
-expert only); y, the residuals and every gradient must be equal bit for bit.
+kernels wherever they can run (the default, `AUTO`, picks the forward's for few
+rows per expert only and the chain's backward); y, the residuals and every
+gradient must be equal bit for bit.
 """
 
 import jax
@@ -74,10 +75,11 @@ def _check(persistent, args, **kw):
     E, H, F2 = args[3].shape
     previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
     try:
-        takes = _mok.persistent_shape(T, K, E, H, F2 // 2)
+        takes = (_mok.persistent_shape(T, K, E, H, F2 // 2),
+                 _mok.persistent_backward_shape(T, K, E, H, F2 // 2))
     finally:
         _mok.set_persistent_kernels(previous)
-    assert takes, "the persistent kernel does not take this shape"
+    assert takes == (True, True), "the persistent kernels do not take this shape"
     fwd = lambda: mok_jax.moe(*args, return_stats=True, **kw)
     step = _forward_and_grads(*args, **kw)
     _assert_same(persistent(fwd, True), persistent(fwd, False))
@@ -142,6 +144,14 @@ def test_auto_mode_takes_few_rows_per_expert_only():
     assert not _mok.persistent_shape(2048, 8, 128, 2048, 768)   # 128
     assert not _mok.persistent_shape(256, 8, 128, 2048, 764)    # F % 8 != 0
     assert not _mok.persistent_shape(256, 8, 5000, 2048, 768)   # E > 4096
+    # The backward's kernel only where asked for: AUTO keeps the chain's backward.
+    assert not _mok.persistent_backward_shape(256, 8, 128, 2048, 768)
+    _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
+    try:
+        assert _mok.persistent_backward_shape(256, 8, 128, 2048, 768)
+        assert not _mok.persistent_backward_shape(256, 8, 128, 2048, 764)
+    finally:
+        _mok.set_persistent_kernels(_mok.PersistentMode.AUTO)
 
 
 def test_bitwise_deterministic_over_20_runs(persistent):

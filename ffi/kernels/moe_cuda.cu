@@ -19,13 +19,15 @@ ExpertFfnShape ffn_shape(const MoeShape& s) {
 }
 
 // The one place that chooses how a pass runs after the routing plan: the
-// persistent kernels (moe_persistent.h) where they take the call, else the kernel
-// chain (gather, expert FFN, combine). Both give the same bits. The forward and the
-// backward follow one rule, so a training step runs both one way or both the other.
+// persistent kernel (moe_persistent.h) where it takes the call, else the kernel
+// chain (gathers, expert FFN, combine). Both give the same bits, in either pass.
 // (The persistent kernels exist in sm_90a builds only; elsewhere the chain runs.)
 #ifdef MOK_HAVE_SM90A
 bool use_persistent(const MoeShape& s, Recipe recipe, DType dt) {
   return persistent_supported(s, recipe, dt);
+}
+bool use_persistent_backward(const MoeShape& s, Recipe recipe, DType dt) {
+  return persistent_backward_supported(s, recipe, dt);
 }
 #endif
 
@@ -82,7 +84,7 @@ BackwardBuffers carve_backward(void* ws, const MoeShape& s, Recipe recipe, DType
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
 #ifdef MOK_HAVE_SM90A
-  if (use_persistent(s, recipe, dt)) {
+  if (use_persistent_backward(s, recipe, dt)) {
     b.persistent = true;
     b.ffn_scratch_bytes = persistent_backward_workspace_bytes(s);
     b.ffn_scratch = c.take(b.ffn_scratch_bytes);

@@ -522,6 +522,11 @@ bool persistent_supported(const MoeShape& s, Recipe recipe, DType x_dtype) {
   return persistent_can_run(s, recipe, x_dtype);
 }
 
+bool persistent_backward_supported(const MoeShape& s, Recipe recipe, DType x_dtype) {
+  const auto mode = static_cast<PersistentMode>(persistent_mode.load(std::memory_order_relaxed));
+  return mode == PersistentMode::kAlways && persistent_can_run(s, recipe, x_dtype);
+}
+
 size_t persistent_forward_workspace_bytes(const MoeShape& s, int ranks) {
   size_t total = 0;
   carve(nullptr, s, ranks, &total);

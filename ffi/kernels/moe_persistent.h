@@ -45,7 +45,8 @@ namespace mok::cuda {
 // When the persistent kernels (the forward's and the backward's) run: never (the
 // kernel chains), where they are the faster ones (the default: at most 64 rows per
 // expert, where the GEMMs stream the weights; docs/performance.md), or wherever
-// they can. The forward and the backward follow the same mode and rule.
+// they can. The backward's kernel is not yet the faster one anywhere, so AUTO
+// leaves it out (persistent_backward_supported).
 enum class PersistentMode : int { kOff = 0, kAuto = 1, kAlways = 2 };
 
 // Sets the mode for every later call in this process and returns the previous one.
@@ -58,8 +59,14 @@ PersistentMode set_persistent_kernels(PersistentMode mode);
 // native one, H and F are multiples of 8 and E <= 4096).
 bool persistent_can_run(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
-// Whether it takes this call under the current mode.
+// Whether the persistent forward takes this call under the current mode.
 bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
+
+// Whether the persistent backward takes it: under ALWAYS only (where it can run).
+// AUTO keeps the chain's backward, the faster one on every shape measured
+// (docs/performance.md): a training step under AUTO runs the persistent forward
+// and the chain's backward, with the same bits as any other combination.
+bool persistent_backward_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // EP ranks one launch serves at most.
 constexpr int kMaxPersistentRanks = 8;
@@ -109,8 +116,8 @@ std::string persistent_forward(const PersistentForwardArgs& args, void* workspac
                                size_t workspace_bytes, cudaStream_t stream);
 
 // The backward after the routing plan as one persistent kernel
-// (moe_persistent_backward.cu), on one device, under the same rule as the forward
-// (persistent_supported) and with the same bits as the chain's backward.
+// (moe_persistent_backward.cu), on one device, where persistent_backward_supported
+// says so, with the same bits as the chain's backward.
 // Tasks, numbered in this order, each waiting only for lower-numbered ones:
 //   dgrad2 (64 rows x 256 F columns): dh = dy rows @ W_down^T in f32, the dy rows
 //     loaded straight from dy by their tokens (no gathered copy);

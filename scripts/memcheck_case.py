@@ -2,13 +2,13 @@
 compute-sanitizer (scripts/gpu_ci.sh).
 
 Covers both GEMM paths (tensor-core sizes and odd sizes), GEMM1 with SwiGLU in its
-epilogue (on sm_90a), the persistent forward (forced on, sm_90a), capacity drops,
+epilogue (on sm_90a), the persistent forward and backward (forced on, sm_90a), capacity drops,
 invalid ids and an empty expert, so memcheck sees every kernel; then the fused
 residual add + RMSNorm on rows of every team width, with row counts that end a
 scale-gradient group part way.
 
-`--persistent-only` runs the persistent-forward cases alone (for
-`--kernel-name kns=moe_forward_persistent` runs of racecheck and synccheck).
+`--persistent-only` runs the persistent-kernel cases alone (for
+`--kernel-name kns=_persistent` runs of racecheck and synccheck).
 """
 
 import sys
@@ -51,13 +51,15 @@ def run_norm(rows, dim, dtype):
 
 
 def run_persistent():
-    """The persistent forward forced on: rows past a 64-row block, H and F not
-    multiples of the 64-wide tiles, capacity drops, T below a block."""
+    """The persistent kernels (forward and backward) forced on: rows past a 64-row
+    block, H and F not multiples of the 64-wide tiles, capacity drops, T below a
+    block."""
     from mok_jax import _mok
     if not hasattr(_mok, "set_persistent_kernels"):  # no sm_90a code in this build
         return
     previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
     assert _mok.persistent_shape(100, 2, 4, 136, 200)
+    assert _mok.persistent_backward_shape(100, 2, 4, 136, 200)
     run(200, 2, 6, 128, 64, jnp.bfloat16, None)
     run(100, 2, 4, 136, 200, jnp.bfloat16, 0.5)
     run(3, 2, 3, 8, 8, jnp.bfloat16, None)
@@ -78,7 +80,7 @@ if __name__ == "__main__":
     assert _mok.swiglu_epilogue_shape(4, 16, 128, 300 * 2)
     run(512, 4, 4, 64, 256, jnp.bfloat16, None)
     run(300, 2, 4, 16, 128, jnp.bfloat16, 0.75)
-    run_persistent()  # one kernel after the routing plan
+    run_persistent()  # one kernel per pass after the routing plan
     for rows, dim, dtype in ((37, 1024, jnp.bfloat16), (5, 2056, jnp.bfloat16),
                              (9, 4096, jnp.bfloat16), (6, 8192, jnp.bfloat16),
                              (17, 16384, jnp.bfloat16), (3, 8, jnp.bfloat16),

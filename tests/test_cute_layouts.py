@@ -1,0 +1,36 @@
+"""Layout facts the persistent kernels' hand-written epilogues rely on, checked on
+the host with CuTe (nvcc and CUTLASS's headers; skipped without them).
+
+`store_tile_bf16` (ffi/kernels/moe_persistent_backward.cu) exchanges packed pairs
+within each quad of lanes on the strength of where wgmma leaves each accumulator;
+tests/wgmma_c_layout.cu asks CuTe for every thread's coordinates and compares.
+"""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+nvcc = shutil.which("nvcc")
+
+
+@pytest.mark.slow  # compiles with nvcc
+def test_wgmma_accumulator_layout_of_the_persistent_epilogues(tmp_path):
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    spec = importlib.util.find_spec("cutlass_library")  # the nvidia-cutlass package
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("no CUTLASS headers (pip install nvidia-cutlass, in the test extra)")
+    include = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+    exe = tmp_path / "wgmma_c_layout"
+    built = subprocess.run(
+        [nvcc, "-std=c++20", "-O1", "--expt-relaxed-constexpr", "-isystem", include,
+         os.path.join(ROOT, "tests", "wgmma_c_layout.cu"), "-o", str(exe)],
+        capture_output=True, text=True)
+    assert built.returncode == 0, f"nvcc failed:\n{built.stderr}"
+    ran = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert ran.stdout.strip() == "0 mismatches"

@@ -297,6 +297,53 @@ __device__ __forceinline__ void for_each_pair(const Acc& acc, Store store) {
   }
 }
 
+__device__ __forceinline__ uint32_t pick4(const uint32_t (&a)[4], int i) {
+  return i == 0 ? a[0] : i == 1 ? a[1] : i == 2 ? a[2] : a[3];
+}
+
+// The 64 x 256 tile rounded to bf16 and stored 16 bytes at a time: store(m, n, v)
+// for each 8-column chunk (n a multiple of 8) this thread holds after the exchange.
+// wgmma's C layout (checked on the host for both MMAs here): consumer thread c
+// (lane l, quad position q = l % 4) holds rows r = 16 (c % 128 / 32) + l / 4 and
+// r + 8; its values 4j + {0, 1} are columns n0 + 8j + 2q + {0, 1} of row r and
+// 4j + {2, 3} the same of row r + 8, n0 = 128 (c / 128). So a quad holds 8
+// columns of a row as four pairs. For four groups j0..j0+3 at a time, the quad
+// exchanges its packed pairs (round k: lane q sends its pair of group q ^ k and
+// reads lane (q ^ k)'s pair of group q), after which lane q holds all 8 columns
+// of group j0 + q for both rows: a warp's store writes 8 rows x 64 bytes
+// (whole sectors) instead of 8 rows x 16 bytes.
+template <class Acc, class Store>
+__device__ __forceinline__ void store_tile_bf16(const Acc& acc, Store store) {
+  static_assert(decltype(size(acc))::value == 64);
+  const int ctid = threadIdx.x - kProducerThreads;
+  const int lane = ctid & 31, q = lane & 3;
+  const int r = 16 * ((ctid % 128) / 32) + lane / 4;
+  const int n0 = 128 * (ctid / 128);
+  auto pack = [](float a, float b) {
+    return uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
+  };
+#pragma unroll
+  for (int j0 = 0; j0 < 16; j0 += 4) {
+    uint32_t top[4], bot[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      top[t] = pack(acc(4 * (j0 + t)), acc(4 * (j0 + t) + 1));
+      bot[t] = pack(acc(4 * (j0 + t) + 2), acc(4 * (j0 + t) + 3));
+    }
+    uint32_t rt[4], rb[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int peer = (lane & ~3) | (q ^ k);
+      rt[k] = __shfl_sync(0xffffffffu, pick4(top, q ^ k), peer);
+      rb[k] = __shfl_sync(0xffffffffu, pick4(bot, q ^ k), peer);
+    }
+    const int n = n0 + 8 * (j0 + q);
+    store(r, n, make_uint4(pick4(rt, q), pick4(rt, q ^ 1), pick4(rt, q ^ 2), pick4(rt, q ^ 3)));
+    store(r + 8, n,
+          make_uint4(pick4(rb, q), pick4(rb, q ^ 1), pick4(rb, q ^ 2), pick4(rb, q ^ 3)));
+  }
+}
+
 // Every consumer thread's writes done, then release increments of both counters.
 __device__ __forceinline__ void consumer_signal2(uint32_t* a, uint32_t* b) {
   consumer_sync();
@@ -417,9 +464,11 @@ __device__ void consume(const Params& p, Control& ctl, char* tiles) {
         mma_k_loop<MmaKK, LayoutA, LayoutBK>(
             ctl, tiles, st, static_cast<int>((2 * F + kBlockK - 1) / kBlockK), acc);
         const int64_t rows = rb.rows(), h0 = int64_t(task.tile) * kStageCols;
-        for_each_pair<MmaKK>(acc, [&](int m, int n, float v0, float v1) {
-          const int64_t h = h0 + n;
-          if (m < rows && h < H) store_pair(p.dx_rows + (rb.row0 + m) * H + h, v0, v1);
+        store_tile_bf16(acc, [&](int m, int n, uint4 v) {
+          const int64_t h = h0 + n;  // H % 8 == 0: a chunk is in or out whole
+          if (m < rows && h < H) {
+            *reinterpret_cast<uint4*>(p.dx_rows + (rb.row0 + m) * H + h) = v;
+          }
         });
         consumer_signal(p.dgrad1_done);
         break;
@@ -440,8 +489,10 @@ __device__ void consume(const Params& p, Control& ctl, char* tiles) {
           } else {
             mma_k_loop<MmaMN, LayoutAM, LayoutB>(ctl, tiles, st, k_blocks, acc);
           }
-          for_each_pair<MmaMN>(acc, [&](int m, int n, float v0, float v1) {
-            if (m0 + m < M && n0 + n < N) store_pair(d + (m0 + m) * N + n0 + n, v0, v1);
+          store_tile_bf16(acc, [&](int m, int n, uint4 v) {
+            if (m0 + m < M && n0 + n < N) {  // N % 8 == 0: a chunk is in or out whole
+              *reinterpret_cast<uint4*>(d + (m0 + m) * N + n0 + n) = v;
+            }
           });
         }
         break;

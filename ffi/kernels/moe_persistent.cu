@@ -487,10 +487,6 @@ Scratch carve(void* ws, const MoeShape& s, int ranks, size_t* total) {
   return b;
 }
 
-size_t dynamic_smem_bytes(int64_t experts) {
-  return kTileBytes + kSmemAlign + (experts + 1) * sizeof(int32_t);
-}
-
 
 std::atomic<int> persistent_mode{static_cast<int>(PersistentMode::kAuto)};
 
@@ -596,25 +592,9 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
                                              (s.hidden + kGemm2Cols - 1) / kGemm2Cols) +
                         s.tokens / kCombineTokens + 1;
   if (tasks >= (int64_t(1) << 32)) return "persistent MoE forward: 2^32 tasks or more";
-  const size_t smem = dynamic_smem_bytes(s.experts);
   auto kernel = a.weight_dtype == DType::kF32 ? moe_forward_persistent<float>
                                               : moe_forward_persistent<bf16>;
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(info.sm_count));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  // Cooperative: every CTA resident at once (tasks wait for other CTAs' tasks),
-  // or the launch fails rather than hangs.
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  MOK_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, kernel, p));
-  return {};
+  return launch_one_cta_per_sm(kernel, p, s.experts, info.sm_count, stream);
 }
 
 }  // namespace mok::cuda

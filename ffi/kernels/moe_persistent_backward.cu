@@ -624,24 +624,9 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
 
   DeviceInfo info;
   MOK_RETURN_IF_MESSAGE(current_device_info(&info));
-  const size_t smem = kTileBytes + kSmemAlign + (s.experts + 1) * sizeof(int32_t);
   auto kernel = a.weight_dtype == DType::kF32 ? moe_backward_persistent<float>
                                               : moe_backward_persistent<bf16>;
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(info.sm_count));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  // Cooperative: every CTA resident at once (tasks wait for other CTAs' tasks).
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  MOK_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, kernel, p));
-  return {};
+  return launch_one_cta_per_sm(kernel, p, s.experts, info.sm_count, stream);
 }
 
 }  // namespace mok::cuda

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "cute/arch/copy_sm80.hpp"
 #include "cute/atom/mma_atom.hpp"
@@ -20,6 +21,7 @@
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/numeric_types.h"
+#include "cuda_check.h"
 #include "mok/bf16.h"
 
 namespace mok::cuda::persistent {
@@ -251,6 +253,35 @@ bool encoded(const Tma& tma) {
     if (words[i] != 0) return true;
   }
   return false;
+}
+
+// Dynamic shared memory of a persistent kernel: the stages (aligned to the
+// swizzle's 1024 bytes) and the row-block prefix sums of E experts.
+inline size_t dynamic_smem_bytes(int64_t experts) {
+  return kTileBytes + kSmemAlign + (experts + 1) * sizeof(int32_t);
+}
+
+// Launches kernel(p) with one CTA of kThreads per SM, every CTA resident at once:
+// a cooperative launch, because tasks wait for other CTAs' tasks (a partial start
+// would hang; this launch fails instead).
+template <class P>
+std::string launch_one_cta_per_sm(void (*kernel)(P), const P& p, int64_t experts, int sm_count,
+                                  cudaStream_t stream) {
+  const size_t smem = dynamic_smem_bytes(experts);
+  MOK_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(sm_count));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  MOK_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, kernel, p));
+  return {};
 }
 
 // Upper bound of the row blocks of R = T K rows over E experts.

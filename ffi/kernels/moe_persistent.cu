@@ -124,15 +124,7 @@ struct Task {
   RowBlock rb;
 };
 
-// Shared-memory control: the stage barriers (full: the A chunks of every
-// producer thread and the B tile's bytes landed; empty: every consumer warp is
-// done reading) and the task mailbox.
-struct Control {
-  uint64_t full[kStages], empty[kStages];
-  uint64_t task_full[kTaskSlots], task_empty[kTaskSlots];
-  Task task[kTaskSlots];
-  uint32_t ticket[2];  // the producer's claimed task numbers, by claim parity
-};
+using Control = persistent::Control<Task>;  // stage barriers, mailbox
 
 
 // Rank o's row blocks: [block_begin[o E/P], block_begin[(o + 1) E/P]).
@@ -432,15 +424,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     prefetch_tma_descriptor(p.tma1.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma2.get_tma_descriptor());
-    for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&ctl.full[s], kProducerThreads + 1);  // cp.async arrivals + the TMA thread's
-      Barrier::init(&ctl.empty[s], kConsumerThreads / 32);
-    }
-    for (int s = 0; s < kTaskSlots; ++s) {
-      Barrier::init(&ctl.task_full[s], 1);
-      Barrier::init(&ctl.task_empty[s], kConsumerThreads / 32);
-    }
-    cutlass::arch::fence_barrier_init();
+    init_control(ctl);
   }
 
   // Row blocks per expert, prefix-summed (every CTA the same, from the plan).

@@ -80,12 +80,7 @@ struct Task {
   RowBlock rb;    // its rows (a weight gradient's: all of the expert's rows)
 };
 
-struct Control {
-  uint64_t full[kStages], empty[kStages];
-  uint64_t task_full[kTaskSlots], task_empty[kTaskSlots];
-  Task task[kTaskSlots];
-  uint32_t ticket[2];
-};
+using Control = persistent::Control<Task>;  // stage barriers, mailbox
 
 __host__ __device__ constexpr uint32_t tiles_of(int64_t n, int tile) {
   return static_cast<uint32_t>((n + tile - 1) / tile);
@@ -512,15 +507,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(p.tma_down.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma_gate_up.get_tma_descriptor());
-    for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&ctl.full[s], kProducerThreads + 1);  // cp.async arrivals + thread 0's
-      Barrier::init(&ctl.empty[s], kConsumerThreads / 32);
-    }
-    for (int s = 0; s < kTaskSlots; ++s) {
-      Barrier::init(&ctl.task_full[s], 1);
-      Barrier::init(&ctl.task_empty[s], kConsumerThreads / 32);
-    }
-    cutlass::arch::fence_barrier_init();
+    init_control(ctl);
   }
   using Scan = cub::BlockScan<int32_t, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;

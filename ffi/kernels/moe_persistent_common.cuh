@@ -178,6 +178,33 @@ __device__ __forceinline__ void producer_wait_for(int ptid, const uint32_t* coun
   producer_sync();
 }
 
+// Shared-memory control of a persistent kernel: the stage barriers (full: every
+// producer thread's cp.async chunks and the TMA bytes, or thread 0's plain arrival,
+// landed; empty: every consumer warp is done reading), the task mailbox, and the
+// producer's claimed task numbers by claim parity.
+template <class Task>
+struct Control {
+  uint64_t full[kStages], empty[kStages];
+  uint64_t task_full[kTaskSlots], task_empty[kTaskSlots];
+  Task task[kTaskSlots];
+  uint32_t ticket[2];
+};
+
+// The barriers' initial counts (one thread; every thread must wait at a CTA barrier
+// before using them).
+template <class Task>
+__device__ __forceinline__ void init_control(Control<Task>& ctl) {
+  for (int s = 0; s < kStages; ++s) {
+    Barrier::init(&ctl.full[s], kProducerThreads + 1);  // cp.async arrivals + thread 0's
+    Barrier::init(&ctl.empty[s], kConsumerThreads / 32);
+  }
+  for (int s = 0; s < kTaskSlots; ++s) {
+    Barrier::init(&ctl.task_full[s], 1);
+    Barrier::init(&ctl.task_empty[s], kConsumerThreads / 32);
+  }
+  cutlass::arch::fence_barrier_init();
+}
+
 // Row blocks per expert, prefix-summed into block_begin[0..E] (shared memory), by
 // every thread of the CTA (each CTA computes the same from the plan).
 template <int kThreadsInCta, class Scan>

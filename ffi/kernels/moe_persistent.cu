@@ -169,9 +169,7 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
   Tensor mW1 = p.tma1.get_tma_tensor(make_shape(p.ffn, p.hidden, int64_t(2), p.experts));
   Tensor mW2 = p.tma2.get_tma_tensor(make_shape(p.hidden, p.ffn, p.experts));
   for (int claim = 0;; ++claim) {
-    if (ptid == 0) ctl.ticket[claim & 1] = atomicAdd(list.ticket, 1u);
-    producer_sync();
-    const uint32_t t = ctl.ticket[claim & 1];
+    const uint32_t t = claim_task(ptid, ctl, list.ticket, claim);
     Task task{};
     if (t < list.gemm1) {
       task = {Kind::kGemm1, int32_t(t % list.n1), int64_t(list.block0) + t / list.n1, {}};
@@ -189,12 +187,7 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
     if (task.kind == Kind::kGemm1 || task.kind == Kind::kGemm2) {
       task.rb = find_block(block_begin, p.experts, p.expert_begin, task.block);
     }
-    if (ptid == 0) {  // hand the task over
-      Barrier::wait(&ctl.task_empty[mail.slot], mail.phase);
-      ctl.task[mail.slot] = task;
-      Barrier::arrive(&ctl.task_full[mail.slot]);
-    }
-    mail.advance();
+    hand_over(ptid, ctl, mail, task);
     if (task.kind == Kind::kEnd) break;
     if (task.kind == Kind::kCombine) continue;
 
@@ -239,15 +232,7 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
       st.advance();
     }
   }
-  // The tail: no producer thread exits while a copy it issued may still be landing.
-  // Its own cp.asyncs, then the consumers' release of every stage (which follows
-  // each stage's full barrier, so the TMA bytes have landed too).
-  cp_async_wait<0>();
-#pragma unroll 1
-  for (int s = 0; s < kStages; ++s) {
-    Barrier::wait(&ctl.empty[st.slot], st.phase);
-    st.advance();
-  }
+  producer_drain(ctl, st);
 }
 
 // ---- Consumers: two warp groups side by side along N (64 x 128 each of a 64 x
@@ -379,14 +364,9 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
                         int32_t rank) {
   Ring<kStages> st{0, 0u};
   Ring<kTaskSlots> mail{0, 0u};
-  const int lane = threadIdx.x & 31;
   Acc acc;
   for (;;) {
-    Barrier::wait(&ctl.task_full[mail.slot], mail.phase);
-    const Task task = ctl.task[mail.slot];
-    __syncwarp();
-    if (lane == 0) Barrier::arrive(&ctl.task_empty[mail.slot]);
-    mail.advance();
+    const Task task = take_task(ctl, mail);
     if (task.kind == Kind::kEnd) return;
     if (task.kind == Kind::kCombine) {
       combine_task<W>(p, win, rank, task.tile);

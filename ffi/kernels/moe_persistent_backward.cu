@@ -161,9 +161,7 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
   Tensor mDown = p.tma_down.get_tma_tensor(make_shape(F, H, p.experts));
   Tensor mGateUp = p.tma_gate_up.get_tma_tensor(make_shape(H, 2 * F, p.experts));
   for (int claim = 0;; ++claim) {
-    if (ptid == 0) ctl.ticket[claim & 1] = atomicAdd(p.ticket, 1u);
-    producer_sync();
-    const uint32_t t = ctl.ticket[claim & 1];
+    const uint32_t t = claim_task(ptid, ctl, p.ticket, claim);
     Task task{};
     if (t < list.dgrad2_end) {
       task = {Kind::kDgrad2, int32_t(t % list.nf), 0, int64_t(t / list.nf), {}};
@@ -192,12 +190,7 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
     if (task.kind == Kind::kDgrad2 || task.kind == Kind::kSwiglu || task.kind == Kind::kDgrad1) {
       task.rb = find_block(block_begin, p.experts, p.expert_begin, task.block);
     }
-    if (ptid == 0) {  // hand the task over
-      Barrier::wait(&ctl.task_empty[mail.slot], mail.phase);
-      ctl.task[mail.slot] = task;
-      Barrier::arrive(&ctl.task_full[mail.slot]);
-    }
-    mail.advance();
+    hand_over(ptid, ctl, mail, task);
     if (task.kind == Kind::kEnd) break;
     if (task.kind == Kind::kSwiglu || task.kind == Kind::kCombine) continue;
 
@@ -267,13 +260,7 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
       st.advance();
     }
   }
-  // The tail: no producer thread exits while a copy it issued may still be landing.
-  cp_async_wait<0>();
-#pragma unroll 1
-  for (int s = 0; s < kStages; ++s) {
-    Barrier::wait(&ctl.empty[st.slot], st.phase);
-    st.advance();
-  }
+  producer_drain(ctl, st);
 }
 
 // ---- Consumers
@@ -421,14 +408,9 @@ template <typename W>
 __device__ void consume(const Params& p, Control& ctl, char* tiles) {
   Ring<kStages> st{0, 0u};
   Ring<kTaskSlots> mail{0, 0u};
-  const int lane = threadIdx.x & 31;
   const int64_t H = p.hidden, F = p.ffn;
   for (;;) {
-    Barrier::wait(&ctl.task_full[mail.slot], mail.phase);
-    const Task task = ctl.task[mail.slot];
-    __syncwarp();
-    if (lane == 0) Barrier::arrive(&ctl.task_empty[mail.slot]);
-    mail.advance();
+    const Task task = take_task(ctl, mail);
     const RowBlock& rb = task.rb;
     switch (task.kind) {
       case Kind::kEnd:

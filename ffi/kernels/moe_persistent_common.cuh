@@ -205,6 +205,54 @@ __device__ __forceinline__ void init_control(Control<Task>& ctl) {
   cutlass::arch::fence_barrier_init();
 }
 
+// The producer's next task number from the ticket counter, shared with its warp
+// group (claims alternate between two slots, so a slow reader of one never sees
+// the next claim's value).
+template <class Task>
+__device__ __forceinline__ uint32_t claim_task(int ptid, Control<Task>& ctl, uint32_t* ticket,
+                                               int claim) {
+  if (ptid == 0) ctl.ticket[claim & 1] = atomicAdd(ticket, 1u);
+  producer_sync();
+  return ctl.ticket[claim & 1];
+}
+
+// The producer hands a task to the consumers through the mailbox (thread 0 waits
+// for a free slot).
+template <class Task>
+__device__ __forceinline__ void hand_over(int ptid, Control<Task>& ctl, Ring<kTaskSlots>& mail,
+                                          const Task& task) {
+  if (ptid == 0) {
+    Barrier::wait(&ctl.task_empty[mail.slot], mail.phase);
+    ctl.task[mail.slot] = task;
+    Barrier::arrive(&ctl.task_full[mail.slot]);
+  }
+  mail.advance();
+}
+
+// A consumer warp takes the next task from the mailbox and frees its slot.
+template <class Task>
+__device__ __forceinline__ Task take_task(Control<Task>& ctl, Ring<kTaskSlots>& mail) {
+  Barrier::wait(&ctl.task_full[mail.slot], mail.phase);
+  const Task task = ctl.task[mail.slot];
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) Barrier::arrive(&ctl.task_empty[mail.slot]);
+  mail.advance();
+  return task;
+}
+
+// The producer's tail: no producer thread exits while a copy it issued may still
+// be landing. Its own cp.asyncs, then the consumers' release of every stage (which
+// follows each stage's full barrier, so the TMA bytes have landed too).
+template <class Task>
+__device__ __forceinline__ void producer_drain(Control<Task>& ctl, Ring<kStages>& st) {
+  cp_async_wait<0>();
+#pragma unroll 1
+  for (int s = 0; s < kStages; ++s) {
+    Barrier::wait(&ctl.empty[st.slot], st.phase);
+    st.advance();
+  }
+}
+
 // Row blocks per expert, prefix-summed into block_begin[0..E] (shared memory), by
 // every thread of the CTA (each CTA computes the same from the plan).
 template <int kThreadsInCta, class Scan>

@@ -112,8 +112,7 @@ NB_MODULE(_mok, m) {
       "persistent_shape",
       [](int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn) {
         const mok::MoeShape s{tokens, top_k, experts, hidden, ffn};
-        return mok::cuda::persistent_supported(s, mok::Recipe::kNative,
-                                                       mok::DType::kBF16);
+        return mok::cuda::persistent_supported(s, mok::Recipe::kNative, mok::DType::kBF16);
       },
       nb::arg("tokens"), nb::arg("top_k"), nb::arg("experts"), nb::arg("hidden"),
       nb::arg("ffn"),

@@ -126,7 +126,6 @@ struct Task {
 
 using Control = persistent::Control<Task>;  // stage barriers, mailbox
 
-
 // Rank o's row blocks: [block_begin[o E/P], block_begin[(o + 1) E/P]).
 __device__ __forceinline__ int64_t rank_blocks(const Params& p, const int32_t* block_begin,
                                                int o) {
@@ -201,36 +200,25 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
                           : ARows(ptid, rb, base, [&](int m) {
                               return p.h + (rb.row0 + m) * p.ffn;
                             });
-    const int k_blocks = static_cast<int>((K + kBlockK - 1) / kBlockK);
-#pragma unroll 1
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&ctl.empty[st.slot], st.phase);
-      a.load(ptid, stage_a(tiles, st.slot), int64_t(kb) * kBlockK, K, base);
-      cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
-      if (ptid == 0) {
-        // The whole B tile is expected (out-of-bounds parts included: TMA writes them as zeros).
-        Barrier::arrive_and_expect_tx(&ctl.full[st.slot], kStageBBytes);
-        Elem* b = stage_b(tiles, st.slot);
-        if (first) {
+    stream_k_blocks(ptid, ctl, tiles, st, a, K, base, [&](Elem* b, uint64_t& full, int kb) {
+      if (first) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {  // slab j: half j % 2 (gate, up), column block j / 2
-            Tensor g = local_tile(mW1(_, _, j % 2, rb.expert), Tile1{},
-                                  make_coord(task.tile * 2 + j / 2, kb));
-            Tensor sj = make_tensor(make_smem_ptr(b + j * kSlabCols * kBlockK), LayoutSlab{});
-            auto [tg, ts] = tma_partition(p.tma1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sj),
-                                          group_modes<0, 2>(g));
-            copy(p.tma1.with(ctl.full[st.slot]), tg, ts);
-          }
-        } else {
-          Tensor g = local_tile(mW2(_, _, rb.expert), Tile2{}, make_coord(task.tile, kb));
-          Tensor sb = make_tensor(make_smem_ptr(b), LayoutB{});
-          auto [tg, ts] = tma_partition(p.tma2, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
+        for (int j = 0; j < 4; ++j) {  // slab j: half j % 2 (gate, up), column block j / 2
+          Tensor g = local_tile(mW1(_, _, j % 2, rb.expert), Tile1{},
+                                make_coord(task.tile * 2 + j / 2, kb));
+          Tensor sj = make_tensor(make_smem_ptr(b + j * kSlabCols * kBlockK), LayoutSlab{});
+          auto [tg, ts] = tma_partition(p.tma1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sj),
                                         group_modes<0, 2>(g));
-          copy(p.tma2.with(ctl.full[st.slot]), tg, ts);
+          copy(p.tma1.with(full), tg, ts);
         }
+      } else {
+        Tensor g = local_tile(mW2(_, _, rb.expert), Tile2{}, make_coord(task.tile, kb));
+        Tensor sb = make_tensor(make_smem_ptr(b), LayoutB{});
+        auto [tg, ts] = tma_partition(p.tma2, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
+                                      group_modes<0, 2>(g));
+        copy(p.tma2.with(full), tg, ts);
       }
-      st.advance();
-    }
+    });
   }
   producer_drain(ctl, st);
 }

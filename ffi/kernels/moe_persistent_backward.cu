@@ -205,29 +205,20 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
                              : ARows(ptid, rb, base, [&](int m) {
                                  return p.dgu + (rb.row0 + m) * 2 * F;
                                });
-      const int k_blocks = static_cast<int>((K + kBlockK - 1) / kBlockK);
-#pragma unroll 1
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        Barrier::wait(&ctl.empty[st.slot], st.phase);
-        a.load(ptid, stage_a(tiles, st.slot), int64_t(kb) * kBlockK, K, base);
-        cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
-        if (ptid == 0) {
-          Barrier::arrive_and_expect_tx(&ctl.full[st.slot], kStageBBytes);
-          Tensor sb = make_tensor(make_smem_ptr(stage_b(tiles, st.slot)), LayoutBK{});
-          auto issue = [&](const TmaK& tma, auto& mW) {
-            Tensor g = local_tile(mW(_, _, rb.expert), TileBK{}, make_coord(task.tile, kb));
-            auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
-                                          group_modes<0, 2>(g));
-            copy(tma.with(ctl.full[st.slot]), tg, ts);
-          };
-          if (second) {
-            issue(p.tma_down, mDown);
-          } else {
-            issue(p.tma_gate_up, mGateUp);
-          }
+      stream_k_blocks(ptid, ctl, tiles, st, a, K, base, [&](Elem* b, uint64_t& full, int kb) {
+        Tensor sb = make_tensor(make_smem_ptr(b), LayoutBK{});
+        auto issue = [&](const TmaK& tma, auto& mW) {
+          Tensor g = local_tile(mW(_, _, rb.expert), TileBK{}, make_coord(task.tile, kb));
+          auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
+                                        group_modes<0, 2>(g));
+          copy(tma.with(full), tg, ts);
+        };
+        if (second) {
+          issue(p.tma_down, mDown);
+        } else {
+          issue(p.tma_gate_up, mGateUp);
         }
-        st.advance();
-      }
+      });
       continue;
     }
     // A weight gradient: for each N tile, the expert's rows in 64-row K blocks.

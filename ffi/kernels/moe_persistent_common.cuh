@@ -167,6 +167,28 @@ struct ARows {
   }
 };
 
+// Streams a row-block task's K blocks into the stages: for each, a free stage, the
+// A rows by cp.async from every producer thread, then (thread 0) the whole B tile's
+// bytes expected (out-of-bounds parts included: TMA writes them as zeros) and
+// issue_b(B stage, full barrier, K block) starting its TMA copies.
+template <class Ctl, class IssueB>
+__device__ __forceinline__ void stream_k_blocks(int ptid, Ctl& ctl, char* tiles,
+                                                Ring<kStages>& st, const ARows& a, int64_t K,
+                                                const Elem* base, IssueB issue_b) {
+  const int k_blocks = static_cast<int>((K + kBlockK - 1) / kBlockK);
+#pragma unroll 1
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    Barrier::wait(&ctl.empty[st.slot], st.phase);
+    a.load(ptid, stage_a(tiles, st.slot), int64_t(kb) * kBlockK, K, base);
+    cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
+    if (ptid == 0) {
+      Barrier::arrive_and_expect_tx(&ctl.full[st.slot], kStageBBytes);
+      issue_b(stage_b(tiles, st.slot), ctl.full[st.slot], kb);
+    }
+    st.advance();
+  }
+}
+
 // Spins (one thread) until *counter >= target; then every producer thread may read
 // what the counted tasks wrote.
 __device__ __forceinline__ void producer_wait_for(int ptid, const uint32_t* counter,

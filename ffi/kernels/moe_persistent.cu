@@ -16,6 +16,7 @@ namespace {
 
 using namespace persistent;
 
+constexpr int kStages = 5;            // the ring of K-block stages
 constexpr int kGemm1Cols = 128;       // F columns per GEMM1 task (gate and up each)
 constexpr int kSlabCols = 64;         // B columns per TMA box (one 128-byte swizzle row)
 constexpr int kGemm2Cols = 256;       // H columns per GEMM2 task
@@ -124,7 +125,7 @@ struct Task {
   RowBlock rb;
 };
 
-using Control = persistent::Control<Task>;  // stage barriers, mailbox
+using Control = persistent::Control<Task, kStages>;  // stage barriers, mailbox
 
 // Rank o's row blocks: [block_begin[o E/P], block_begin[(o + 1) E/P]).
 __device__ __forceinline__ int64_t rank_blocks(const Params& p, const int32_t* block_begin,
@@ -380,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ char smem_raw[];
   char* tiles = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) & ~uintptr_t(kSmemAlign - 1));
-  int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + kTileBytes);  // [E + 1]
+  int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + tile_bytes(kStages));  // [E + 1]
   __shared__ Control ctl;
   __shared__ Windows win;
   if (threadIdx.x == 0) {
@@ -546,7 +547,8 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
   if (tasks >= (int64_t(1) << 32)) return "persistent MoE forward: 2^32 tasks or more";
   auto kernel = a.weight_dtype == DType::kF32 ? moe_forward_persistent<float>
                                               : moe_forward_persistent<bf16>;
-  return launch_one_cta_per_sm(kernel, p, s.experts, info.sm_count, stream);
+  return launch_one_cta_per_sm(kernel, p, dynamic_smem_bytes(tile_bytes(kStages), s.experts),
+                               info.sm_count, stream);
 }
 
 }  // namespace mok::cuda

@@ -13,6 +13,14 @@ namespace {
 
 using namespace persistent;
 
+// Four stages leave room for the weight gradients' store tiles: each consumer warp
+// group rounds its 64 x 128 half of a tile into its own 16 KB of shared memory, and
+// a TMA store writes it out while the group goes on to the next tile.
+constexpr int kStages = 4;
+using HalfTile = Shape<Int<kBlockRows>, Int<kStageCols / 2>>;
+using LayoutC = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, HalfTile{}));
+constexpr int kHalfTileBytes = kBlockRows * kStageCols / 2 * 2;  // 16 KB
+constexpr int kTilesBytes = tile_bytes(kStages) + 2 * kHalfTileBytes;
 constexpr int kCombineTokens = 2;  // tokens per combine task (four warps each)
 constexpr int kCombineWarps = 4;   // warps per token, side by side along H
 static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
@@ -45,9 +53,20 @@ auto make_tma_k(const Elem* w, int64_t N, int64_t K, int64_t E) {
 }
 using TmaK = decltype(make_tma_k(nullptr, 0, 0, 0));
 
+// A weight gradient [E, M, N] (N contiguous) as the TMA stores see it: (M, N, E),
+// written a warp group's 64 x 128 half tile at a time (clipped at M and N).
+auto make_tma_store(Elem* d, int64_t M, int64_t N, int64_t E) {
+  auto view = make_tensor(make_gmem_ptr(d),
+                          make_layout(make_shape(M, N, E), make_stride(N, Int<1>{}, M * N)));
+  return make_tma_atom(SM90_TMA_STORE{}, view, LayoutC{}, HalfTile{});
+}
+using TmaStore = decltype(make_tma_store(nullptr, 0, 0, 0));
+
 struct Params {
   TmaK tma_down;     // W_down as (F, H, E)
   TmaK tma_gate_up;  // W_gate_up as (H, 2F, E)
+  TmaStore tma_d_down;     // d W_down as (F, H, E)
+  TmaStore tma_d_gate_up;  // d W_gate_up as (H, 2F, E)
   int64_t tokens, top_k, experts, hidden, ffn;
   const Elem* dy;        // [T, H]
   const Elem* x_rows;    // [R, H] the forward's gathered x rows
@@ -62,8 +81,6 @@ struct Params {
   Elem* dgu;             // [R, 2F] scratch: d gate_up
   Elem* dx_rows;         // [R, H] scratch
   Elem* dx;              // [T, H]
-  Elem* d_w_gate_up;     // [E, H, 2F]
-  Elem* d_w_down;        // [E, F, H]
   uint32_t* block_ready;   // [row blocks]: dgrad2 tiles done, + 1 once SwiGLU's backward is
   uint32_t* expert_ready;  // [E]: the expert's row blocks through SwiGLU's backward
   uint32_t* dgrad1_done;   // dgrad1 tasks done
@@ -80,7 +97,7 @@ struct Task {
   RowBlock rb;    // its rows (a weight gradient's: all of the expert's rows)
 };
 
-using Control = persistent::Control<Task>;  // stage barriers, mailbox
+using Control = persistent::Control<Task, kStages>;  // stage barriers, mailbox
 
 __host__ __device__ constexpr uint32_t tiles_of(int64_t n, int tile) {
   return static_cast<uint32_t>((n + tile - 1) / tile);
@@ -139,7 +156,7 @@ __device__ __forceinline__ void load_wgrad_block(int ptid, char* tiles, int slot
   const Elem* a = valid ? a_row(r0 + r) + m0 : base;
   const Elem* b = valid ? b_row(r0 + r) + n0 : base;
   Tensor sA = make_tensor(make_smem_ptr(stage_a(tiles, slot)), LayoutAM{});
-  Tensor sB = make_tensor(make_smem_ptr(stage_b(tiles, slot)), LayoutB{});
+  Tensor sB = make_tensor(make_smem_ptr(stage_b<kStages>(tiles, slot)), LayoutB{});
 #pragma unroll
   for (int c = half; c < kBlockRows / 8; c += 2) {
     const bool ok = valid && m0 + 8 * c < M;
@@ -396,7 +413,7 @@ __device__ void combine_task(const Params& p, int64_t task) {
 }
 
 template <typename W>
-__device__ void consume(const Params& p, Control& ctl, char* tiles) {
+__device__ void consume(const Params& p, Control& ctl, char* tiles, Elem* store_tile) {
   Ring<kStages> st{0, 0u};
   Ring<kTaskSlots> mail{0, 0u};
   const int64_t H = p.hidden, F = p.ffn;
@@ -405,6 +422,9 @@ __device__ void consume(const Params& p, Control& ctl, char* tiles) {
     const RowBlock& rb = task.rb;
     switch (task.kind) {
       case Kind::kEnd:
+        // The stores read shared memory until they are done; then the kernel
+        // may end (its end makes their global writes visible).
+        if (threadIdx.x % 128 == 0) tma_store_wait<0>();
         return;
       case Kind::kCombine:
         combine_task<W>(p, task.tile);
@@ -444,24 +464,39 @@ __device__ void consume(const Params& p, Control& ctl, char* tiles) {
       default: {  // a weight gradient
         const bool down = task.kind == Kind::kWgradDown;
         const int64_t M = down ? F : H, N = down ? H : 2 * F;
-        const int64_t m0 = int64_t(task.mtile) * kBlockRows;
         const int k_blocks = static_cast<int>((rb.row_end - rb.row0 + kBlockRows - 1) / kBlockRows);
         const int n_tiles = static_cast<int>(tiles_of(N, kStageCols));
-        Elem* d = (down ? p.d_w_down : p.d_w_gate_up) + rb.expert * M * N;
+        const TmaStore& tma = down ? p.tma_d_down : p.tma_d_gate_up;
+        Tensor mD = tma.get_tma_tensor(make_shape(M, N, p.experts));
+        // This warp group's half of the tile: columns 128 g .. 128 g + 127.
+        const int g = (threadIdx.x - kProducerThreads) / 128;
+        const bool issuer = threadIdx.x % 128 == 0;
+        Tensor sC = make_tensor(make_smem_ptr(store_tile + g * (kHalfTileBytes / sizeof(Elem))),
+                                LayoutC{});
 #pragma unroll 1
         for (int nt = 0; nt < n_tiles; ++nt) {
-          const int64_t n0 = int64_t(nt) * kStageCols;
           AccMN acc;
           if (k_blocks == 0) {
             clear(acc);  // an expert without rows: a zero gradient
           } else {
             mma_k_loop<MmaMN, LayoutAM, LayoutB>(ctl, tiles, st, k_blocks, acc);
           }
+          // The group's last store has read its tile out of shared memory.
+          if (issuer) tma_store_wait<0>();
+          cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
           store_tile_bf16(acc, [&](int m, int n, uint4 v) {
-            if (m0 + m < M && n0 + n < N) {  // N % 8 == 0: a chunk is in or out whole
-              *reinterpret_cast<uint4*>(d + (m0 + m) * N + n0 + n) = v;
-            }
+            *reinterpret_cast<uint4*>(&sC(m, n - 128 * g)) = v;
           });
+          tma_store_fence();  // the tile's writes, then the TMA's reads
+          cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
+          const int64_t half = 2 * int64_t(nt) + g;
+          if (issuer && half * (kStageCols / 2) < N) {
+            Tensor gD = local_tile(mD(_, _, rb.expert), HalfTile{}, make_coord(task.mtile, half));
+            auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sC),
+                                          group_modes<0, 2>(gD));
+            copy(tma, ts, tg);
+            tma_store_arrive();
+          }
         }
         break;
       }
@@ -475,11 +510,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ char smem_raw[];
   char* tiles = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) & ~uintptr_t(kSmemAlign - 1));
-  int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + kTileBytes);  // [E + 1]
+  Elem* store_tile = reinterpret_cast<Elem*>(tiles + tile_bytes(kStages));  // 2 x 16 KB
+  int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + kTilesBytes);    // [E + 1]
   __shared__ Control ctl;
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(p.tma_down.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma_gate_up.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_d_down.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_d_gate_up.get_tma_descriptor());
     init_control(ctl);
   }
   using Scan = cub::BlockScan<int32_t, kThreads>;
@@ -492,7 +530,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     produce(p, ctl, tiles, block_begin, list);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kBwdConsumerRegs>();
-    consume<W>(p, ctl, tiles);
+    consume<W>(p, ctl, tiles, store_tile);
   }
 }
 
@@ -545,8 +583,11 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   const Scratch b = carve(workspace, s, &need);
   if (need > workspace_bytes) return "persistent MoE backward: workspace too small";
   if (reinterpret_cast<uintptr_t>(a.w_gate_up) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(a.w_down) % 16 != 0) {
-    return "persistent MoE backward: the expert weights are not 16-byte aligned";
+      reinterpret_cast<uintptr_t>(a.w_down) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(a.d_w_gate_up) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(a.d_w_down) % 16 != 0) {
+    return "persistent MoE backward: the expert weights or their gradients are not 16-byte "
+           "aligned";
   }
   if (max_tasks(s) >= (int64_t(1) << 32)) return "persistent MoE backward: 2^32 tasks or more";
   Params p{};
@@ -558,8 +599,13 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   p.tma_down = make_tma_k(static_cast<const Elem*>(a.w_down), s.ffn, s.hidden, s.experts);
   p.tma_gate_up =
       make_tma_k(static_cast<const Elem*>(a.w_gate_up), s.hidden, 2 * s.ffn, s.experts);
-  if (!encoded(p.tma_down) || !encoded(p.tma_gate_up)) {
-    return "persistent MoE backward: cuTensorMapEncodeTiled failed for the expert weights";
+  p.tma_d_down = make_tma_store(static_cast<Elem*>(a.d_w_down), s.ffn, s.hidden, s.experts);
+  p.tma_d_gate_up =
+      make_tma_store(static_cast<Elem*>(a.d_w_gate_up), s.hidden, 2 * s.ffn, s.experts);
+  if (!encoded(p.tma_down) || !encoded(p.tma_gate_up) || !encoded(p.tma_d_down) ||
+      !encoded(p.tma_d_gate_up)) {
+    return "persistent MoE backward: cuTensorMapEncodeTiled failed for the expert weights "
+           "or their gradients";
   }
   p.dy = static_cast<const Elem*>(a.dy);
   p.x_rows = static_cast<const Elem*>(a.x_rows);
@@ -574,8 +620,6 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   p.dgu = b.dgu;
   p.dx_rows = b.dx_rows;
   p.dx = static_cast<Elem*>(a.dx);
-  p.d_w_gate_up = static_cast<Elem*>(a.d_w_gate_up);
-  p.d_w_down = static_cast<Elem*>(a.d_w_down);
   const int64_t blocks = max_row_blocks(s.tokens * s.top_k, s.experts);
   p.block_ready = b.counters;
   p.expert_ready = b.counters + blocks;
@@ -586,7 +630,8 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   MOK_RETURN_IF_MESSAGE(current_device_info(&info));
   auto kernel = a.weight_dtype == DType::kF32 ? moe_backward_persistent<float>
                                               : moe_backward_persistent<bf16>;
-  return launch_one_cta_per_sm(kernel, p, s.experts, info.sm_count, stream);
+  return launch_one_cta_per_sm(kernel, p, dynamic_smem_bytes(kTilesBytes, s.experts),
+                               info.sm_count, stream);
 }
 
 }  // namespace mok::cuda

@@ -47,7 +47,6 @@ static_assert(regs_split_fits(kProducerRegs, kConsumerRegs));
 constexpr int kTaskSlots = 2;          // tasks handed from the producer, not yet taken
 constexpr int kBlockRows = 64;        // rows per GEMM task (one wgmma M)
 constexpr int kBlockK = 64;           // K per pipeline stage (one 128-byte swizzle row)
-constexpr int kStages = 5;
 constexpr int kStageCols = 256;       // B columns per stage (every GEMM)
 constexpr int64_t kMaxExperts = 4096;  // the row-block prefix sums live in shared memory
 
@@ -66,7 +65,8 @@ using LayoutAM = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
                                         Shape<Int<kBlockRows>, Int<kBlockK>>{}));
 constexpr int kStageABytes = kBlockRows * kBlockK * 2;   // 8 KB
 constexpr int kStageBBytes = kStageCols * kBlockK * 2;   // 32 KB
-constexpr int kTileBytes = kStages * (kStageABytes + kStageBBytes);
+// A kernel's ring of S stages: S A tiles, then S B tiles.
+constexpr int tile_bytes(int stages) { return stages * (kStageABytes + kStageBBytes); }
 constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes
 using StageTile = Shape<Int<kBlockRows>, Int<kStageCols>>;
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
@@ -92,8 +92,9 @@ __device__ __forceinline__ void store_pair(Elem* dst, float a, float b) {
 }
 
 // Roles: warp group 0 loads (the producer), warp groups 1 and 2 compute (the
-// consumers). Named barriers (0 is __syncthreads):
-enum : uint32_t { kConsumerSync = 1, kProducerSync = 2 };
+// consumers). Named barriers (0 is __syncthreads; consumer warp group g's own is
+// kWarpGroupSync + g):
+enum : uint32_t { kConsumerSync = 1, kProducerSync = 2, kWarpGroupSync = 3 };
 __device__ __forceinline__ void consumer_sync() {
   cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerSync);
 }
@@ -136,8 +137,9 @@ __device__ __forceinline__ RowBlock find_block(const int32_t* block_begin, int64
 __device__ __forceinline__ Elem* stage_a(char* tiles, int stage) {
   return reinterpret_cast<Elem*>(tiles + stage * kStageABytes);
 }
+template <int S>
 __device__ __forceinline__ Elem* stage_b(char* tiles, int stage) {
-  return reinterpret_cast<Elem*>(tiles + kStages * kStageABytes + stage * kStageBBytes);
+  return reinterpret_cast<Elem*>(tiles + S * kStageABytes + stage * kStageBBytes);
 }
 
 // The A rows of a row block one producer thread loads: 16-byte chunks ptid + 128 j
@@ -171,9 +173,9 @@ struct ARows {
 // A rows by cp.async from every producer thread, then (thread 0) the whole B tile's
 // bytes expected (out-of-bounds parts included: TMA writes them as zeros) and
 // issue_b(B stage, full barrier, K block) starting its TMA copies.
-template <class Ctl, class IssueB>
+template <class Ctl, int S, class IssueB>
 __device__ __forceinline__ void stream_k_blocks(int ptid, Ctl& ctl, char* tiles,
-                                                Ring<kStages>& st, const ARows& a, int64_t K,
+                                                Ring<S>& st, const ARows& a, int64_t K,
                                                 const Elem* base, IssueB issue_b) {
   const int k_blocks = static_cast<int>((K + kBlockK - 1) / kBlockK);
 #pragma unroll 1
@@ -183,7 +185,7 @@ __device__ __forceinline__ void stream_k_blocks(int ptid, Ctl& ctl, char* tiles,
     cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
     if (ptid == 0) {
       Barrier::arrive_and_expect_tx(&ctl.full[st.slot], kStageBBytes);
-      issue_b(stage_b(tiles, st.slot), ctl.full[st.slot], kb);
+      issue_b(stage_b<S>(tiles, st.slot), ctl.full[st.slot], kb);
     }
     st.advance();
   }
@@ -200,13 +202,14 @@ __device__ __forceinline__ void producer_wait_for(int ptid, const uint32_t* coun
   producer_sync();
 }
 
-// Shared-memory control of a persistent kernel: the stage barriers (full: every
-// producer thread's cp.async chunks and the TMA bytes, or thread 0's plain arrival,
-// landed; empty: every consumer warp is done reading), the task mailbox, and the
-// producer's claimed task numbers by claim parity.
-template <class Task>
+// Shared-memory control of a persistent kernel with S stages: the stage barriers
+// (full: every producer thread's cp.async chunks and the TMA bytes, or thread 0's
+// plain arrival, landed; empty: every consumer warp is done reading), the task
+// mailbox, and the producer's claimed task numbers by claim parity.
+template <class Task, int S>
 struct Control {
-  uint64_t full[kStages], empty[kStages];
+  static constexpr int kStages = S;
+  uint64_t full[S], empty[S];
   uint64_t task_full[kTaskSlots], task_empty[kTaskSlots];
   Task task[kTaskSlots];
   uint32_t ticket[2];
@@ -214,9 +217,9 @@ struct Control {
 
 // The barriers' initial counts (one thread; every thread must wait at a CTA barrier
 // before using them).
-template <class Task>
-__device__ __forceinline__ void init_control(Control<Task>& ctl) {
-  for (int s = 0; s < kStages; ++s) {
+template <class Task, int S>
+__device__ __forceinline__ void init_control(Control<Task, S>& ctl) {
+  for (int s = 0; s < S; ++s) {
     Barrier::init(&ctl.full[s], kProducerThreads + 1);  // cp.async arrivals + thread 0's
     Barrier::init(&ctl.empty[s], kConsumerThreads / 32);
   }
@@ -230,8 +233,8 @@ __device__ __forceinline__ void init_control(Control<Task>& ctl) {
 // The producer's next task number from the ticket counter, shared with its warp
 // group (claims alternate between two slots, so a slow reader of one never sees
 // the next claim's value).
-template <class Task>
-__device__ __forceinline__ uint32_t claim_task(int ptid, Control<Task>& ctl, uint32_t* ticket,
+template <class Task, int S>
+__device__ __forceinline__ uint32_t claim_task(int ptid, Control<Task, S>& ctl, uint32_t* ticket,
                                                int claim) {
   if (ptid == 0) ctl.ticket[claim & 1] = atomicAdd(ticket, 1u);
   producer_sync();
@@ -240,8 +243,8 @@ __device__ __forceinline__ uint32_t claim_task(int ptid, Control<Task>& ctl, uin
 
 // The producer hands a task to the consumers through the mailbox (thread 0 waits
 // for a free slot).
-template <class Task>
-__device__ __forceinline__ void hand_over(int ptid, Control<Task>& ctl, Ring<kTaskSlots>& mail,
+template <class Task, int S>
+__device__ __forceinline__ void hand_over(int ptid, Control<Task, S>& ctl, Ring<kTaskSlots>& mail,
                                           const Task& task) {
   if (ptid == 0) {
     Barrier::wait(&ctl.task_empty[mail.slot], mail.phase);
@@ -252,8 +255,8 @@ __device__ __forceinline__ void hand_over(int ptid, Control<Task>& ctl, Ring<kTa
 }
 
 // A consumer warp takes the next task from the mailbox and frees its slot.
-template <class Task>
-__device__ __forceinline__ Task take_task(Control<Task>& ctl, Ring<kTaskSlots>& mail) {
+template <class Task, int S>
+__device__ __forceinline__ Task take_task(Control<Task, S>& ctl, Ring<kTaskSlots>& mail) {
   Barrier::wait(&ctl.task_full[mail.slot], mail.phase);
   const Task task = ctl.task[mail.slot];
   __syncwarp();
@@ -265,11 +268,11 @@ __device__ __forceinline__ Task take_task(Control<Task>& ctl, Ring<kTaskSlots>& 
 // The producer's tail: no producer thread exits while a copy it issued may still
 // be landing. Its own cp.asyncs, then the consumers' release of every stage (which
 // follows each stage's full barrier, so the TMA bytes have landed too).
-template <class Task>
-__device__ __forceinline__ void producer_drain(Control<Task>& ctl, Ring<kStages>& st) {
+template <class Task, int S>
+__device__ __forceinline__ void producer_drain(Control<Task, S>& ctl, Ring<S>& st) {
   cp_async_wait<0>();
 #pragma unroll 1
-  for (int s = 0; s < kStages; ++s) {
+  for (int s = 0; s < S; ++s) {
     Barrier::wait(&ctl.empty[st.slot], st.phase);
     st.advance();
   }
@@ -301,8 +304,8 @@ __device__ __forceinline__ void scan_row_blocks(const int64_t* expert_begin, int
 
 // One K loop over the stages the producer fills, in the producer's order: the
 // tiled MMA `Mma` on stage tiles laid out as SmemA and SmemB.
-template <class Mma, class SmemA, class SmemB, class Ctl, class Acc>
-__device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<kStages>& st,
+template <class Mma, class SmemA, class SmemB, class Ctl, int S, class Acc>
+__device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<S>& st,
                                            int k_blocks, Acc& acc) {
   const int ctid = threadIdx.x - kProducerThreads;
   Mma mma;
@@ -312,7 +315,7 @@ __device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<kStages>&
     Barrier::wait(&ctl.full[st.slot], st.phase);
     cutlass::arch::fence_view_async_shared();  // cp.async writes -> wgmma reads
     Tensor sA = make_tensor(make_smem_ptr(stage_a(tiles, st.slot)), SmemA{});
-    Tensor sB = make_tensor(make_smem_ptr(stage_b(tiles, st.slot)), SmemB{});
+    Tensor sB = make_tensor(make_smem_ptr(stage_b<S>(tiles, st.slot)), SmemB{});
     Tensor rA = thr.make_fragment_A(thr.partition_A(sA));
     Tensor rB = thr.make_fragment_B(thr.partition_B(sB));
     warpgroup_fence_operand(acc);
@@ -352,19 +355,19 @@ bool encoded(const Tma& tma) {
   return false;
 }
 
-// Dynamic shared memory of a persistent kernel: the stages (aligned to the
-// swizzle's 1024 bytes) and the row-block prefix sums of E experts.
-inline size_t dynamic_smem_bytes(int64_t experts) {
-  return kTileBytes + kSmemAlign + (experts + 1) * sizeof(int32_t);
+// Dynamic shared memory of a persistent kernel: `tiles` bytes from a 1024-byte
+// boundary (the swizzle's period: the stages and any epilogue tiles), then the
+// row-block prefix sums of E experts.
+inline size_t dynamic_smem_bytes(int tiles, int64_t experts) {
+  return tiles + kSmemAlign + (experts + 1) * sizeof(int32_t);
 }
 
 // Launches kernel(p) with one CTA of kThreads per SM, every CTA resident at once:
 // a cooperative launch, because tasks wait for other CTAs' tasks (a partial start
 // would hang; this launch fails instead).
 template <class P>
-std::string launch_one_cta_per_sm(void (*kernel)(P), const P& p, int64_t experts, int sm_count,
+std::string launch_one_cta_per_sm(void (*kernel)(P), const P& p, size_t smem, int sm_count,
                                   cudaStream_t stream) {
-  const size_t smem = dynamic_smem_bytes(experts);
   MOK_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   cudaLaunchConfig_t config{};

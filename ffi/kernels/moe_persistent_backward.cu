@@ -87,7 +87,7 @@ struct Params {
   uint32_t* ticket;
 };
 
-// The task kinds, in task-number order.
+// The task kinds (TaskList numbers them).
 enum class Kind : int32_t { kDgrad2, kSwiglu, kDgrad1, kWgradDown, kWgradGateUp, kCombine, kEnd };
 struct Task {
   Kind kind;
@@ -107,29 +107,44 @@ __host__ __device__ constexpr uint32_t tiles_of(int64_t n, int tile) {
 //   dgrad2 (row block x F tile of 256): dh = dy rows @ W_down^T, K = H, f32 to scratch;
 //   SwiGLU's backward (row block): after the block's dgrad2 tiles, wh, d gate_up and
 //     d expert_weights for its rows (the chain's swiglu_backward, row by row);
-//   dgrad1 (row block x H tile of 256): dx rows = d gate_up @ W_gate_up^T, K = 2F;
-//   the weight gradients (expert x 64-row M tile, its 256-column N tiles one after
-//     another), after the expert's SwiGLU tasks: dW_down = wh^T dy rows, dW_gate_up =
-//     x rows^T d gate_up, over the expert's rows in ascending 64-row K blocks;
+//   then expert by expert (so that dgrad1's weight reads and the weight gradients'
+//   writes run side by side), the expert's
+//     dgrad1 tasks (row block x H tile of 256): dx rows = d gate_up @ W_gate_up^T,
+//       K = 2F;
+//     weight gradients (64-row M tile, its 256-column N tiles one after another),
+//       dW_down's then dW_gate_up's: dW_down = wh^T dy rows, dW_gate_up = x rows^T
+//       d gate_up, over the expert's rows in ascending 64-row K blocks;
 //   the combine (2 tokens): after every dgrad1 task, dx = the sum of each token's
 //     dx rows over k ascending, f32, rounded once.
+// Each task waits only for tasks numbered before it (the SwiGLU tasks wait for
+// dgrad2's, the expert tasks for SwiGLU's, the combine for dgrad1's).
 struct TaskList {
-  uint32_t nf, nh, mf, mh, n2f, blocks;
-  uint32_t dgrad2_end, swiglu_end, dgrad1_end, wdown_end, wgu_end, total;
+  uint32_t nf, nh, mf, mh, blocks;
+  uint32_t dgrad2_end, swiglu_end, experts_end, total;
   __device__ TaskList(const Params& p, const int32_t* block_begin) {
     nf = tiles_of(p.ffn, kStageCols);
     nh = tiles_of(p.hidden, kStageCols);
     mf = tiles_of(p.ffn, kBlockRows);
     mh = tiles_of(p.hidden, kBlockRows);
-    n2f = tiles_of(2 * p.ffn, kStageCols);
     blocks = static_cast<uint32_t>(block_begin[p.experts]);
-    const uint32_t E = static_cast<uint32_t>(p.experts);
     dgrad2_end = blocks * nf;
     swiglu_end = dgrad2_end + blocks;
-    dgrad1_end = swiglu_end + blocks * nh;
-    wdown_end = dgrad1_end + E * mf;
-    wgu_end = wdown_end + E * mh;
-    total = wgu_end + tiles_of(p.tokens, kCombineTokens);
+    experts_end = swiglu_end + group_begin(block_begin, p.experts);
+    total = experts_end + tiles_of(p.tokens, kCombineTokens);
+  }
+  // Expert e's first task, counted from swiglu_end (strictly increasing in e: every
+  // expert has weight-gradient tasks).
+  __device__ uint32_t group_begin(const int32_t* block_begin, int64_t e) const {
+    return static_cast<uint32_t>(block_begin[e]) * nh + static_cast<uint32_t>(e) * (mf + mh);
+  }
+  // The expert whose group holds task swiglu_end + i.
+  __device__ int64_t group_of(const int32_t* block_begin, int64_t experts, uint32_t i) const {
+    int64_t lo = 0, hi = experts;  // the last e with group_begin(e) <= i
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (group_begin(block_begin, mid) <= i) lo = mid; else hi = mid;
+    }
+    return lo;
   }
 };
 
@@ -185,21 +200,23 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
     } else if (t < list.swiglu_end) {
       task = {Kind::kSwiglu, 0, 0, int64_t(t - list.dgrad2_end), {}};
       producer_wait_for(ptid, p.block_ready + task.block, list.nf);
-    } else if (t < list.dgrad1_end) {
+    } else if (t < list.experts_end) {
       const uint32_t i = t - list.swiglu_end;
-      task = {Kind::kDgrad1, int32_t(i % list.nh), 0, int64_t(i / list.nh), {}};
-      producer_wait_for(ptid, p.block_ready + task.block, list.nf + 1);
-    } else if (t < list.wgu_end) {
-      const bool down = t < list.wdown_end;
-      const uint32_t i = t - (down ? list.dgrad1_end : list.wdown_end);
-      const uint32_t m_tiles = down ? list.mf : list.mh;
-      const int64_t e = i / m_tiles;
-      task = {down ? Kind::kWgradDown : Kind::kWgradGateUp, 0, int32_t(i % m_tiles), e,
-              {e, p.expert_begin[e], p.expert_begin[e + 1]}};
-      producer_wait_for(ptid, p.expert_ready + e,
-                        static_cast<uint32_t>(block_begin[e + 1] - block_begin[e]));
+      const int64_t e = list.group_of(block_begin, p.experts, i);
+      const uint32_t blocks_e = static_cast<uint32_t>(block_begin[e + 1] - block_begin[e]);
+      uint32_t j = i - list.group_begin(block_begin, e);
+      if (j < blocks_e * list.nh) {
+        task = {Kind::kDgrad1, int32_t(j % list.nh), 0, int64_t(block_begin[e] + j / list.nh), {}};
+        producer_wait_for(ptid, p.block_ready + task.block, list.nf + 1);
+      } else {
+        j -= blocks_e * list.nh;
+        const bool down = j < list.mf;
+        task = {down ? Kind::kWgradDown : Kind::kWgradGateUp, 0,
+                int32_t(down ? j : j - list.mf), e, {e, p.expert_begin[e], p.expert_begin[e + 1]}};
+        producer_wait_for(ptid, p.expert_ready + e, blocks_e);
+      }
     } else if (t < list.total) {
-      task = {Kind::kCombine, int32_t(t - list.wgu_end), 0, 0, {}};
+      task = {Kind::kCombine, int32_t(t - list.experts_end), 0, 0, {}};
       producer_wait_for(ptid, p.dgrad1_done, list.blocks * list.nh);
     } else {
       task.kind = Kind::kEnd;

@@ -63,9 +63,10 @@ bool persistent_can_run(const MoeShape& shape, Recipe recipe, DType x_dtype);
 bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // Whether the persistent backward takes it: under ALWAYS only (where it can run).
-// AUTO keeps the chain's backward, the faster one on every shape measured
-// (docs/performance.md): a training step under AUTO runs the persistent forward
-// and the chain's backward, with the same bits as any other combination.
+// AUTO keeps the chain's backward: the kernel wins at some shapes and loses at
+// others of the same rows per expert (docs/performance.md). A training step under
+// AUTO runs the persistent forward and the chain's backward, with the same bits as
+// any other combination.
 bool persistent_backward_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // EP ranks one launch serves at most.

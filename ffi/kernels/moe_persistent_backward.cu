@@ -4,6 +4,7 @@
 #include "cuda_check.h"
 #include "device_info.h"
 #include "moe_persistent.h"
+#include "moe_persistent_backward_tasks.h"
 #include "moe_persistent_common.cuh"
 #include "swiglu_math.cuh"
 #include "workspace.h"
@@ -12,6 +13,14 @@ namespace mok::cuda {
 namespace {
 
 using namespace persistent;
+using backward_tasks::Counter;
+using backward_tasks::Kind;
+using backward_tasks::kCombineTokens;
+using backward_tasks::TaskId;
+using backward_tasks::TaskList;
+using backward_tasks::tiles_of;
+static_assert(backward_tasks::kTileCols == kStageCols &&
+              backward_tasks::kTileRows == kBlockRows);
 
 // Four stages leave room for the weight gradients' store tiles: each consumer warp
 // group rounds its 64 x 128 half of a tile into its own 16 KB of shared memory, and
@@ -21,8 +30,7 @@ using HalfTile = Shape<Int<kBlockRows>, Int<kStageCols / 2>>;
 using LayoutC = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, HalfTile{}));
 constexpr int kHalfTileBytes = kBlockRows * kStageCols / 2 * 2;  // 16 KB
 constexpr int kTilesBytes = tile_bytes(kStages) + 2 * kHalfTileBytes;
-constexpr int kCombineTokens = 2;  // tokens per combine task (four warps each)
-constexpr int kCombineWarps = 4;   // warps per token, side by side along H
+constexpr int kCombineWarps = 4;  // warps per combine token, side by side along H
 static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
 // setmaxnreg: the producer's task decoding and weight-gradient loads need more than
 // the forward's 56 registers (it spilled there).
@@ -87,8 +95,6 @@ struct Params {
   uint32_t* ticket;
 };
 
-// The task kinds (TaskList numbers them).
-enum class Kind : int32_t { kDgrad2, kSwiglu, kDgrad1, kWgradDown, kWgradGateUp, kCombine, kEnd };
 struct Task {
   Kind kind;
   int32_t tile;   // N tile (dgrad tasks) or combine task number
@@ -98,55 +104,6 @@ struct Task {
 };
 
 using Control = persistent::Control<Task, kStages>;  // stage barriers, mailbox
-
-__host__ __device__ constexpr uint32_t tiles_of(int64_t n, int tile) {
-  return static_cast<uint32_t>((n + tile - 1) / tile);
-}
-
-// The numbered task list (every CTA computes the same):
-//   dgrad2 (row block x F tile of 256): dh = dy rows @ W_down^T, K = H, f32 to scratch;
-//   SwiGLU's backward (row block): after the block's dgrad2 tiles, wh, d gate_up and
-//     d expert_weights for its rows (the chain's swiglu_backward, row by row);
-//   then expert by expert (so that dgrad1's weight reads and the weight gradients'
-//   writes run side by side), the expert's
-//     dgrad1 tasks (row block x H tile of 256): dx rows = d gate_up @ W_gate_up^T,
-//       K = 2F;
-//     weight gradients (64-row M tile, its 256-column N tiles one after another),
-//       dW_down's then dW_gate_up's: dW_down = wh^T dy rows, dW_gate_up = x rows^T
-//       d gate_up, over the expert's rows in ascending 64-row K blocks;
-//   the combine (2 tokens): after every dgrad1 task, dx = the sum of each token's
-//     dx rows over k ascending, f32, rounded once.
-// Each task waits only for tasks numbered before it (the SwiGLU tasks wait for
-// dgrad2's, the expert tasks for SwiGLU's, the combine for dgrad1's).
-struct TaskList {
-  uint32_t nf, nh, mf, mh, blocks;
-  uint32_t dgrad2_end, swiglu_end, experts_end, total;
-  __device__ TaskList(const Params& p, const int32_t* block_begin) {
-    nf = tiles_of(p.ffn, kStageCols);
-    nh = tiles_of(p.hidden, kStageCols);
-    mf = tiles_of(p.ffn, kBlockRows);
-    mh = tiles_of(p.hidden, kBlockRows);
-    blocks = static_cast<uint32_t>(block_begin[p.experts]);
-    dgrad2_end = blocks * nf;
-    swiglu_end = dgrad2_end + blocks;
-    experts_end = swiglu_end + group_begin(block_begin, p.experts);
-    total = experts_end + tiles_of(p.tokens, kCombineTokens);
-  }
-  // Expert e's first task, counted from swiglu_end (strictly increasing in e: every
-  // expert has weight-gradient tasks).
-  __device__ uint32_t group_begin(const int32_t* block_begin, int64_t e) const {
-    return static_cast<uint32_t>(block_begin[e]) * nh + static_cast<uint32_t>(e) * (mf + mh);
-  }
-  // The expert whose group holds task swiglu_end + i.
-  __device__ int64_t group_of(const int32_t* block_begin, int64_t experts, uint32_t i) const {
-    int64_t lo = 0, hi = experts;  // the last e with group_begin(e) <= i
-    while (hi - lo > 1) {
-      const int64_t mid = (lo + hi) / 2;
-      if (group_begin(block_begin, mid) <= i) lo = mid; else hi = mid;
-    }
-    return lo;
-  }
-};
 
 // The host's bound on the task count (persistent_backward checks it is below 2^32).
 int64_t max_tasks(const MoeShape& s) {
@@ -194,32 +151,24 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
   Tensor mGateUp = p.tma_gate_up.get_tma_tensor(make_shape(H, 2 * F, p.experts));
   for (int claim = 0;; ++claim) {
     const uint32_t t = claim_task(ptid, ctl, p.ticket, claim);
-    Task task{};
-    if (t < list.dgrad2_end) {
-      task = {Kind::kDgrad2, int32_t(t % list.nf), 0, int64_t(t / list.nf), {}};
-    } else if (t < list.swiglu_end) {
-      task = {Kind::kSwiglu, 0, 0, int64_t(t - list.dgrad2_end), {}};
-      producer_wait_for(ptid, p.block_ready + task.block, list.nf);
-    } else if (t < list.experts_end) {
-      const uint32_t i = t - list.swiglu_end;
-      const int64_t e = list.group_of(block_begin, p.experts, i);
-      const uint32_t blocks_e = static_cast<uint32_t>(block_begin[e + 1] - block_begin[e]);
-      uint32_t j = i - list.group_begin(block_begin, e);
-      if (j < blocks_e * list.nh) {
-        task = {Kind::kDgrad1, int32_t(j % list.nh), 0, int64_t(block_begin[e] + j / list.nh), {}};
-        producer_wait_for(ptid, p.block_ready + task.block, list.nf + 1);
-      } else {
-        j -= blocks_e * list.nh;
-        const bool down = j < list.mf;
-        task = {down ? Kind::kWgradDown : Kind::kWgradGateUp, 0,
-                int32_t(down ? j : j - list.mf), e, {e, p.expert_begin[e], p.expert_begin[e + 1]}};
-        producer_wait_for(ptid, p.expert_ready + e, blocks_e);
-      }
-    } else if (t < list.total) {
-      task = {Kind::kCombine, int32_t(t - list.experts_end), 0, 0, {}};
-      producer_wait_for(ptid, p.dgrad1_done, list.blocks * list.nh);
-    } else {
-      task.kind = Kind::kEnd;
+    const TaskId id = list.at(t, block_begin, p.experts);
+    Task task{id.kind, id.tile, id.mtile, id.block, {}};
+    switch (id.wait) {
+      case Counter::kBlockReady:
+        producer_wait_for(ptid, p.block_ready + id.wait_index, id.wait_target);
+        break;
+      case Counter::kExpertReady:
+        producer_wait_for(ptid, p.expert_ready + id.wait_index, id.wait_target);
+        break;
+      case Counter::kDgrad1Done:
+        producer_wait_for(ptid, p.dgrad1_done, id.wait_target);
+        break;
+      case Counter::kNone:
+        break;
+    }
+    if (task.kind == Kind::kWgradDown || task.kind == Kind::kWgradGateUp) {
+      const int64_t e = task.block;
+      task.rb = {e, p.expert_begin[e], p.expert_begin[e + 1]};
     }
     if (task.kind == Kind::kDgrad2 || task.kind == Kind::kSwiglu || task.kind == Kind::kDgrad1) {
       task.rb = find_block(block_begin, p.experts, p.expert_begin, task.block);
@@ -543,7 +492,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegs>();
-    const TaskList list(p, block_begin);
+    const TaskList list(p.tokens, p.experts, p.hidden, p.ffn, block_begin);
     produce(p, ctl, tiles, block_begin, list);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kBwdConsumerRegs>();

@@ -1,0 +1,35 @@
+"""The persistent backward's task list, checked on the host (a C++ compiler; skipped
+without one).
+
+`moe_backward_persistent` runs one CTA per SM, each claiming numbered tasks in
+order and waiting on device counters for what a task reads; it cannot deadlock as
+long as every task waits only for tasks numbered before it. The list lives in
+ffi/kernels/moe_persistent_backward_tasks.h (host and device code);
+tests/persistent_task_order.cc runs it over 304 routings (empty experts, one
+expert with every row, sizes off the tiles) and checks that every task appears
+once, waits for what its data needs, and that the tasks before it meet the wait.
+"""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def test_backward_tasks_wait_only_for_earlier_tasks(tmp_path):
+    if cxx is None:
+        pytest.skip("no C++ compiler (c++, g++ or $CXX)")
+    exe = tmp_path / "persistent_task_order"
+    built = subprocess.run(
+        [cxx, "-std=c++20", "-O1", "-I", os.path.join(ROOT, "ffi", "kernels"),
+         "-I", os.path.join(ROOT, "ffi", "include"),
+         os.path.join(ROOT, "tests", "persistent_task_order.cc"), "-o", str(exe)],
+        capture_output=True, text=True)
+    assert built.returncode == 0, f"{cxx} failed:\n{built.stderr}"
+    ran = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert ran.stdout.strip().endswith("cases, 0 errors"), ran.stdout

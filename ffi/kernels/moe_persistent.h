@@ -119,14 +119,16 @@ std::string persistent_forward(const PersistentForwardArgs& args, void* workspac
 // The backward after the routing plan as one persistent kernel
 // (moe_persistent_backward.cu), on one device, where persistent_backward_supported
 // says so, with the same bits as the chain's backward.
-// Tasks, numbered in this order, each waiting only for lower-numbered ones:
+// Tasks, numbered in this order, each waiting only for lower-numbered ones
+// (moe_persistent_backward_tasks.h):
 //   dgrad2 (64 rows x 256 F columns): dh = dy rows @ W_down^T in f32, the dy rows
 //     loaded straight from dy by their tokens (no gathered copy);
 //   SwiGLU's backward (64 rows): after the rows' dgrad2 tiles, the chain's
 //     swiglu_backward row by row (round(w h), d gate_up, d expert_weights);
-//   dgrad1 (64 rows x 256 H columns): dx rows = d gate_up @ W_gate_up^T;
-//   the weight gradients (64 x 256 tiles of each expert's dW_down and dW_gate_up),
-//     after the expert's SwiGLU tasks, over its rows in 64-row K blocks, ascending;
+//   then expert by expert: its dgrad1 tasks (64 rows x 256 H columns: dx rows =
+//     d gate_up @ W_gate_up^T), then its weight gradients (64-row M tiles of
+//     dW_down, then of dW_gate_up, their 256-column N tiles in turn), after the
+//     expert's SwiGLU tasks, over its rows in 64-row K blocks, ascending;
 //   the combine (2 tokens): after every dgrad1 task, dx = the sum over k ascending
 //     of each token's dx rows (f32, rounded once).
 size_t persistent_backward_workspace_bytes(const MoeShape& shape);

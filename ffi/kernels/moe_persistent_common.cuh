@@ -208,7 +208,6 @@ __device__ __forceinline__ void producer_wait_for(int ptid, const uint32_t* coun
 // mailbox, and the producer's claimed task numbers by claim parity.
 template <class Task, int S>
 struct Control {
-  static constexpr int kStages = S;
   uint64_t full[S], empty[S];
   uint64_t task_full[kTaskSlots], task_empty[kTaskSlots];
   Task task[kTaskSlots];

@@ -119,6 +119,16 @@ NB_MODULE(_mok, m) {
       "Whether a bf16 one-device forward of these sizes on this device runs as the "
       "persistent kernel under the current mode.");
   m.def(
+      "persistent_tile_rows",
+      [](int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn) {
+        const mok::MoeShape s{tokens, top_k, experts, hidden, ffn};
+        return mok::cuda::persistent_forward_tile_rows(s);
+      },
+      nb::arg("tokens"), nb::arg("top_k"), nb::arg("experts"), nb::arg("hidden"),
+      nb::arg("ffn"),
+      "The rows of the persistent forward's GEMM tiles at these sizes: 64 where experts "
+      "average at most 64 rows, else 128 (E <= 2048).");
+  m.def(
       "persistent_backward_shape",
       [](int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn) {
         const mok::MoeShape s{tokens, top_k, experts, hidden, ffn};

@@ -94,7 +94,19 @@ SHAPES = [
     (100, 2, 4, 136, 200),    # H and F not multiples of 64 (partial K blocks and columns)
     (1, 1, 1, 8, 8),          # T = 1
     (256, 8, 128, 2048, 768), # few tokens over many experts
+    (600, 2, 4, 136, 200),    # 128-row tiles, H and F not multiples of 64
+    (520, 2, 4, 200, 72),     # 128-row tiles, one partial gate/up tile, a partial H tile
 ]
+
+
+def test_the_shapes_take_both_tile_heights():
+    """Under ALWAYS the forward takes 64-row tiles up to 64 rows per expert and
+    128-row tiles past that (E <= 2048); the shapes above run both."""
+    assert {_mok.persistent_tile_rows(*s) for s in SHAPES} == {64, 128}
+    assert _mok.persistent_tile_rows(1024, 8, 128, 2048, 768) == 64    # 64 rows per expert
+    assert _mok.persistent_tile_rows(1025, 8, 128, 2048, 768) == 128   # just over
+    assert _mok.persistent_tile_rows(32768, 8, 2048, 512, 256) == 128
+    assert _mok.persistent_tile_rows(32768, 8, 2049, 512, 256) == 64   # E > 2048
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -176,7 +188,8 @@ def test_backward_bitwise_deterministic_over_20_runs(persistent):
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])
-@pytest.mark.parametrize("shape", [(256, 8, 128, 2048, 768), (96, 3, 8, 136, 200)],
+@pytest.mark.parametrize("shape", [(256, 8, 128, 2048, 768), (96, 3, 8, 136, 200),
+                                   (512, 4, 8, 256, 128)],  # the last: 128-row tiles
                          ids=lambda s: "x".join(map(str, s)))
 def test_virtual_ranks_give_the_one_device_bits(ranks, shape):
     """P ranks in one launch, each with its own windows: y bit for bit the EP=1

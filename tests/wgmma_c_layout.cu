@@ -1,10 +1,14 @@
 // Host program (tests/test_cute_layouts.py compiles and runs it): the wgmma
-// accumulator layout that moe_persistent_backward.cu's store_tile_bf16 relies on,
-// for the two tiled MMAs of that kernel (64 x 256 tiles, two warp groups along N).
-// Consumer thread c (lane l, q = l % 4) holds rows r = 16 (c % 128 / 32) + l / 4
-// and r + 8; its value 4j + v is column 128 (c / 128) + 8j + 2q + v % 2 of row
-// r + 8 (v / 2). Exits non-zero and prints the first mismatches otherwise.
+// accumulator layouts the persistent kernels' hand-written epilogues rely on.
+// moe_persistent_backward.cu's store_tile_bf16, for the two tiled MMAs of that kernel
+// (64 x 256 tiles, two warp groups along N): consumer thread c (lane l, q = l % 4)
+// holds rows r = 16 (c % 128 / 32) + l / 4 and r + 8; its value 4j + v is column
+// 128 (c / 128) + 8j + 2q + v % 2 of row r + 8 (v / 2). moe_persistent.cu's 128-row
+// tiles (two warp groups along M, 64 x 256 each): rows r = 64 (c / 128) + 16 (c % 128
+// / 32) + l / 4 and r + 8; value 4j + v is column 8j + 2q + v % 2 of row r + 8 (v / 2).
+// Exits non-zero and prints the first mismatches otherwise.
 #include <cstdio>
+#include <type_traits>
 
 #include "cute/atom/mma_atom.hpp"
 #include "cute/tensor.hpp"
@@ -17,20 +21,27 @@ using MmaMN = decltype(make_tiled_mma(
 using MmaKK = decltype(make_tiled_mma(
     SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>{}, Layout<Shape<_1, _2, _1>>{}));
 
-template <class Mma>
+using MmaRows128 = decltype(make_tiled_mma(
+    SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{},
+    Layout<Shape<_2, _1, _1>>{}));
+
+// kAlongM: the warp groups one above the other (128 x 256), else side by side (64 x 256).
+template <class Mma, bool kAlongM = false>
 int mismatches(const char* name) {
+  using Tile = std::conditional_t<kAlongM, Shape<_128, _256>, Shape<_64, _256>>;
+  constexpr int kValues = kAlongM ? 128 : 64;
   int bad = 0;
   for (int c = 0; c < 256; ++c) {
     Mma mma;
-    Tensor coord = mma.get_thread_slice(c).partition_C(make_identity_tensor(Shape<_64, _256>{}));
-    if (int(size(coord)) != 64) {
-      std::printf("%s: %d values a thread, want 64\n", name, int(size(coord)));
+    Tensor coord = mma.get_thread_slice(c).partition_C(make_identity_tensor(Tile{}));
+    if (int(size(coord)) != kValues) {
+      std::printf("%s: %d values a thread, want %d\n", name, int(size(coord)), kValues);
       return 1;
     }
-    const int l = c % 32, q = l % 4, r = 16 * (c % 128 / 32) + l / 4;
-    for (int i = 0; i < 64; ++i) {
+    const int l = c % 32, q = l % 4, r = (kAlongM ? 64 * (c / 128) : 0) + 16 * (c % 128 / 32) + l / 4;
+    for (int i = 0; i < kValues; ++i) {
       const int j = i / 4, v = i % 4;
-      const int m = r + 8 * (v / 2), n = 128 * (c / 128) + 8 * j + 2 * q + v % 2;
+      const int m = r + 8 * (v / 2), n = (kAlongM ? 0 : 128 * (c / 128)) + 8 * j + 2 * q + v % 2;
       if (int(get<0>(coord(i))) != m || int(get<1>(coord(i))) != n) {
         if (++bad <= 4) {
           std::printf("%s: thread %d value %d at (%d, %d), want (%d, %d)\n", name, c, i,
@@ -43,7 +54,8 @@ int mismatches(const char* name) {
 }
 
 int main() {
-  const int bad = mismatches<MmaMN>("MN-major") + mismatches<MmaKK>("K-major");
+  const int bad = mismatches<MmaMN>("MN-major") + mismatches<MmaKK>("K-major") +
+                  mismatches<MmaRows128, true>("128-row tiles");
   std::printf("%d mismatches\n", bad);
   return bad == 0 ? 0 : 1;
 }

@@ -16,7 +16,6 @@ namespace {
 
 using namespace persistent;
 
-constexpr int kStages = 5;            // the ring of K-block stages
 constexpr int kGemm1Cols = 128;       // F columns per GEMM1 task (gate and up each)
 constexpr int kSlabCols = 64;         // B columns per TMA box (one 128-byte swizzle row)
 constexpr int kGemm2Cols = 256;       // H columns per GEMM2 task
@@ -28,18 +27,50 @@ constexpr int kMaxRanks = kMaxPersistentRanks;  // EP ranks of one launch
 // (its 64-row tiles stream the weights; with more rows the chain's CUTLASS GEMMs,
 // 128x256 tiles with warp specialisation, are faster: docs/performance.md).
 constexpr int64_t kAutoRowsPerExpert = 64;
+// Past 64 rows per expert the kernel takes 128-row tiles (ALWAYS), for E up to this
+// (the row-block prefix sums share shared memory with four 48 KB stages).
+constexpr int64_t kMaxExpertsWideTiles = 2048;
 
 // B's atoms (64 N x 8 K) K first: each 64-column slab of a stage is 64 K rows of
-// 128 bytes, one 8 KB TMA box. A stage is four slabs; GEMM1's are gate, up, gate,
-// up (columns f0..f0+63, then f0+64..f0+127), so each warp group's 128 columns
-// hold matching gate and up columns 64 apart, in the same thread's accumulators.
+// 128 bytes, one 8 KB TMA box. A stage is four slabs of GEMM1's gate and up
+// columns f0..f0+127, ordered so that a thread's accumulators hold matching gate
+// and up columns: with 64-row tiles gate, up, gate, up (each warp group's 128
+// columns hold them 64 apart), with 128-row tiles gate, gate, up, up (128 apart).
 using LayoutSlab = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
                                           Shape<Int<kSlabCols>, Int<kBlockK>>{}, Step<_2, _1>{}));
 
-// Two warp groups side by side along N, 64 x 128 each: a stage's 64 x 256 tile.
-using Mma = decltype(make_tiled_mma(
-    SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}, Layout<Shape<_1, _2, _1>>{}));
-using Acc = decltype(partition_fragment_C(Mma{}, StageTile{}));  // a consumer thread's
+// The kernel with BM-row tiles: a stage is BM x 256 (A BM x 64, B 64 x 256).
+//   BM = 64: five stages; the two consumer warp groups side by side along N,
+//     64 x 128 each; epilogues store from the accumulators.
+//   BM = 128: four stages; the warp groups one above the other, 64 x 256 each; the
+//     epilogues go through an 8 KB staging buffer per warp group (64 x 64 bf16), so
+//     that each global store is a whole 128-byte row segment.
+template <int BM>
+struct Tiles;
+template <>
+struct Tiles<64> {
+  static constexpr int kStages = 5;
+  static constexpr int kStagingBytes = 0;
+  using Mma = decltype(make_tiled_mma(
+      SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{},
+      Layout<Shape<_1, _2, _1>>{}));
+};
+template <>
+struct Tiles<128> {
+  static constexpr int kStages = 4;
+  static constexpr int kStagingBytes = 2 * 64 * 64 * 2;
+  using Mma = decltype(make_tiled_mma(
+      SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{},
+      Layout<Shape<_2, _1, _1>>{}));
+};
+template <int BM>
+using TaskTile = Shape<Int<BM>, Int<kStageCols>>;
+template <int BM>  // a consumer thread's accumulators
+using Acc = decltype(partition_fragment_C(typename Tiles<BM>::Mma{}, TaskTile<BM>{}));
+template <int BM>
+constexpr int smem_tile_bytes() {
+  return tile_bytes(Tiles<BM>::kStages, BM) + Tiles<BM>::kStagingBytes;
+}
 
 // The weights as the TMA loads see them. W_gate_up[e] is [H, 2F] row-major, viewed
 // as (F, H, 2, E): gate (2-mode 0) and up (1) are each bounded by F, so a tile
@@ -125,7 +156,8 @@ struct Task {
   RowBlock rb;
 };
 
-using Control = persistent::Control<Task, kStages>;  // stage barriers, mailbox
+template <int BM>  // stage barriers, mailbox
+using Control = persistent::Control<Task, Tiles<BM>::kStages>;
 
 // Rank o's row blocks: [block_begin[o E/P], block_begin[(o + 1) E/P]).
 __device__ __forceinline__ int64_t rank_blocks(const Params& p, const int32_t* block_begin,
@@ -155,21 +187,30 @@ struct TaskList {
   }
 };
 
-// ---- Producer: claims tasks in number order, waits for what each needs, hands it
+// ---- Producer: takes tasks in number order (claimed from the rank's ticket, or
+// dealt round robin with 128-row tiles), waits for what each needs, hands it
 // to the consumers, then streams its K blocks through the stages (A rows by
 // cp.async from every producer thread, the weight tile by TMA from thread 0),
 // running ahead across task boundaries as far as the free stages allow.
 
-__device__ void produce(const Params& p, const Windows& win, Control& ctl, char* tiles,
+template <int BM>
+__device__ void produce(const Params& p, const Windows& win, Control<BM>& ctl, char* tiles,
                         const int32_t* block_begin,
                         const TaskList& list) {
   const int ptid = threadIdx.x;  // 0..127
-  Ring<kStages> st{0, 1u};       // the empty barriers: the first lap passes at once
+  Ring<Tiles<BM>::kStages> st{0, 1u};  // the empty barriers: the first lap passes at once
   Ring<kTaskSlots> mail{0, 1u};
   Tensor mW1 = p.tma1.get_tma_tensor(make_shape(p.ffn, p.hidden, int64_t(2), p.experts));
   Tensor mW2 = p.tma2.get_tma_tensor(make_shape(p.hidden, p.ffn, p.experts));
+  // 128-row tiles: tasks dealt round robin over the rank's CTAs, without the
+  // ticket's atomic round trip at each task boundary (3-5 % faster at 128 to 4096
+  // rows per expert: docs/performance.md).
+  const int32_t rank = static_cast<int32_t>(int64_t(blockIdx.x) * p.ranks / gridDim.x);
+  const uint32_t first_cta = (uint32_t(rank) * gridDim.x + p.ranks - 1) / p.ranks;
+  const uint32_t ctas = (uint32_t(rank + 1) * gridDim.x + p.ranks - 1) / p.ranks - first_cta;
   for (int claim = 0;; ++claim) {
-    const uint32_t t = claim_task(ptid, ctl, list.ticket, claim);
+    const uint32_t t = BM == 128 ? blockIdx.x - first_cta + uint32_t(claim) * ctas
+                                 : claim_task(ptid, ctl, list.ticket, claim);
     Task task{};
     if (t < list.gemm1) {
       task = {Kind::kGemm1, int32_t(t % list.n1), int64_t(list.block0) + t / list.n1, {}};
@@ -185,7 +226,7 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
       task.kind = Kind::kEnd;
     }
     if (task.kind == Kind::kGemm1 || task.kind == Kind::kGemm2) {
-      task.rb = find_block(block_begin, p.experts, p.expert_begin, task.block);
+      task.rb = find_block<BM>(block_begin, p.experts, p.expert_begin, task.block);
     }
     hand_over(ptid, ctl, mail, task);
     if (task.kind == Kind::kEnd) break;
@@ -195,18 +236,18 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
     const bool first = task.kind == Kind::kGemm1;
     const int64_t K = first ? p.hidden : p.ffn;
     const Elem* base = first ? win.x[0] : p.h;
-    const ARows a = first ? ARows(ptid, rb, base, [&](int m) {
-                              return x_row(p, win, p.row_pair[rb.row0 + m] / p.top_k);
-                            })
-                          : ARows(ptid, rb, base, [&](int m) {
-                              return p.h + (rb.row0 + m) * p.ffn;
-                            });
+    using A = ARowsOf<BM>;
+    const A a = first ? A(ptid, rb, base, [&](int m) {
+                          return x_row(p, win, p.row_pair[rb.row0 + m] / p.top_k);
+                        })
+                      : A(ptid, rb, base, [&](int m) { return p.h + (rb.row0 + m) * p.ffn; });
     stream_k_blocks(ptid, ctl, tiles, st, a, K, base, [&](Elem* b, uint64_t& full, int kb) {
       if (first) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // slab j: half j % 2 (gate, up), column block j / 2
-          Tensor g = local_tile(mW1(_, _, j % 2, rb.expert), Tile1{},
-                                make_coord(task.tile * 2 + j / 2, kb));
+        for (int j = 0; j < 4; ++j) {  // slab j: a half (gate 0, up 1) and a column block
+          const int half = BM == 64 ? j % 2 : j / 2, block = BM == 64 ? j / 2 : j % 2;
+          Tensor g = local_tile(mW1(_, _, half, rb.expert), Tile1{},
+                                make_coord(task.tile * 2 + block, kb));
           Tensor sj = make_tensor(make_smem_ptr(b + j * kSlabCols * kBlockK), LayoutSlab{});
           auto [tg, ts] = tma_partition(p.tma1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sj),
                                         group_modes<0, 2>(g));
@@ -224,35 +265,42 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
   producer_drain(ctl, st);
 }
 
-// ---- Consumers: two warp groups side by side along N (64 x 128 each of a 64 x
-// 256 stage tile), the epilogues from their accumulators, and the combine.
+// ---- Consumers: the two warp groups' wgmma on the stages, the epilogues from
+// their accumulators, and the combine.
 
-
-__device__ void gemm1_epilogue(const Params& p, const Windows& win, const Task& task,
-                               const Acc& acc) {
+// The backward's gathered x rows (when it keeps them): each GEMM1 task of a row
+// block copies its share of the rows' 16-byte chunks (the block's column tiles
+// split them), whole rows by consecutive threads.
+__device__ void copy_x_rows(const Params& p, const Windows& win, const Task& task,
+                            uint32_t col_tiles) {
   const int ctid = threadIdx.x - kProducerThreads;
   const RowBlock& rb = task.rb;
-  const int64_t F = p.ffn, H = p.hidden;
-  const int64_t rows = rb.rows();
-  // The backward's gathered x rows, written once per row block.
-  if (p.x_rows_out != nullptr && task.tile == 0) {
-    const int64_t chunks_per_row = H / 8;
-    for (int64_t c = ctid; c < rows * chunks_per_row; c += kConsumerThreads) {
-      const int64_t m = c / chunks_per_row, k = (c % chunks_per_row) * 8;
-      const int64_t token = p.row_pair[rb.row0 + m] / p.top_k;
-      *reinterpret_cast<uint4*>(p.x_rows_out + (rb.row0 + m) * H + k) =
-          *reinterpret_cast<const uint4*>(x_row(p, win, token) + k);
-    }
+  const int64_t H = p.hidden, chunks_per_row = H / 8;
+  const int64_t c0 = chunks_per_row * task.tile / col_tiles;
+  const int64_t c1 = chunks_per_row * (task.tile + 1) / col_tiles;
+  const int64_t share = c1 - c0;
+  for (int64_t c = ctid; c < rb.rows() * share; c += kConsumerThreads) {
+    const int64_t m = c / share, k = (c0 + c % share) * 8;
+    const int64_t token = p.row_pair[rb.row0 + m] / p.top_k;
+    *reinterpret_cast<uint4*>(p.x_rows_out + (rb.row0 + m) * H + k) =
+        *reinterpret_cast<const uint4*>(x_row(p, win, token) + k);
   }
+}
+
+// 64-row tiles: a thread's accumulators are (2 x 2 x 16) of its warp group's
+// 64 x 128: values 0..31 the 64 gate columns, values 32..63 the up columns 64 to
+// their right; values 2j and 2j + 1 are adjacent columns of one row, the first even
+// (so with F a multiple of 8, f < F implies f + 1 < F).
+__device__ void gemm1_epilogue(const Params& p, const Task& task, const Acc<64>& acc) {
+  const int ctid = threadIdx.x - kProducerThreads;
+  const RowBlock& rb = task.rb;
+  const int64_t F = p.ffn;
+  const int64_t rows = rb.rows();
   // SwiGLU on the f32 accumulators: h = round(silu(g) u); the residual round(g, u).
-  // A thread's accumulators are (2 x 2 x 16) of its warp group's 64 x 128: values
-  // 0..31 the 64 gate columns, values 32..63 the up columns 64 to their right;
-  // values 2j and 2j + 1 are adjacent columns of one row, the first even (so with F
-  // a multiple of 8, f < F implies f + 1 < F).
   static_assert(decltype(size(acc))::value == 64);
-  Mma mma;
+  typename Tiles<64>::Mma mma;
   auto thr = mma.get_thread_slice(ctid);
-  Tensor coord = thr.partition_C(make_identity_tensor(StageTile{}));
+  Tensor coord = thr.partition_C(make_identity_tensor(TaskTile<64>{}));
   const int64_t f0 = int64_t(task.tile) * kGemm1Cols;
 #pragma unroll
   for (int i = 0; i < 32; i += 2) {
@@ -271,14 +319,14 @@ __device__ void gemm1_epilogue(const Params& p, const Windows& win, const Task& 
 }
 
 __device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& task,
-                               const Acc& acc) {
+                               const Acc<64>& acc) {
   const int ctid = threadIdx.x - kProducerThreads;
   const RowBlock& rb = task.rb;
   const int64_t H = p.hidden;
   const int64_t rows = rb.rows();
-  Mma mma;
+  typename Tiles<64>::Mma mma;
   auto thr = mma.get_thread_slice(ctid);
-  Tensor coord = thr.partition_C(make_identity_tensor(StageTile{}));
+  Tensor coord = thr.partition_C(make_identity_tensor(TaskTile<64>{}));
   const int64_t n0 = int64_t(task.tile) * kGemm2Cols;
   // A thread's accumulators lie in two rows, m0 and m0 + 8 (the wgmma C layout);
   // each row goes to its pair's place in the receive window of its token's rank.
@@ -295,6 +343,115 @@ __device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& 
     const int64_t n = n0 + get<1>(coord(i));
     if (m < rows && n < H) store_pair(dst[(m - m0) >> 3] + n, acc(i), acc(i + 1));
   }
+}
+
+// 128-row tiles: warp group g holds the task's rows 64 g .. 64 g + 63, all 256
+// columns; consumer thread c (lane l, q = l % 4) holds rows r = 16 (c % 128 / 32) +
+// l / 4 and r + 8 of its group's, and its value 4j + v is column 8j + 2q + v % 2 of
+// row r + 8 (v / 2) (tests/wgmma_c_layout.cu checks this with CuTe).
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  return uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
+}
+
+// The rows one thread of a warp group stores in a staged pass: rows t / 8 + 16 i
+// (i < 4) of the group's 64, 16-byte chunk t % 8 of the pass's 64 columns.
+struct StagedRows {
+  Elem* row[4];  // the row's destination at the tile's column 0, or nullptr
+};
+
+// One pass of a warp group's staged epilogue: 64 of its columns, [8 j0, 8 j0 + 64),
+// from the accumulators (pack(j, v): the packed pair of values 4j + v and 4j + v + 1,
+// v in {0, 2}) into the group's 8 KB staging buffer (16-byte chunks XOR-swizzled by
+// row: no bank conflicts either way), then out as 16-byte stores, eight threads a
+// 128-byte row segment, to dst.row[i] + col for the chunks below `cols`.
+template <int J0, class Pack>
+__device__ __forceinline__ void staged_pass(Elem* buf, Pack pack, const StagedRows& dst,
+                                            int64_t col, int64_t cols) {
+  const int t = threadIdx.x % 128, lane = t & 31, q = lane & 3;
+  const int g = (threadIdx.x - kProducerThreads) / 128;
+  const int r = 16 * (t / 32) + lane / 4;
+  uint32_t* words = reinterpret_cast<uint32_t*>(buf);
+  cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);  // the last pass's reads done
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = r + 8 * h;
+      words[m * 32 + ((jj ^ (m & 7)) * 4) + q] = pack(J0 + jj, 2 * h);
+    }
+  }
+  cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
+  const int c = t & 7;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = t / 8 + 16 * i;
+    const uint4 v = *reinterpret_cast<const uint4*>(buf + m * 64 + ((c ^ (m & 7)) * 8));
+    if (dst.row[i] != nullptr && 8 * c < cols) {
+      *reinterpret_cast<uint4*>(dst.row[i] + col + 8 * c) = v;
+    }
+  }
+}
+
+// The thread's staged rows of its warp group's part of a row block: row(r) for the
+// task's row r (of the block) below its rows, else nullptr.
+template <class Row>
+__device__ __forceinline__ StagedRows staged_rows(const RowBlock& rb, Row row) {
+  const int t = threadIdx.x % 128;
+  const int g = (threadIdx.x - kProducerThreads) / 128;
+  StagedRows d;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t m = 64 * g + t / 8 + 16 * i;
+    d.row[i] = m < rb.rows() ? row(m) : nullptr;
+  }
+  return d;
+}
+
+// Values 0..63 (j < 16) are the gate columns f0 .. f0 + 127, values 64..127 the up
+// columns 128 to their right (the slab order gate, gate, up, up).
+__device__ void gemm1_epilogue(const Params& p, const Task& task, const Acc<128>& acc,
+                               Elem* buf) {
+  static_assert(decltype(size(acc))::value == 128);
+  const RowBlock& rb = task.rb;
+  const int64_t F = p.ffn;
+  const int64_t f0 = int64_t(task.tile) * kGemm1Cols;
+  auto silu_pair = [&](int j, int v) {
+    const float g0 = acc(4 * j + v), g1 = acc(4 * j + v + 1);
+    const float u0 = acc(4 * (j + 16) + v), u1 = acc(4 * (j + 16) + v + 1);
+    return pack_bf16(g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
+  };
+  auto gate_pair = [&](int j, int v) { return pack_bf16(acc(4 * j + v), acc(4 * j + v + 1)); };
+  auto up_pair = [&](int j, int v) {
+    return pack_bf16(acc(4 * (j + 16) + v), acc(4 * (j + 16) + v + 1));
+  };
+  const StagedRows h = staged_rows(rb, [&](int64_t m) { return p.h + (rb.row0 + m) * F + f0; });
+  staged_pass<0>(buf, silu_pair, h, 0, F - f0);
+  if (f0 + 64 < F) staged_pass<8>(buf, silu_pair, h, 64, F - f0 - 64);
+  if (p.gate_up_out != nullptr) {
+    const StagedRows gu = staged_rows(
+        rb, [&](int64_t m) { return p.gate_up_out + (rb.row0 + m) * 2 * F + f0; });
+    staged_pass<0>(buf, gate_pair, gu, 0, F - f0);
+    if (f0 + 64 < F) staged_pass<8>(buf, gate_pair, gu, 64, F - f0 - 64);
+    staged_pass<0>(buf, up_pair, gu, F, F - f0);
+    if (f0 + 64 < F) staged_pass<8>(buf, up_pair, gu, F + 64, F - f0 - 64);
+  }
+}
+
+__device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& task,
+                               const Acc<128>& acc, Elem* buf) {
+  static_assert(decltype(size(acc))::value == 128);
+  const RowBlock& rb = task.rb;
+  const int64_t H = p.hidden;
+  const int64_t n0 = int64_t(task.tile) * kGemm2Cols;
+  auto pair = [&](int j, int v) { return pack_bf16(acc(4 * j + v), acc(4 * j + v + 1)); };
+  // Each row to its pair's place in the receive window of its token's rank.
+  const StagedRows y = staged_rows(
+      rb, [&](int64_t m) { return recv_row(p, win, p.row_pair[rb.row0 + m]) + n0; });
+  staged_pass<0>(buf, pair, y, 0, H - n0);
+  if (n0 + 64 < H) staged_pass<8>(buf, pair, y, 64, H - n0 - 64);
+  if (n0 + 128 < H) staged_pass<16>(buf, pair, y, 128, H - n0 - 128);
+  if (n0 + 192 < H) staged_pass<24>(buf, pair, y, 192, H - n0 - 192);
 }
 
 // Four warps per token, each on every fourth 8-column chunk of 256 lanes' worth;
@@ -348,12 +505,14 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
   }
 }
 
-template <typename W>
-__device__ void consume(const Params& p, const Windows& win, Control& ctl, char* tiles,
-                        int32_t rank) {
-  Ring<kStages> st{0, 0u};
+template <typename W, int BM>
+__device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, char* tiles,
+                        Elem* staging, int32_t rank, uint32_t col_tiles) {
+  Ring<Tiles<BM>::kStages> st{0, 0u};
   Ring<kTaskSlots> mail{0, 0u};
-  Acc acc;
+  Acc<BM> acc;
+  // The warp group's 8 KB staging buffer (128-row tiles).
+  Elem* buf = staging + (threadIdx.x - kProducerThreads) / 128 * (64 * 64);
   for (;;) {
     const Task task = take_task(ctl, mail);
     if (task.kind == Kind::kEnd) return;
@@ -363,26 +522,36 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
     }
     const bool first = task.kind == Kind::kGemm1;
     const int64_t K = first ? p.hidden : p.ffn;
-    mma_k_loop<Mma, LayoutA, LayoutB>(ctl, tiles, st,
-                                      static_cast<int>((K + kBlockK - 1) / kBlockK), acc);
+    mma_k_loop<typename Tiles<BM>::Mma, LayoutARows<BM>, LayoutB>(
+        ctl, tiles, st, static_cast<int>((K + kBlockK - 1) / kBlockK), acc);
     if (first) {
-      gemm1_epilogue(p, win, task, acc);
+      if (p.x_rows_out != nullptr) copy_x_rows(p, win, task, col_tiles);
+      if constexpr (BM == 64) {
+        gemm1_epilogue(p, task, acc);
+      } else {
+        gemm1_epilogue(p, task, acc, buf);
+      }
       consumer_signal(p.h_ready + task.block);
     } else {
-      gemm2_epilogue(p, win, task, acc);
+      if constexpr (BM == 64) {
+        gemm2_epilogue(p, win, task, acc);
+      } else {
+        gemm2_epilogue(p, win, task, acc, buf);
+      }
       consumer_signal(p.gemm2_done);
     }
   }
 }
 
-template <typename W>
+template <typename W, int BM>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_forward_persistent(const __grid_constant__ Params p) {
   extern __shared__ char smem_raw[];
   char* tiles = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) & ~uintptr_t(kSmemAlign - 1));
-  int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + tile_bytes(kStages));  // [E + 1]
-  __shared__ Control ctl;
+  Elem* staging = reinterpret_cast<Elem*>(tiles + tile_bytes(Tiles<BM>::kStages, BM));
+  int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + smem_tile_bytes<BM>());  // [E + 1]
+  __shared__ Control<BM> ctl;
   __shared__ Windows win;
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -399,17 +568,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Row blocks per expert, prefix-summed (every CTA the same, from the plan).
   using Scan = cub::BlockScan<int32_t, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  scan_row_blocks<kThreads, Scan>(p.expert_begin, p.experts, block_begin, scan_tmp);
+  scan_row_blocks<kThreads, Scan, BM>(p.expert_begin, p.experts, block_begin, scan_tmp);
 
   // This CTA's rank: the CTAs in P contiguous groups of (nearly) equal size.
   const int32_t rank = static_cast<int32_t>(int64_t(blockIdx.x) * p.ranks / gridDim.x);
+  const TaskList list(p, rank, block_begin);
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    const TaskList list(p, rank, block_begin);
-    produce(p, win, ctl, tiles, block_begin, list);
+    produce<BM>(p, win, ctl, tiles, block_begin, list);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consume<W>(p, win, ctl, tiles, rank);
+    consume<W, BM>(p, win, ctl, tiles, staging, rank, list.n1);
   }
 }
 
@@ -469,6 +638,12 @@ bool persistent_supported(const MoeShape& s, Recipe recipe, DType x_dtype) {
     return false;
   }
   return persistent_can_run(s, recipe, x_dtype);
+}
+
+int persistent_forward_tile_rows(const MoeShape& s) {
+  return s.tokens * s.top_k > kAutoRowsPerExpert * s.experts && s.experts <= kMaxExpertsWideTiles
+             ? 128
+             : 64;
 }
 
 bool persistent_backward_supported(const MoeShape& s, Recipe recipe, DType x_dtype) {
@@ -545,9 +720,15 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
                                              (s.hidden + kGemm2Cols - 1) / kGemm2Cols) +
                         s.tokens / kCombineTokens + 1;
   if (tasks >= (int64_t(1) << 32)) return "persistent MoE forward: 2^32 tasks or more";
-  auto kernel = a.weight_dtype == DType::kF32 ? moe_forward_persistent<float>
-                                              : moe_forward_persistent<bf16>;
-  return launch_one_cta_per_sm(kernel, p, dynamic_smem_bytes(tile_bytes(kStages), s.experts),
+  const bool f32_weights = a.weight_dtype == DType::kF32;
+  if (persistent_forward_tile_rows(s) == 128) {
+    auto kernel = f32_weights ? moe_forward_persistent<float, 128>
+                              : moe_forward_persistent<bf16, 128>;
+    return launch_one_cta_per_sm(kernel, p, dynamic_smem_bytes(smem_tile_bytes<128>(), s.experts),
+                                 info.sm_count, stream);
+  }
+  auto kernel = f32_weights ? moe_forward_persistent<float, 64> : moe_forward_persistent<bf16, 64>;
+  return launch_one_cta_per_sm(kernel, p, dynamic_smem_bytes(smem_tile_bytes<64>(), s.experts),
                                info.sm_count, stream);
 }
 

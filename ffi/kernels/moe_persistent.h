@@ -2,16 +2,21 @@
 // the native recipe): gather, GEMM1 with SwiGLU, GEMM2 and the ordered combine in
 // one launch, with the same bits as the kernel chain (moe_cuda.cu).
 //
-// One CTA per SM, three warp groups: a producer (claims numbered tasks from a
-// ticket counter, lowest first, waits for what each needs, hands it over through
-// a shared-memory mailbox, then streams its K blocks into five stages: A rows by
+// One CTA per SM, three warp groups: a producer (takes numbered tasks in
+// increasing order, waits for what each needs, hands it over through a
+// shared-memory mailbox, then streams its K blocks into the stages: A rows by
 // cp.async, weight tiles by TMA, running ahead across task boundaries) and two
-// consumers (wgmma from the stages, the epilogues, the combine):
-//   GEMM1 tasks (64 rows of one expert x 128 F columns): the rows are loaded
+// consumers (wgmma from the stages, the epilogues, the combine). Row blocks of BM
+// rows: 64 where experts average at most 64 rows (five stages; tasks claimed from
+// a ticket counter, lowest first), else 128 (four stages; tasks dealt round robin
+// over the CTAs; epilogues through shared memory, whole 128-byte row segments per
+// store); persistent_forward_tile_rows says which.
+//   GEMM1 tasks (BM rows of one expert x 128 F columns): the rows are loaded
 //     straight from x by their tokens (no gathered copy, unless the backward keeps
-//     one); gate and up in f32, SwiGLU on the accumulators, h rows to scratch;
-//     then h_ready[row block] += 1.
-//   GEMM2 tasks (64 rows x 256 H columns): after h_ready[row block] reaches the
+//     one: each of a row block's GEMM1 tasks copies its share); gate and up in
+//     f32, SwiGLU on the accumulators, h rows to scratch; then h_ready[row block]
+//     += 1.
+//   GEMM2 tasks (BM rows x 256 H columns): after h_ready[row block] reaches the
 //     number of GEMM1 column tiles, h @ W_down to the expert-output rows; then
 //     gemm2_done += 1.
 //   combine tasks (8 tokens): after every GEMM2 task, each token's K rows summed
@@ -25,9 +30,10 @@
 // token's rank (at the pair's place), and a rank's combine waits for every rank's
 // GEMM2 tasks. P = 1 is the one-device forward.
 // A task only waits for tasks of lower numbers (of its rank, or GEMM2 tasks of
-// other ranks, which wait for nothing of another rank), a CTA's producer has issued every
-// load of a task before it claims the next, and every CTA is resident (one per SM,
-// a cooperative launch), so the lowest unfinished task can always run: no
+// other ranks, which wait for nothing of another rank), a CTA takes its tasks in
+// increasing order and its producer has issued every load of a task before it
+// takes the next, and every CTA is resident (one per SM, a cooperative launch), so
+// the lowest unfinished task is the current task of its CTA and can always run: no
 // deadlock. Counters pick which CTA computes a tile, never what is summed or in
 // which order: each output element is reduced by one CTA over K in order.
 #pragma once
@@ -61,6 +67,11 @@ bool persistent_can_run(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // Whether the persistent forward takes this call under the current mode.
 bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
+
+// The rows of the persistent forward's GEMM tiles at this shape: 64 where experts
+// average at most 64 rows (the weights streamed: AUTO's range), else 128 (for
+// E <= 2048: the 48 KB stages leave room for E prefix sums).
+int persistent_forward_tile_rows(const MoeShape& shape);
 
 // Whether the persistent backward takes it: under ALWAYS only (where it can run).
 // AUTO keeps the chain's backward: the kernel wins at some shapes and loses at

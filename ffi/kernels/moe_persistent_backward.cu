@@ -168,7 +168,8 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
     }
     if (task.kind == Kind::kWgradDown || task.kind == Kind::kWgradGateUp) {
       const int64_t e = task.block;
-      task.rb = {e, p.expert_begin[e], p.expert_begin[e + 1]};
+      const int64_t begin = p.expert_begin[e], end = p.expert_begin[e + 1];
+      task.rb = {e, begin, end, min(end - begin, int64_t(kBlockRows))};
     }
     if (task.kind == Kind::kDgrad2 || task.kind == Kind::kSwiglu || task.kind == Kind::kDgrad1) {
       task.rb = find_block(block_begin, p.experts, p.expert_begin, task.block);

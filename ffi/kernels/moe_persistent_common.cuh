@@ -4,7 +4,9 @@
 // shared-memory stages (A rows by cp.async, tiles by TMA or cp.async), two consumer
 // warp groups that run wgmma on the stages (64 x 256 per stage, 64 x 128 each), and
 // the counters through which tasks wait for one another (release increments,
-// acquire loads). sm_90a device code; included by those two files only.
+// acquire loads). Row blocks are 64 rows (kBlockRows) unless a kernel asks for BM
+// rows (the forward's 128-row tiles). sm_90a device code; included by those two
+// files only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,15 +47,17 @@ constexpr int kProducerRegs = 56;      // the forward's setmaxnreg split
 constexpr int kConsumerRegs = 224;
 static_assert(regs_split_fits(kProducerRegs, kConsumerRegs));
 constexpr int kTaskSlots = 2;          // tasks handed from the producer, not yet taken
-constexpr int kBlockRows = 64;        // rows per GEMM task (one wgmma M)
+constexpr int kBlockRows = 64;        // rows per GEMM task (one wgmma M), by default
 constexpr int kBlockK = 64;           // K per pipeline stage (one 128-byte swizzle row)
 constexpr int kStageCols = 256;       // B columns per stage (every GEMM)
 constexpr int64_t kMaxExperts = 4096;  // the row-block prefix sums live in shared memory
 
 // Shared-memory tiles: A K-major, B (the weights, [K, N] row-major) N-major, both
 // with 128-byte swizzle, as wgmma reads them.
-using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
-                                       Shape<Int<kBlockRows>, Int<kBlockK>>{}));
+template <int BM>
+using LayoutARows = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                           Shape<Int<BM>, Int<kBlockK>>{}));
+using LayoutA = LayoutARows<kBlockRows>;
 // B [N, K] tiles N-major (64 N x 8 K atoms, K first: a 64-column slab is 64 K rows
 // of 128 bytes) and K-major.
 using LayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
@@ -63,10 +67,13 @@ using LayoutBK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
 // A [M, K] tiles M-major (the weight gradients' row-major operands, read as A^T).
 using LayoutAM = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
                                         Shape<Int<kBlockRows>, Int<kBlockK>>{}));
-constexpr int kStageABytes = kBlockRows * kBlockK * 2;   // 8 KB
+constexpr int stage_a_bytes(int bm) { return bm * kBlockK * 2; }  // 8 KB at 64 rows
+constexpr int kStageABytes = stage_a_bytes(kBlockRows);
 constexpr int kStageBBytes = kStageCols * kBlockK * 2;   // 32 KB
-// A kernel's ring of S stages: S A tiles, then S B tiles.
-constexpr int tile_bytes(int stages) { return stages * (kStageABytes + kStageBBytes); }
+// A kernel's ring of S stages: S A tiles (of bm rows), then S B tiles.
+constexpr int tile_bytes(int stages, int bm = kBlockRows) {
+  return stages * (stage_a_bytes(bm) + kStageBBytes);
+}
 constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes
 using StageTile = Shape<Int<kBlockRows>, Int<kStageCols>>;
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
@@ -115,14 +122,15 @@ struct Ring {
   }
 };
 
-// Row block `block` (of all experts' 64-row blocks, in expert order): its expert,
-// first row and end row.
+// Row block `block` (of all experts' BM-row blocks, in expert order): its expert,
+// first row, the expert's end row and the block's rows (an expert's rows past the
+// block's BM are its next block's).
 struct RowBlock {
-  int64_t expert, row0, row_end;
-  // Its rows (an expert's rows past the block's 64 are its next block's).
-  __device__ int64_t rows() const { return min(row_end - row0, int64_t(kBlockRows)); }
+  int64_t expert, row0, row_end, n;
+  __device__ int64_t rows() const { return n; }
 };
 
+template <int BM = kBlockRows>
 __device__ __forceinline__ RowBlock find_block(const int32_t* block_begin, int64_t experts,
                                                const int64_t* expert_begin, int64_t block) {
   int64_t lo = 0, hi = experts;  // the last e with block_begin[e] <= block
@@ -131,36 +139,41 @@ __device__ __forceinline__ RowBlock find_block(const int32_t* block_begin, int64
     if (block_begin[mid] <= block) lo = mid; else hi = mid;
   }
   const int64_t begin = expert_begin[lo];
-  return {lo, begin + (block - block_begin[lo]) * kBlockRows, expert_begin[lo + 1]};
+  const int64_t row0 = begin + (block - block_begin[lo]) * BM;
+  const int64_t row_end = expert_begin[lo + 1];
+  return {lo, row0, row_end, min(row_end - row0, int64_t(BM))};
 }
 
+template <int BM = kBlockRows>
 __device__ __forceinline__ Elem* stage_a(char* tiles, int stage) {
-  return reinterpret_cast<Elem*>(tiles + stage * kStageABytes);
+  return reinterpret_cast<Elem*>(tiles + stage * stage_a_bytes(BM));
 }
-template <int S>
+template <int S, int BM = kBlockRows>
 __device__ __forceinline__ Elem* stage_b(char* tiles, int stage) {
-  return reinterpret_cast<Elem*>(tiles + S * kStageABytes + stage * kStageBBytes);
+  return reinterpret_cast<Elem*>(tiles + S * stage_a_bytes(BM) + stage * kStageBBytes);
 }
 
 // The A rows of a row block one producer thread loads: 16-byte chunks ptid + 128 j
-// (j < 4) of a K block's 64 rows x 8 chunks.
-struct ARows {
-  const Elem* src[4];
-  bool valid[4];
+// (j < BM / 16) of a K block's BM rows x 8 chunks.
+template <int BM = kBlockRows>
+struct ARowsOf {
+  static constexpr int kChunks = BM * 8 / kProducerThreads;
+  const Elem* src[kChunks];
+  bool valid[kChunks];
   template <class RowStart>
-  __device__ ARows(int ptid, const RowBlock& rb, const Elem* base, RowStart row_start) {
+  __device__ ARowsOf(int ptid, const RowBlock& rb, const Elem* base, RowStart row_start) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kChunks; ++j) {
       const int m = (ptid + j * kProducerThreads) >> 3;
-      valid[j] = m < rb.row_end - rb.row0;  // m < 64
+      valid[j] = m < rb.row_end - rb.row0;  // m < BM
       src[j] = valid[j] ? row_start(m) : base;
     }
   }
   // cp.async of the K block at column k0 into the stage tile (zeros past the rows or K).
   __device__ void load(int ptid, Elem* tile, int64_t k0, int64_t K, const Elem* base) const {
-    Tensor sA = make_tensor(make_smem_ptr(tile), LayoutA{});
+    Tensor sA = make_tensor(make_smem_ptr(tile), LayoutARows<BM>{});
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kChunks; ++j) {
       const int c = ptid + j * kProducerThreads;
       const int m = c >> 3, kc = (c & 7) * 8;
       const bool ok = valid[j] && k0 + kc < K;
@@ -168,24 +181,25 @@ struct ARows {
     }
   }
 };
+using ARows = ARowsOf<>;
 
 // Streams a row-block task's K blocks into the stages: for each, a free stage, the
 // A rows by cp.async from every producer thread, then (thread 0) the whole B tile's
 // bytes expected (out-of-bounds parts included: TMA writes them as zeros) and
 // issue_b(B stage, full barrier, K block) starting its TMA copies.
-template <class Ctl, int S, class IssueB>
+template <class Ctl, int S, class IssueB, int BM>
 __device__ __forceinline__ void stream_k_blocks(int ptid, Ctl& ctl, char* tiles,
-                                                Ring<S>& st, const ARows& a, int64_t K,
+                                                Ring<S>& st, const ARowsOf<BM>& a, int64_t K,
                                                 const Elem* base, IssueB issue_b) {
   const int k_blocks = static_cast<int>((K + kBlockK - 1) / kBlockK);
 #pragma unroll 1
   for (int kb = 0; kb < k_blocks; ++kb) {
     Barrier::wait(&ctl.empty[st.slot], st.phase);
-    a.load(ptid, stage_a(tiles, st.slot), int64_t(kb) * kBlockK, K, base);
+    a.load(ptid, stage_a<BM>(tiles, st.slot), int64_t(kb) * kBlockK, K, base);
     cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
     if (ptid == 0) {
       Barrier::arrive_and_expect_tx(&ctl.full[st.slot], kStageBBytes);
-      issue_b(stage_b<S>(tiles, st.slot), ctl.full[st.slot], kb);
+      issue_b(stage_b<S, BM>(tiles, st.slot), ctl.full[st.slot], kb);
     }
     st.advance();
   }
@@ -277,9 +291,9 @@ __device__ __forceinline__ void producer_drain(Control<Task, S>& ctl, Ring<S>& s
   }
 }
 
-// Row blocks per expert, prefix-summed into block_begin[0..E] (shared memory), by
+// BM-row blocks per expert, prefix-summed into block_begin[0..E] (shared memory), by
 // every thread of the CTA (each CTA computes the same from the plan).
-template <int kThreadsInCta, class Scan>
+template <int kThreadsInCta, class Scan, int BM = kBlockRows>
 __device__ __forceinline__ void scan_row_blocks(const int64_t* expert_begin, int64_t E,
                                                 int32_t* block_begin,
                                                 typename Scan::TempStorage& tmp) {
@@ -287,25 +301,27 @@ __device__ __forceinline__ void scan_row_blocks(const int64_t* expert_begin, int
   const int64_t e0 = threadIdx.x * per, e1 = min(E, e0 + per);
   int32_t mine = 0;
   for (int64_t e = e0; e < e1; ++e) {
-    mine += static_cast<int32_t>((expert_begin[e + 1] - expert_begin[e] + kBlockRows - 1) /
-                                 kBlockRows);
+    mine += static_cast<int32_t>((expert_begin[e + 1] - expert_begin[e] + BM - 1) / BM);
   }
   int32_t before = 0, total_blocks = 0;
   Scan(tmp).ExclusiveSum(mine, before, total_blocks);
   for (int64_t e = e0; e < e1; ++e) {
     block_begin[e] = before;
-    before += static_cast<int32_t>((expert_begin[e + 1] - expert_begin[e] + kBlockRows - 1) /
-                                   kBlockRows);
+    before += static_cast<int32_t>((expert_begin[e + 1] - expert_begin[e] + BM - 1) / BM);
   }
   if (threadIdx.x == 0) block_begin[E] = total_blocks;
   __syncthreads();
 }
 
 // One K loop over the stages the producer fills, in the producer's order: the
-// tiled MMA `Mma` on stage tiles laid out as SmemA and SmemB.
+// tiled MMA `Mma` on stage tiles laid out as SmemA (its rows: the stage's) and SmemB.
+// Each stage is released when its wgmmas are done (keeping one K block's wgmmas in
+// flight across the next block's wait made the 128-row forward 5-18 % slower:
+// docs/performance.md).
 template <class Mma, class SmemA, class SmemB, class Ctl, int S, class Acc>
 __device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<S>& st,
                                            int k_blocks, Acc& acc) {
+  constexpr int BM = decltype(size<0>(SmemA{}))::value;
   const int ctid = threadIdx.x - kProducerThreads;
   Mma mma;
   auto thr = mma.get_thread_slice(ctid);
@@ -313,8 +329,8 @@ __device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<S>& st,
   for (int kb = 0; kb < k_blocks; ++kb) {
     Barrier::wait(&ctl.full[st.slot], st.phase);
     cutlass::arch::fence_view_async_shared();  // cp.async writes -> wgmma reads
-    Tensor sA = make_tensor(make_smem_ptr(stage_a(tiles, st.slot)), SmemA{});
-    Tensor sB = make_tensor(make_smem_ptr(stage_b<S>(tiles, st.slot)), SmemB{});
+    Tensor sA = make_tensor(make_smem_ptr(stage_a<BM>(tiles, st.slot)), SmemA{});
+    Tensor sB = make_tensor(make_smem_ptr(stage_b<S, BM>(tiles, st.slot)), SmemB{});
     Tensor rA = thr.make_fragment_A(thr.partition_A(sA));
     Tensor rB = thr.make_fragment_B(thr.partition_B(sB));
     warpgroup_fence_operand(acc);
@@ -383,9 +399,9 @@ std::string launch_one_cta_per_sm(void (*kernel)(P), const P& p, size_t smem, in
   return {};
 }
 
-// Upper bound of the row blocks of R = T K rows over E experts.
-inline int64_t max_row_blocks(int64_t rows, int64_t experts) {
-  return (rows + kBlockRows - 1) / kBlockRows + experts;
+// Upper bound of the bm-row blocks of R = T K rows over E experts.
+inline int64_t max_row_blocks(int64_t rows, int64_t experts, int64_t bm = kBlockRows) {
+  return (rows + bm - 1) / bm + experts;
 }
 
 }  // namespace mok::cuda::persistent

@@ -2,7 +2,8 @@
 compute-sanitizer (scripts/gpu_ci.sh).
 
 Covers both GEMM paths (tensor-core sizes and odd sizes), GEMM1 with SwiGLU in its
-epilogue (on sm_90a), the persistent forward and backward (forced on, sm_90a), capacity drops,
+epilogue (on sm_90a), the persistent forward (64- and 128-row tiles, and its EP
+role on virtual ranks) and backward (forced on, sm_90a), capacity drops,
 invalid ids and an empty expert, so memcheck sees every kernel; then the fused
 residual add + RMSNorm on rows of every team width, with row counts that end a
 scale-gradient group part way.
@@ -60,10 +61,29 @@ def run_persistent():
     previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
     assert _mok.persistent_shape(100, 2, 4, 136, 200)
     assert _mok.persistent_backward_shape(100, 2, 4, 136, 200)
+    assert _mok.persistent_tile_rows(200, 2, 6, 128, 64) == 128
+    assert _mok.persistent_tile_rows(100, 2, 4, 136, 200) == 64
     run(200, 2, 6, 128, 64, jnp.bfloat16, None)
     run(100, 2, 4, 136, 200, jnp.bfloat16, 0.5)
     run(3, 2, 3, 8, 8, jnp.bfloat16, None)
     _mok.set_persistent_kernels(previous)
+    # The EP role on virtual ranks (each rank's windows its own), both tile heights.
+    for T, K, E, H, F, ranks in ((96, 3, 8, 136, 200, 4), (512, 4, 8, 256, 128, 2)):
+        run_virtual_ranks(T, K, E, H, F, ranks)
+
+
+def run_virtual_ranks(T, K, E, H, F, ranks):
+    from mok_jax import ep
+    ks = jax.random.split(jax.random.key(2), 4)
+    x = jax.random.normal(ks[0], (T, H)).astype(jnp.bfloat16)
+    w, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(ks[1], (T, E))), K)
+    ids = ids.astype(jnp.int32).at[0, 0].set(-1)
+    wgu = (jax.random.normal(ks[2], (E, H, 2 * F)) * H**-0.5).astype(jnp.bfloat16)
+    wd = (jax.random.normal(ks[3], (E, F, H)) * F**-0.5).astype(jnp.bfloat16)
+    y = jax.jit(lambda *a: ep.forward_on_virtual_ranks(*a, ranks=ranks, capacity=T * K // E))(
+        x, ids, w, wgu, wd)
+    jax.block_until_ready(y)
+    print(f"ok virtual ranks P={ranks} T={T} K={K} E={E} H={H} F={F}")
 
 
 if __name__ == "__main__":

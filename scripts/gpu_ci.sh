@@ -65,14 +65,12 @@ if want memcheck; then  # every kernel of the layer (the SwiGLU-epilogue GEMM in
     compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
     $PY ../scripts/memcheck_case.py
   # The persistent kernels (TMA, mbarriers, a producer warp group) under synccheck
-  # (memcheck saw them above), and the backward's under racecheck (racecheck stops
-  # with an internal sanitizer error on the forward's: docs/performance.md).
-  step persistent_synccheck env XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOK_TIMEOUT_MEMCHECK:-600} \
-    compute-sanitizer --tool synccheck --error-exitcode 3 --kernel-name kns=_persistent \
-    $PY ../scripts/memcheck_case.py --persistent-only
-  step persistent_backward_racecheck env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    timeout ${MOK_TIMEOUT_MEMCHECK:-600} compute-sanitizer --tool racecheck --error-exitcode 3 \
-    --kernel-name kns=moe_backward_persistent $PY ../scripts/memcheck_case.py --persistent-only
+  # and racecheck (memcheck saw them above).
+  for tool in synccheck racecheck; do
+    step persistent_$tool env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      timeout ${MOK_TIMEOUT_MEMCHECK:-600} compute-sanitizer --tool $tool --error-exitcode 3 \
+      --kernel-name kns=_persistent $PY ../scripts/memcheck_case.py --persistent-only
+  done
 fi
 cd /tmp
 if want bench; then

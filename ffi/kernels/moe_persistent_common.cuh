@@ -316,7 +316,7 @@ __device__ __forceinline__ void scan_row_blocks(const int64_t* expert_begin, int
 // One K loop over the stages the producer fills, in the producer's order: the
 // tiled MMA `Mma` on stage tiles laid out as SmemA (its rows: the stage's) and SmemB.
 // Each stage is released when its wgmmas are done (keeping one K block's wgmmas in
-// flight across the next block's wait made the 128-row forward 5-18 % slower:
+// flight across the next block's wait made the 128-row forward 11-19 % slower:
 // docs/performance.md).
 template <class Mma, class SmemA, class SmemB, class Ctl, int S, class Acc>
 __device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<S>& st,

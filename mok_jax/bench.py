@@ -119,6 +119,7 @@ FULL_SHAPES = {
         Shape("gpt-oss-like", 16384, 4, 128, 2880, 2880),
         Shape("qwen3-like", 16384, 8, 128, 4096, 1536),
         Shape("few-tokens", 256, 8, 128, 2048, 768),
+        Shape("preset", 32768, 4, 32, 1024, 1024),
     )
 }
 
@@ -139,6 +140,7 @@ QUICK_SHAPES = {
         Shape("gpt-oss-like", 256, 4, 32, 184, 180),
         Shape("qwen3-like", 256, 8, 32, 256, 96),
         Shape("few-tokens", 16, 8, 32, 128, 48),
+        Shape("preset", 256, 4, 32, 64, 64),
     )
 }
 
@@ -154,6 +156,8 @@ SHAPE_ABOUT = {
     "qwen3-like": "Qwen3-235B-A22B's experts",
     "few-tokens": "small-experts with 256 tokens (eval, small batches, a rank's "
                   "share at high EP): reading the weights dominates",
+    "preset": "the MoE layer of examples/train_moe_lm.py's h200 preset (4096 rows "
+              "per expert)",
 }
 
 IMPLS = ("moe", "ragged_dot", "dense_onehot", "tokamax")

@@ -945,3 +945,14 @@ def test_recipe_flag_reaches_the_moe_layers():
     assert cfg.recipe == "fp8" and lm.Config().recipe == "native"
     block = lm.Block(cfg, rngs=nnx.Rngs(0))
     assert block.moe.recipe is mok_jax.Recipe.FP8
+
+
+def test_bench_preset_shape_is_the_h200_presets_moe_layer():
+    """`python -m mok_jax.bench --shapes preset` times the MoE layer the h200 preset
+    trains: T = batch * seq tokens, its K, E, d_model and expert FFN."""
+    from mok_jax import bench
+    c = lm.PRESETS["h200"]
+    s = bench.FULL_SHAPES["preset"]
+    assert (s.tokens, s.top_k, s.experts, s.hidden, s.ffn) == (
+        c.batch * c.seq, c.top_k, c.n_experts, c.d_model, c.expert_ffn)
+    assert "preset" not in bench.DEFAULT_SHAPES

@@ -27,8 +27,9 @@ constexpr int kMaxRanks = kMaxPersistentRanks;  // EP ranks of one launch
 // (its 64-row tiles stream the weights; with more rows the chain's CUTLASS GEMMs,
 // 128x256 tiles with warp specialisation, are faster: docs/performance.md).
 constexpr int64_t kAutoRowsPerExpert = 64;
-// Past 64 rows per expert the kernel takes 128-row tiles (ALWAYS), for E up to this
-// (the row-block prefix sums share shared memory with four 48 KB stages).
+// Past 64 rows per expert the kernel takes 128-row tiles (ALWAYS), for E up to this:
+// the row-block prefix sums (4 bytes an expert) share shared memory with four 48 KB
+// stages and the staging buffers; they would fit up to E = 4083, 2048 keeps a margin.
 constexpr int64_t kMaxExpertsWideTiles = 2048;
 
 // B's atoms (64 N x 8 K) K first: each 64-column slab of a stage is 64 K rows of

@@ -19,11 +19,11 @@
 //   GEMM2 tasks (BM rows x 256 H columns): after h_ready[row block] reaches the
 //     number of GEMM1 column tiles, h @ W_down to the expert-output rows; then
 //     gemm2_done += 1.
-//   combine tasks (8 tokens): after every GEMM2 task, each token's K rows summed
+//   combine tasks (2 tokens): after every GEMM2 task, each token's K rows summed
 //     over k ascending in f32 and rounded once.
 // EP on one launch (`ranks` P > 1, virtual ranks on one device): the CTAs form P
 // groups, rank o's group takes the GEMM tasks of experts [o E/P, (o+1) E/P) and
-// the combine of tokens [o T/P, (o+1) T/P), with its own ticket and GEMM2 counter.
+// the combine of tokens [o T/P, (o+1) T/P) (with 64-row tiles from its own ticket).
 // A rank's x rows, y rows and received expert-output rows live in its own windows,
 // reached through pointer tables only: GEMM1 reads each row from the window of the
 // token's rank, GEMM2 writes each output row into the receive window of the
@@ -70,7 +70,7 @@ bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // The rows of the persistent forward's GEMM tiles at this shape: 64 where experts
 // average at most 64 rows (the weights streamed: AUTO's range), else 128 (for
-// E <= 2048: the 48 KB stages leave room for E prefix sums).
+// E <= 2048: the 48 KB stages leave room for the experts' row-block prefix sums).
 int persistent_forward_tile_rows(const MoeShape& shape);
 
 // Whether the persistent backward takes it: under ALWAYS only (where it can run).

@@ -1,11 +1,11 @@
 // What the persistent MoE kernels (moe_persistent.cu, the forward;
 // moe_persistent_backward.cu, the backward) share: one CTA per SM, a producer warp
-// group that claims numbered tasks and streams each task's K blocks into a ring of
-// shared-memory stages (A rows by cp.async, tiles by TMA or cp.async), two consumer
-// warp groups that run wgmma on the stages (64 x 256 per stage, 64 x 128 each), and
-// the counters through which tasks wait for one another (release increments,
-// acquire loads). Row blocks are 64 rows (kBlockRows) unless a kernel asks for BM
-// rows (the forward's 128-row tiles). sm_90a device code; included by those two
+// group that takes numbered tasks in increasing order and streams each task's K
+// blocks into a ring of shared-memory stages (A rows by cp.async, tiles by TMA or
+// cp.async), two consumer warp groups that run wgmma on the stages (BM x 256 per
+// stage), and the counters through which tasks wait for one another (release
+// increments, acquire loads). Row blocks are 64 rows (kBlockRows) unless a kernel
+// asks for BM rows (the forward's 128-row tiles). sm_90a device code; included by those two
 // files only.
 #pragma once
 

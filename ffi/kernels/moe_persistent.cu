@@ -2,6 +2,8 @@
 
 #include <atomic>
 
+#include <cuda.h>
+
 #include <cub/block/block_scan.cuh>
 
 #include "cuda_check.h"
@@ -101,6 +103,10 @@ using Tma2 = decltype(make_tma2(nullptr, 0, 0, 0));
 struct Params {
   Tma1 tma1;  // the weight tiles, by TMA into the B stages
   Tma2 tma2;
+  // 128-row tiles: the epilogues' TMA stores of 64-row x 64-column tiles from the
+  // staging buffers: h [R, F], the residual (gate, up) viewed as (F, 2, R), and the
+  // expert-output rows in row order [R, H] (one rank).
+  TmaDescriptor h_store, gate_up_store, out_store;
   int64_t tokens, top_k, experts, hidden, ffn;
   // EP ranks: rank o holds tokens [o T/P, (o+1) T/P) and experts [o E/P, (o+1) E/P);
   // its windows are reached through these pointer tables only.
@@ -111,6 +117,7 @@ struct Params {
   const Elem* x_win[kMaxRanks];   // rank o's x rows [T/P, H]
   Elem* y_win[kMaxRanks];         // rank o's y rows [T/P, H]
   Elem* recv_win[kMaxRanks];      // rank o's expert-output rows by its pairs [T/P * K, H]
+                                  // (P = 1: all rows in row order [R, H])
   const void* weights;
   const int64_t* expert_begin;
   const int32_t* row_pair;
@@ -146,6 +153,13 @@ __device__ __forceinline__ Elem* recv_row(const Params& p, const Windows& w, int
   int rank, local;
   p.by_rank_tokens(rank, local, t);
   return w.recv[rank] + (int64_t(local) * p.top_k + k) * p.hidden;
+}
+
+// Where row `row`'s expert output goes. One rank: the expert-output rows in row
+// order (the combine finds a pair's row through pair_row). P ranks: the receive
+// window of the rank that holds its token, at the pair's place among its pairs.
+__device__ __forceinline__ Elem* out_row(const Params& p, const Windows& w, int64_t row) {
+  return p.ranks == 1 ? w.recv[0] + row * p.hidden : recv_row(p, w, p.row_pair[row]);
 }
 
 // A task as the producer hands it to the consumers.
@@ -330,13 +344,13 @@ __device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& 
   Tensor coord = thr.partition_C(make_identity_tensor(TaskTile<64>{}));
   const int64_t n0 = int64_t(task.tile) * kGemm2Cols;
   // A thread's accumulators lie in two rows, m0 and m0 + 8 (the wgmma C layout);
-  // each row goes to its pair's place in the receive window of its token's rank.
+  // each row goes to its place (out_row).
   const int m0 = get<0>(coord(0));
   Elem* dst[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int m = m0 + 8 * j;
-    dst[j] = m < rows ? recv_row(p, win, p.row_pair[rb.row0 + m]) : nullptr;
+    dst[j] = m < rows ? out_row(p, win, rb.row0 + m) : nullptr;
   }
 #pragma unroll
   for (int i = 0; i < size(acc); i += 2) {  // adjacent column pairs (gemm1_epilogue)
@@ -361,18 +375,29 @@ struct StagedRows {
   Elem* row[4];  // the row's destination at the tile's column 0, or nullptr
 };
 
+// Where a staged pass's tile goes by TMA (a pass whose 64 rows are all the block's):
+// `map` at (col, row), or at (col, half, row) of a 3-D map when half >= 0.
+struct TileStore {
+  const TmaDescriptor* map;  // nullptr: 16-byte stores to the StagedRows
+  int32_t col, half, row;
+};
+
 // One pass of a warp group's staged epilogue: 64 of its columns, [8 j0, 8 j0 + 64),
 // from the accumulators (pack(j, v): the packed pair of values 4j + v and 4j + v + 1,
 // v in {0, 2}) into the group's 8 KB staging buffer (16-byte chunks XOR-swizzled by
-// row: no bank conflicts either way), then out as 16-byte stores, eight threads a
-// 128-byte row segment, to dst.row[i] + col for the chunks below `cols`.
+// row: no bank conflicts either way, and the TMA's 128-byte swizzle), then out:
+// with tile.map, one TMA store of the 64 x 64 tile from the group's thread 0 (the
+// next pass's writes wait until it has read the buffer); else as 16-byte stores,
+// eight threads a 128-byte row segment, to dst.row[i] + col for the chunks below
+// `cols`.
 template <int J0, class Pack>
-__device__ __forceinline__ void staged_pass(Elem* buf, Pack pack, const StagedRows& dst,
-                                            int64_t col, int64_t cols) {
+__device__ __forceinline__ void staged_pass(Elem* buf, Pack pack, const TileStore& tile,
+                                            const StagedRows& dst, int64_t col, int64_t cols) {
   const int t = threadIdx.x % 128, lane = t & 31, q = lane & 3;
   const int g = (threadIdx.x - kProducerThreads) / 128;
   const int r = 16 * (t / 32) + lane / 4;
   uint32_t* words = reinterpret_cast<uint32_t*>(buf);
+  if (t == 0) tma_store_wait<0>();  // the group's last TMA store has read the buffer
   cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);  // the last pass's reads done
 #pragma unroll
   for (int jj = 0; jj < 8; ++jj) {
@@ -381,6 +406,19 @@ __device__ __forceinline__ void staged_pass(Elem* buf, Pack pack, const StagedRo
       const int m = r + 8 * h;
       words[m * 32 + ((jj ^ (m & 7)) * 4) + q] = pack(J0 + jj, 2 * h);
     }
+  }
+  if (tile.map != nullptr) {
+    tma_store_fence();  // the writes, then the TMA's reads
+    cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
+    if (t == 0) {
+      if (tile.half < 0) {
+        SM90_TMA_STORE_2D::copy(tile.map, buf, tile.col + 8 * J0, tile.row);
+      } else {
+        SM90_TMA_STORE_3D::copy(tile.map, buf, tile.col + 8 * J0, tile.half, tile.row);
+      }
+      tma_store_arrive();
+    }
+    return;
   }
   cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
   const int c = t & 7;
@@ -391,6 +429,21 @@ __device__ __forceinline__ void staged_pass(Elem* buf, Pack pack, const StagedRo
     if (dst.row[i] != nullptr && 8 * c < cols) {
       *reinterpret_cast<uint4*>(dst.row[i] + col + 8 * c) = v;
     }
+  }
+}
+
+// Whether all 64 rows of the thread's warp group are the block's (whole-tile stores).
+__device__ __forceinline__ bool group_rows_full(const RowBlock& rb) {
+  const int g = (threadIdx.x - kProducerThreads) / 128;
+  return 64 * g + 64 <= rb.rows();
+}
+
+// Before a task's signal: the group's TMA stores written, and ordered before the
+// generic-proxy release that other CTAs acquire.
+__device__ __forceinline__ void tma_stores_done() {
+  if (threadIdx.x % 128 == 0) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
   }
 }
 
@@ -426,16 +479,23 @@ __device__ void gemm1_epilogue(const Params& p, const Task& task, const Acc<128>
   auto up_pair = [&](int j, int v) {
     return pack_bf16(acc(4 * (j + 16) + v), acc(4 * (j + 16) + v + 1));
   };
+  // Whole 64-row tiles by TMA (a column past F is not written: the maps end at F).
+  const bool tma = group_rows_full(rb);
+  const int32_t row = static_cast<int32_t>(rb.row0 + 64 * ((threadIdx.x - kProducerThreads) / 128));
+  const int32_t c0 = static_cast<int32_t>(f0);
+  const TileStore h_tile{tma ? &p.h_store : nullptr, c0, -1, row};
   const StagedRows h = staged_rows(rb, [&](int64_t m) { return p.h + (rb.row0 + m) * F + f0; });
-  staged_pass<0>(buf, silu_pair, h, 0, F - f0);
-  if (f0 + 64 < F) staged_pass<8>(buf, silu_pair, h, 64, F - f0 - 64);
+  staged_pass<0>(buf, silu_pair, h_tile, h, 0, F - f0);
+  if (f0 + 64 < F) staged_pass<8>(buf, silu_pair, h_tile, h, 64, F - f0 - 64);
   if (p.gate_up_out != nullptr) {
     const StagedRows gu = staged_rows(
         rb, [&](int64_t m) { return p.gate_up_out + (rb.row0 + m) * 2 * F + f0; });
-    staged_pass<0>(buf, gate_pair, gu, 0, F - f0);
-    if (f0 + 64 < F) staged_pass<8>(buf, gate_pair, gu, 64, F - f0 - 64);
-    staged_pass<0>(buf, up_pair, gu, F, F - f0);
-    if (f0 + 64 < F) staged_pass<8>(buf, up_pair, gu, F + 64, F - f0 - 64);
+    const TileStore g_tile{tma ? &p.gate_up_store : nullptr, c0, 0, row};
+    const TileStore u_tile{tma ? &p.gate_up_store : nullptr, c0, 1, row};
+    staged_pass<0>(buf, gate_pair, g_tile, gu, 0, F - f0);
+    if (f0 + 64 < F) staged_pass<8>(buf, gate_pair, g_tile, gu, 64, F - f0 - 64);
+    staged_pass<0>(buf, up_pair, u_tile, gu, F, F - f0);
+    if (f0 + 64 < F) staged_pass<8>(buf, up_pair, u_tile, gu, F + 64, F - f0 - 64);
   }
 }
 
@@ -446,21 +506,23 @@ __device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& 
   const int64_t H = p.hidden;
   const int64_t n0 = int64_t(task.tile) * kGemm2Cols;
   auto pair = [&](int j, int v) { return pack_bf16(acc(4 * j + v), acc(4 * j + v + 1)); };
-  // Each row to its pair's place in the receive window of its token's rank.
-  const StagedRows y = staged_rows(
-      rb, [&](int64_t m) { return recv_row(p, win, p.row_pair[rb.row0 + m]) + n0; });
-  staged_pass<0>(buf, pair, y, 0, H - n0);
-  if (n0 + 64 < H) staged_pass<8>(buf, pair, y, 64, H - n0 - 64);
-  if (n0 + 128 < H) staged_pass<16>(buf, pair, y, 128, H - n0 - 128);
-  if (n0 + 192 < H) staged_pass<24>(buf, pair, y, 192, H - n0 - 192);
+  // One rank, whole 64-row tiles: by TMA into the row-ordered expert-output rows.
+  const bool tma = p.ranks == 1 && group_rows_full(rb);
+  const int32_t row = static_cast<int32_t>(rb.row0 + 64 * ((threadIdx.x - kProducerThreads) / 128));
+  const TileStore tile{tma ? &p.out_store : nullptr, static_cast<int32_t>(n0), -1, row};
+  const StagedRows y = staged_rows(rb, [&](int64_t m) { return out_row(p, win, rb.row0 + m) + n0; });
+  staged_pass<0>(buf, pair, tile, y, 0, H - n0);
+  if (n0 + 64 < H) staged_pass<8>(buf, pair, tile, y, 64, H - n0 - 64);
+  if (n0 + 128 < H) staged_pass<16>(buf, pair, tile, y, 128, H - n0 - 128);
+  if (n0 + 192 < H) staged_pass<24>(buf, pair, tile, y, 192, H - n0 - 192);
 }
 
 // Four warps per token, each on every fourth 8-column chunk of 256 lanes' worth;
 // per column, k ascending, f32 sum rounded once (combine_rows' arithmetic). The K
 // rows' loads are issued in batches of eight before any is summed, so a token
 // waits for one load latency per batch, not one per row.
-// Rank `rank`'s combine task: its tokens' rows from its receive window, y into
-// its y window.
+// Rank `rank`'s combine task: its tokens' rows from its receive window (one rank:
+// from the row-ordered expert-output rows, by pair_row), y into its y window.
 template <typename W>
 __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, int64_t task) {
   constexpr int kBatch = 8;
@@ -471,7 +533,8 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
   const int64_t local = task * kCombineTokens + warp / kCombineWarps;  // of the rank's tokens
   if (local >= p.rank_tokens) return;
   const int64_t t = int64_t(rank) * p.rank_tokens + local;
-  const Elem* rows = win.recv[rank] + local * p.top_k * H;  // its K rows, k ascending
+  // Its K rows, k ascending: one rank's by their rows, P ranks' at the pairs' places.
+  const Elem* rows = win.recv[rank] + local * p.top_k * H;
   constexpr int64_t kStep = kCombineWarps * 32 * 8;
   for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
     float acc[8];
@@ -487,8 +550,8 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
         const int64_t pair = t * p.top_k + k;
         use[j] = k < p.top_k && p.pair_row[pair] >= 0;  // routed and kept
         wk[j] = use[j] ? to_float(weights[pair]) : 0.0f;
-        v[j] = use[j] ? __ldcg(reinterpret_cast<const uint4*>(rows + k * H + c))
-                      : make_uint4(0, 0, 0, 0);
+        const Elem* row = p.ranks == 1 ? win.recv[0] + int64_t(p.pair_row[pair]) * H : rows + k * H;
+        v[j] = use[j] ? __ldcg(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
@@ -531,6 +594,7 @@ __device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, c
         gemm1_epilogue(p, task, acc);
       } else {
         gemm1_epilogue(p, task, acc, buf);
+        tma_stores_done();
       }
       consumer_signal(p.h_ready + task.block);
     } else {
@@ -538,6 +602,7 @@ __device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, c
         gemm2_epilogue(p, win, task, acc);
       } else {
         gemm2_epilogue(p, win, task, acc, buf);
+        tma_stores_done();
       }
       consumer_signal(p.gemm2_done);
     }
@@ -563,6 +628,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     prefetch_tma_descriptor(p.tma1.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma2.get_tma_descriptor());
+    if constexpr (BM == 128) {
+      prefetch_tma_descriptor(&p.h_store);
+      prefetch_tma_descriptor(&p.out_store);
+      if (p.gate_up_out != nullptr) prefetch_tma_descriptor(&p.gate_up_store);
+    }
     init_control(ctl);
   }
 
@@ -610,6 +680,35 @@ Scratch carve(void* ws, const MoeShape& s, int ranks, size_t* total) {
   return b;
 }
 
+
+// The 128-row epilogues' TMA stores: 64 x 64 boxes in the staging buffers' 128-byte
+// swizzle, over h [R, F], the expert-output rows [R, H] and the residual (gate, up)
+// [R, 2F] viewed as (F, 2, R), so that a box never runs from gate into up.
+std::string encode_epilogue_stores(Params* p, const MoeShape& s, void* h, void* out,
+                                   void* gate_up) {
+  auto encode = [](TmaDescriptor* d, void* base, cuuint32_t rank, const cuuint64_t* dims,
+                   const cuuint64_t* strides, const cuuint32_t* box) {
+    const cuuint32_t unit[3] = {1, 1, 1};
+    return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+               d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, base, dims, strides, box, unit,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+           CUDA_SUCCESS;
+  };
+  const cuuint64_t R = cuuint64_t(s.tokens * s.top_k), H = cuuint64_t(s.hidden),
+                   F = cuuint64_t(s.ffn);
+  const cuuint32_t box2[2] = {64, 64}, box3[3] = {64, 1, 64};
+  const cuuint64_t h_dims[2] = {F, R}, h_strides[1] = {F * 2};
+  const cuuint64_t out_dims[2] = {H, R}, out_strides[1] = {H * 2};
+  const cuuint64_t gu_dims[3] = {F, 2, R}, gu_strides[2] = {F * 2, F * 4};
+  if (!encode(&p->h_store, h, 2, h_dims, h_strides, box2) ||
+      !encode(&p->out_store, out, 2, out_dims, out_strides, box2) ||
+      (gate_up != nullptr &&
+       !encode(&p->gate_up_store, gate_up, 3, gu_dims, gu_strides, box3))) {
+    return "persistent MoE forward: cuTensorMapEncodeTiled failed for the epilogue stores";
+  }
+  return {};
+}
 
 std::atomic<int> persistent_mode{static_cast<int>(PersistentMode::kAuto)};
 
@@ -723,6 +822,7 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
   if (tasks >= (int64_t(1) << 32)) return "persistent MoE forward: 2^32 tasks or more";
   const bool f32_weights = a.weight_dtype == DType::kF32;
   if (persistent_forward_tile_rows(s) == 128) {
+    MOK_RETURN_IF_MESSAGE(encode_epilogue_stores(&p, s, b.h, b.recv[0], a.gate_up_out));
     auto kernel = f32_weights ? moe_forward_persistent<float, 128>
                               : moe_forward_persistent<bf16, 128>;
     return launch_one_cta_per_sm(kernel, p, dynamic_smem_bytes(smem_tile_bytes<128>(), s.experts),

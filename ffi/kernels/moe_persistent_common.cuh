@@ -154,30 +154,43 @@ __device__ __forceinline__ Elem* stage_b(char* tiles, int stage) {
 }
 
 // The A rows of a row block one producer thread loads: 16-byte chunks ptid + 128 j
-// (j < BM / 16) of a K block's BM rows x 8 chunks.
+// (j < BM / 16) of a K block's BM rows x 8 chunks, that is column chunk ptid % 8 of
+// rows ptid / 8 + 16 j. In the 128-byte swizzle (LayoutARows: row m's chunk c at
+// byte m * 128 + (c ^ m % 8) * 16) those rows share m % 8, so a thread's chunks lie
+// at one offset plus j * 2048 bytes: the K loop computes no layout, and the row
+// pointers (with the thread's column chunk added) are set once per task.
 template <int BM = kBlockRows>
 struct ARowsOf {
   static constexpr int kChunks = BM * 8 / kProducerThreads;
-  const Elem* src[kChunks];
-  bool valid[kChunks];
+  static_assert((kProducerThreads / 8) % 8 == 0, "rows 16 apart share their swizzle");
+  const Elem* src[kChunks];  // row ptid / 8 + 16 j at the thread's column chunk
+  uint32_t valid;            // bit j: row ptid / 8 + 16 j is one of the block's
+  int kc;                    // the thread's column chunk (elements)
+  uint32_t dst;              // byte offset of chunk j = 0 in a stage's A tile
   template <class RowStart>
   __device__ ARowsOf(int ptid, const RowBlock& rb, const Elem* base, RowStart row_start) {
+    const int m0 = ptid >> 3;
+    kc = (ptid & 7) * 8;
+    dst = static_cast<uint32_t>(m0 * 128 + (((ptid & 7) ^ (m0 & 7)) * 16));
+    valid = 0;
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
-      const int m = (ptid + j * kProducerThreads) >> 3;
-      valid[j] = m < rb.row_end - rb.row0;  // m < BM
-      src[j] = valid[j] ? row_start(m) : base;
+      const int m = m0 + 16 * j;
+      const bool v = m < rb.row_end - rb.row0;  // m < BM
+      valid |= uint32_t(v) << j;
+      src[j] = (v ? row_start(m) : base) + kc;
     }
   }
   // cp.async of the K block at column k0 into the stage tile (zeros past the rows or K).
   __device__ void load(int ptid, Elem* tile, int64_t k0, int64_t K, const Elem* base) const {
-    Tensor sA = make_tensor(make_smem_ptr(tile), LayoutARows<BM>{});
+    const uint32_t t = static_cast<uint32_t>(__cvta_generic_to_shared(tile)) + dst;
+    const bool in_k = k0 + kc < K;
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
-      const int c = ptid + j * kProducerThreads;
-      const int m = c >> 3, kc = (c & 7) * 8;
-      const bool ok = valid[j] && k0 + kc < K;
-      cp_async_16(&sA(m, kc), ok ? src[j] + k0 + kc : base, ok);
+      const bool ok = in_k && ((valid >> j) & 1u);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(t + j * 2048),
+                   "l"(ok ? src[j] + k0 : base), "r"(ok ? 16 : 0)
+                   : "memory");
     }
   }
 };

@@ -8,8 +8,11 @@ invalid ids and an empty expert, so memcheck sees every kernel; then the fused
 residual add + RMSNorm on rows of every team width, with row counts that end a
 scale-gradient group part way.
 
-`--persistent-only` runs the persistent-kernel cases alone (for
-`--kernel-name kns=_persistent` runs of racecheck and synccheck).
+`--persistent-only` runs the persistent-kernel cases alone; `--persistent-case I`
+runs the I-th of them alone (I < PERSISTENT_CASES), for `--kernel-name
+kns=_persistent` runs of racecheck and synccheck one case per process (over all
+cases in one process both ended in a segmentation fault of the host process
+after the first case, with no report, on 2026-12-04).
 """
 
 import sys
@@ -51,25 +54,40 @@ def run_norm(rows, dim, dtype):
     print(f"ok add_rms_norm rows={rows} dim={dim} {jnp.dtype(dtype).name}")
 
 
-def run_persistent():
+def persistent_cases():
     """The persistent kernels (forward and backward) forced on: rows past a 64-row
     block, H and F not multiples of the 64-wide tiles, capacity drops, T below a
-    block."""
+    block; then the EP role on virtual ranks (each rank's windows its own), both
+    tile heights."""
+    return [lambda: run(200, 2, 6, 128, 64, jnp.bfloat16, None),
+            lambda: run(100, 2, 4, 136, 200, jnp.bfloat16, 0.5),
+            lambda: run(3, 2, 3, 8, 8, jnp.bfloat16, None),
+            lambda: run_virtual_ranks(96, 3, 8, 136, 200, 4),
+            lambda: run_virtual_ranks(512, 4, 8, 256, 128, 2)]
+
+
+PERSISTENT_CASES = 5
+
+
+def run_persistent(only=None):
+    """The persistent cases (all, or the `only`-th) with the persistent kernels
+    forced on; nothing where the build has no sm_90a code."""
     from mok_jax import _mok
     if not hasattr(_mok, "set_persistent_kernels"):  # no sm_90a code in this build
         return
+    cases = persistent_cases()
+    assert len(cases) == PERSISTENT_CASES
     previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
-    assert _mok.persistent_shape(100, 2, 4, 136, 200)
-    assert _mok.persistent_backward_shape(100, 2, 4, 136, 200)
-    assert _mok.persistent_tile_rows(200, 2, 6, 128, 64) == 128
-    assert _mok.persistent_tile_rows(100, 2, 4, 136, 200) == 64
-    run(200, 2, 6, 128, 64, jnp.bfloat16, None)
-    run(100, 2, 4, 136, 200, jnp.bfloat16, 0.5)
-    run(3, 2, 3, 8, 8, jnp.bfloat16, None)
-    _mok.set_persistent_kernels(previous)
-    # The EP role on virtual ranks (each rank's windows its own), both tile heights.
-    for T, K, E, H, F, ranks in ((96, 3, 8, 136, 200, 4), (512, 4, 8, 256, 128, 2)):
-        run_virtual_ranks(T, K, E, H, F, ranks)
+    try:
+        assert _mok.persistent_shape(100, 2, 4, 136, 200)
+        assert _mok.persistent_backward_shape(100, 2, 4, 136, 200)
+        assert _mok.persistent_tile_rows(200, 2, 6, 128, 64) == 128
+        assert _mok.persistent_tile_rows(100, 2, 4, 136, 200) == 64
+        for i, case in enumerate(cases):
+            if only is None or i == only:
+                case()
+    finally:
+        _mok.set_persistent_kernels(previous)
 
 
 def run_virtual_ranks(T, K, E, H, F, ranks):
@@ -89,6 +107,12 @@ def run_virtual_ranks(T, K, E, H, F, ranks):
 if __name__ == "__main__":
     if sys.argv[1:] == ["--persistent-only"]:
         run_persistent()
+        sys.exit(0)
+    if len(sys.argv) == 3 and sys.argv[1] == "--persistent-case":
+        index = int(sys.argv[2])
+        if not 0 <= index < PERSISTENT_CASES:
+            sys.exit(f"--persistent-case takes 0..{PERSISTENT_CASES - 1}, not {index}")
+        run_persistent(only=index)
         sys.exit(0)
     run(200, 2, 6, 128, 64, jnp.bfloat16, None)
     run(200, 2, 6, 128, 64, jnp.bfloat16, 0.5)

@@ -548,9 +548,10 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
       for (int j = 0; j < kBatch; ++j) {
         const int64_t k = k0 + j;
         const int64_t pair = t * p.top_k + k;
-        use[j] = k < p.top_k && p.pair_row[pair] >= 0;  // routed and kept
+        const int32_t r = k < p.top_k ? p.pair_row[pair] : -1;  // past K: not read
+        use[j] = r >= 0;  // routed and kept
         wk[j] = use[j] ? to_float(weights[pair]) : 0.0f;
-        const Elem* row = p.ranks == 1 ? win.recv[0] + int64_t(p.pair_row[pair]) * H : rows + k * H;
+        const Elem* row = p.ranks == 1 ? win.recv[0] + int64_t(r) * H : rows + k * H;
         v[j] = use[j] ? __ldcg(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
@@ -630,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     prefetch_tma_descriptor(p.tma2.get_tma_descriptor());
     if constexpr (BM == 128) {
       prefetch_tma_descriptor(&p.h_store);
-      prefetch_tma_descriptor(&p.out_store);
+      if (p.ranks == 1) prefetch_tma_descriptor(&p.out_store);
       if (p.gate_up_out != nullptr) prefetch_tma_descriptor(&p.gate_up_store);
     }
     init_control(ctl);
@@ -682,8 +683,10 @@ Scratch carve(void* ws, const MoeShape& s, int ranks, size_t* total) {
 
 
 // The 128-row epilogues' TMA stores: 64 x 64 boxes in the staging buffers' 128-byte
-// swizzle, over h [R, F], the expert-output rows [R, H] and the residual (gate, up)
-// [R, 2F] viewed as (F, 2, R), so that a box never runs from gate into up.
+// swizzle, over h [R, F], the expert-output rows [R, H] (one rank: `out` null
+// otherwise, when the rows go to the ranks' receive windows by 16-byte stores) and
+// the residual (gate, up) [R, 2F] viewed as (F, 2, R), so that a box never runs
+// from gate into up.
 std::string encode_epilogue_stores(Params* p, const MoeShape& s, void* h, void* out,
                                    void* gate_up) {
   auto encode = [](TmaDescriptor* d, void* base, cuuint32_t rank, const cuuint64_t* dims,
@@ -702,7 +705,7 @@ std::string encode_epilogue_stores(Params* p, const MoeShape& s, void* h, void* 
   const cuuint64_t out_dims[2] = {H, R}, out_strides[1] = {H * 2};
   const cuuint64_t gu_dims[3] = {F, 2, R}, gu_strides[2] = {F * 2, F * 4};
   if (!encode(&p->h_store, h, 2, h_dims, h_strides, box2) ||
-      !encode(&p->out_store, out, 2, out_dims, out_strides, box2) ||
+      (out != nullptr && !encode(&p->out_store, out, 2, out_dims, out_strides, box2)) ||
       (gate_up != nullptr &&
        !encode(&p->gate_up_store, gate_up, 3, gu_dims, gu_strides, box3))) {
     return "persistent MoE forward: cuTensorMapEncodeTiled failed for the epilogue stores";
@@ -822,7 +825,8 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
   if (tasks >= (int64_t(1) << 32)) return "persistent MoE forward: 2^32 tasks or more";
   const bool f32_weights = a.weight_dtype == DType::kF32;
   if (persistent_forward_tile_rows(s) == 128) {
-    MOK_RETURN_IF_MESSAGE(encode_epilogue_stores(&p, s, b.h, b.recv[0], a.gate_up_out));
+    MOK_RETURN_IF_MESSAGE(encode_epilogue_stores(&p, s, b.h, a.ranks == 1 ? b.recv[0] : nullptr,
+                                                 a.gate_up_out));
     auto kernel = f32_weights ? moe_forward_persistent<float, 128>
                               : moe_forward_persistent<bf16, 128>;
     return launch_one_cta_per_sm(kernel, p, dynamic_smem_bytes(smem_tile_bytes<128>(), s.experts),

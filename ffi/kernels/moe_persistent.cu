@@ -432,10 +432,13 @@ __device__ __forceinline__ void staged_pass(Elem* buf, Pack pack, const TileStor
   }
 }
 
-// Whether all 64 rows of the thread's warp group are the block's (whole-tile stores).
+// The first of the thread's warp group's 64 rows in the block, and whether all 64
+// are the block's (whole-tile stores).
+__device__ __forceinline__ int32_t group_row0(const RowBlock& rb) {
+  return static_cast<int32_t>(rb.row0 + 64 * ((threadIdx.x - kProducerThreads) / 128));
+}
 __device__ __forceinline__ bool group_rows_full(const RowBlock& rb) {
-  const int g = (threadIdx.x - kProducerThreads) / 128;
-  return 64 * g + 64 <= rb.rows();
+  return 64 * ((threadIdx.x - kProducerThreads) / 128) + 64 <= rb.rows();
 }
 
 // Before a task's signal: the group's TMA stores written, and ordered before the
@@ -481,7 +484,7 @@ __device__ void gemm1_epilogue(const Params& p, const Task& task, const Acc<128>
   };
   // Whole 64-row tiles by TMA (a column past F is not written: the maps end at F).
   const bool tma = group_rows_full(rb);
-  const int32_t row = static_cast<int32_t>(rb.row0 + 64 * ((threadIdx.x - kProducerThreads) / 128));
+  const int32_t row = group_row0(rb);
   const int32_t c0 = static_cast<int32_t>(f0);
   const TileStore h_tile{tma ? &p.h_store : nullptr, c0, -1, row};
   const StagedRows h = staged_rows(rb, [&](int64_t m) { return p.h + (rb.row0 + m) * F + f0; });
@@ -508,7 +511,7 @@ __device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& 
   auto pair = [&](int j, int v) { return pack_bf16(acc(4 * j + v), acc(4 * j + v + 1)); };
   // One rank, whole 64-row tiles: by TMA into the row-ordered expert-output rows.
   const bool tma = p.ranks == 1 && group_rows_full(rb);
-  const int32_t row = static_cast<int32_t>(rb.row0 + 64 * ((threadIdx.x - kProducerThreads) / 128));
+  const int32_t row = group_row0(rb);
   const TileStore tile{tma ? &p.out_store : nullptr, static_cast<int32_t>(n0), -1, row};
   const StagedRows y = staged_rows(rb, [&](int64_t m) { return out_row(p, win, rb.row0 + m) + n0; });
   staged_pass<0>(buf, pair, tile, y, 0, H - n0);

@@ -84,12 +84,15 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
   return v;
 }
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+// 16 bytes from gmem to the shared-memory address dst (zeros when !valid).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* gmem, bool valid) {
   const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem),
                "r"(bytes)
                : "memory");
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid);
 }
 
 // Two rounded values at adjacent columns (`dst` 4-byte aligned) in one store.
@@ -188,9 +191,7 @@ struct ARowsOf {
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
       const bool ok = in_k && ((valid >> j) & 1u);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(t + j * 2048),
-                   "l"(ok ? src[j] + k0 : base), "r"(ok ? 16 : 0)
-                   : "memory");
+      cp_async_16(t + j * 2048, ok ? src[j] + k0 : base, ok);
     }
   }
 };

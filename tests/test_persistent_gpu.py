@@ -120,6 +120,21 @@ def test_persistent_forward_gives_the_chain_bits(persistent, shape, skew):
     assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
 
 
+def test_wide_tiles_at_the_block_edges(persistent):
+    """128-row tiles with experts of exactly one block (128 rows), one row past it
+    (129: a second block of one row, its epilogue's warp groups one partial and one
+    empty), two whole blocks (256) and 385 rows (three blocks and one row)."""
+    counts = (128, 129, 256, 385)
+    T = sum(counts)
+    x, _, _, wgu, wd = _problem(T, 1, len(counts), 136, 200, seed=13)
+    ids = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    ids = jnp.asarray(np.random.default_rng(13).permutation(ids)[:, None])
+    w = jax.random.uniform(jax.random.key(13), (T, 1), minval=0.5, maxval=1.5)
+    assert _mok.persistent_tile_rows(T, 1, len(counts), 136, 200) == 128
+    _, stats = _check(persistent, (x, ids, w, wgu, wd))
+    np.testing.assert_array_equal(stats.tokens_per_expert, counts)
+
+
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0])
 def test_capacity_drops(persistent, capacity_factor):
     args = _problem(640, 4, 16, 256, 192, seed=4, skew=True)

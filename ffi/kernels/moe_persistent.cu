@@ -578,7 +578,6 @@ __device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, c
                         Elem* staging, int32_t rank, uint32_t col_tiles) {
   Ring<Tiles<BM>::kStages> st{0, 0u};
   Ring<kTaskSlots> mail{0, 0u};
-  Acc<BM> acc;
   // The warp group's 8 KB staging buffer (128-row tiles).
   Elem* buf = staging + (threadIdx.x - kProducerThreads) / 128 * (64 * 64);
   for (;;) {
@@ -590,6 +589,11 @@ __device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, c
     }
     const bool first = task.kind == Kind::kGemm1;
     const int64_t K = first ? p.hidden : p.ffn;
+    // The accumulators live for one task only: declared once for all tasks, they
+    // were live across the combine as well, and ptxas kept them outside the
+    // wgmma's registers, moving them in and out around every K block (138 moves
+    // in the 128-row loop; docs/performance.md).
+    Acc<BM> acc;
     mma_k_loop<typename Tiles<BM>::Mma, LayoutARows<BM>, LayoutB>(
         ctl, tiles, st, static_cast<int>((K + kBlockK - 1) / kBlockK), acc);
     if (first) {

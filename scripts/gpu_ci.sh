@@ -41,13 +41,13 @@ fi
 { nvidia-smi; nvcc --version; $PY -c 'import jax; print(jax.__version__, jax.devices())'; \
   echo "commit: ${MOK_GIT_COMMIT:-unknown}"; } > "$OUTDIR/machine.txt" 2>&1
 
-# Steps to run (default: build gpu memcheck bench suite cpu; also `train`, meshes in
+# Steps to run (default: build sass gpu memcheck bench suite cpu; also `train`, meshes in
 # MOK_TRAIN_MESHES: "1gpu ep2", also e.g. "ep8 dp2ep4"; MOK_PYTEST_ARGS: what the gpu step selects; MOK_BENCH_TORCH=0:
 # no torch baselines). Step time
 # limits: MOK_TIMEOUT_GPU, MOK_TIMEOUT_MEMCHECK, MOK_TIMEOUT_BENCH, MOK_TIMEOUT_TRAIN (s).
 # `build` leaves the wheel in MOK_WHEEL_DIR (default OUTDIR/wheel; e.g. /tmp/wheel to
 # keep it out of OUTDIR when only OUTDIR's logs should be copied back).
-STEPS=" ${MOK_GPU_CI_STEPS:-build gpu memcheck bench suite cpu} "
+STEPS=" ${MOK_GPU_CI_STEPS:-build sass gpu memcheck bench suite cpu} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 if want build; then
@@ -57,6 +57,9 @@ fi
 
 # Run from outside the source tree so that the installed package is imported.
 cd tests
+if want sass; then  # the persistent kernels' wgmma K loops move no accumulators (cuobjdump)
+  step sass $PY ../scripts/sass_k_loops.py
+fi
 if want gpu; then
   step tests_gpu timeout ${MOK_TIMEOUT_GPU:-900} $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs ${MOK_PYTEST_ARGS:-.}
 fi

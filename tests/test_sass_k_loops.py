@@ -1,0 +1,60 @@
+"""scripts/sass_k_loops.py, the check that the persistent kernels' wgmma K loops move no
+accumulators, on listings written here in cuobjdump -sass's format (the check of the
+built extension itself needs cuobjdump and runs in scripts/gpu_ci.sh)."""
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    "sass_k_loops", os.path.join(ROOT, "scripts", "sass_k_loops.py"))
+sass_k_loops = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_k_loops)
+
+NAME = "_ZN3mok4cuda12_GLOBAL__N_122moe_forward_persistentINS_4bf16ELi128EEEvNS1_6ParamsE"
+
+
+def listing(moves, name=NAME, wgmma=True):
+    """One function: a task loop from 0x10 around a K loop from 0x20 whose body holds
+    `moves` register moves and (if `wgmma`) four HGMMAs."""
+    body = ["YIELD", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R179+URZ], R52"]
+    body += [f"IMAD.MOV.U32 R{52 + i}, RZ, RZ, R{162 + i}" for i in range(moves)]
+    if wgmma:
+        body += ["HGMMA.64x256x16.F32.BF16 R24, gdesc[UR20].tnspB, R24, UP0"] * 3
+        body += ["HGMMA.64x256x16.F32.BF16 R24, gdesc[UR20].tnspB, R24, gsb0",
+                 "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    body += ["@!PT LDS RZ, [RZ]", "@!P2 BRA 0x20"]  # the K loop's back edge
+    code = ["MOV R1, c[0x0][0x28]", "S2R R0, SR_TID.X"] + body + [
+        "ST.E desc[UR14][R90.64], R13", "@P0 BRA 0x10", "EXIT"]  # the task loop's back edge
+    lines = [f"\t\tFunction : {name}", "\t.headerflags\t@\"EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)\""]
+    lines += [f"        /*{16 * i:04x}*/                   {text} ;  /* 0x0 */"
+              for i, text in enumerate(code)]
+    return "\n".join(lines) + "\n"
+
+
+def test_moves_in_a_k_loop_fail_the_check():
+    lines = sass_k_loops.check(listing(moves=64), max_moves=16)
+    assert len(lines) == 1  # the K loop only, not the task loop around it
+    assert lines[0].startswith("FAIL")
+    assert "moe_forward_persistent<bf16, 128>" in lines[0]
+    assert "4 HGMMA, 64 moves" in lines[0]
+
+
+def test_a_k_loop_with_few_moves_passes():
+    lines = sass_k_loops.check(listing(moves=8), max_moves=16)
+    assert len(lines) == 1 and lines[0].startswith("ok"), lines
+    assert "8 moves" in lines[0]
+
+
+def test_the_innermost_loop_is_measured():
+    # The K loop starts at 0x20 (its back edge branches there), the task loop at 0x10.
+    (first, last, count, wgmmas, moves), = sass_k_loops.wgmma_loops(
+        list(next(sass_k_loops.functions(listing(moves=3)))[1]))
+    assert first == 0x20 and (wgmmas, moves) == (4, 3)
+    assert count == 2 + 3 + 5 + 2  # wait, moves, four wgmmas and their wait, back edge
+
+
+def test_functions_without_wgmma_and_several_functions():
+    other = listing(moves=40, name="_ZN3mok4cuda7routingEv", wgmma=False)
+    lines = sass_k_loops.check(listing(moves=2) + other + listing(moves=30), max_moves=16)
+    assert [line.split()[0] for line in lines] == ["ok", "FAIL"]

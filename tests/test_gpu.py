@@ -152,21 +152,15 @@ SPECIAL_BF16 = [0x0000, 0x8000, 0x7F7F, 0xFF7F, 0x7F70, 0x0001, 0x807F, 0x0080, 
 NONFINITE_BF16 = [0x7FC1, 0xFFC5, 0x7F80, 0xFF80]
 
 
-def test_swiglu_epilogue_rounds_special_values_like_unfused(unfused_swiglu):
-    """The epilogue rounds h, g and u to bf16 with the hardware's conversion; the
-    unfused SwiGLU kernel with float_to_bf16. Each x row holds two nonzeros, so each
-    accumulator is the f32 sum of two weight entries (or their products with a NaN
-    or an infinity). Three kinds of rows: (0) sums of entries drawn from
-    SPECIAL_BF16 and random values; (1) sums of finite values from subnormal to 2^30
-    and halfway makers, so that h is finite and seen exactly through y with
-    W_down = I; (2) a NaN or an infinity in x. The saved residual (g and u) and y
-    must have the same bits in both paths. (h's rounding is seen on finite rows
-    only: a row whose h holds an infinity or a NaN is NaN in y through 0 * inf.)"""
-    from mok_jax import _mok, primitives as prim
-    T, E, H, F = 1536, 2, 128, 128
-    assert _mok.swiglu_epilogue_shape(E, H, F, T)
-    assert _mok.HAS_SM90A_KERNELS and jax.devices()[0].compute_capability == "9.0"
-    rng = np.random.default_rng(11)
+def special_values_problem(T, E, H, F, seed=11):
+    """Layer inputs whose accumulators reach the rounding's special cases (K = 1,
+    W_down = I). Each x row holds two nonzeros, so each accumulator is the f32 sum of
+    two weight entries (or their products with a NaN or an infinity). Three kinds of
+    rows (`kind`, returned last): (0) sums of entries drawn from SPECIAL_BF16 and
+    random values; (1) sums of finite values from subnormal to 2^30 and halfway
+    makers, so that h is finite and seen exactly through y; (2) a NaN or an infinity
+    in x."""
+    rng = np.random.default_rng(seed)
     half = H // 2
 
     def bf16_values(bits):
@@ -196,6 +190,32 @@ def test_swiglu_epilogue_rounds_special_values_like_unfused(unfused_swiglu):
     ids = jnp.asarray(rng.integers(0, E, (T, 1)), jnp.int32)
     w = jnp.ones((T, 1), jnp.float32)
     wd = jnp.broadcast_to(jnp.eye(F, H, dtype=jnp.bfloat16), (E, F, H))
+    return x, ids, w, wgu, wd, kind
+
+
+def assert_special_values_reached(gate_up, y, kind):
+    """The draw reaches the cases: NaNs, both infinities and subnormals among g and u,
+    and every h of a finite row is finite (y's rows are the tokens' own rows)."""
+    gu = np.asarray(gate_up).view(np.uint16)
+    exponent, mantissa = gu & 0x7F80, gu & 0x7F
+    assert ((exponent == 0x7F80) & (mantissa != 0)).any(), "no NaN"
+    assert (gu == 0x7F80).any() and (gu == 0xFF80).any(), "no infinity"
+    assert ((exponent == 0) & (mantissa != 0)).any(), "no subnormal"
+    y = np.asarray(y).view(np.uint16)[kind == 1]
+    assert ((y & 0x7F80) < 0x7F80).all(), "h of a finite row is not finite"
+
+
+def test_swiglu_epilogue_rounds_special_values_like_unfused(unfused_swiglu):
+    """The epilogue rounds h, g and u to bf16 with the hardware's conversion; the
+    unfused SwiGLU kernel with float_to_bf16. special_values_problem's rows; the
+    saved residual (g and u) and y must have the same bits in both paths. (h's
+    rounding is seen on finite rows only: a row whose h holds an infinity or a NaN is
+    NaN in y through 0 * inf.)"""
+    from mok_jax import _mok, primitives as prim
+    T, E, H, F = 1536, 2, 128, 128
+    assert _mok.swiglu_epilogue_shape(E, H, F, T)
+    assert _mok.HAS_SM90A_KERNELS and jax.devices()[0].compute_capability == "9.0"
+    x, ids, w, wgu, wd, kind = special_values_problem(T, E, H, F)
     fwd = jax.jit(lambda *args: prim.moe_fwd_p.bind(*args, recipe=NATIVE, capacity=prim.NO_CAPACITY,
                                                     save_gate_up=True)[:2])
     fused = jax.block_until_ready(fwd(x, ids, w, wgu, wd))
@@ -203,15 +223,7 @@ def test_swiglu_epilogue_rounds_special_values_like_unfused(unfused_swiglu):
     for name, got, want in zip(("y (h)", "gate_up"), fused, unfused):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
                                       np.asarray(want).view(np.uint16), err_msg=name)
-    # The draw reaches the cases: NaNs, both infinities and subnormals among g and
-    # u, and every h of a finite row is finite (y's rows are the tokens' own rows).
-    gu = np.asarray(fused[1]).view(np.uint16)
-    exponent, mantissa = gu & 0x7F80, gu & 0x7F
-    assert ((exponent == 0x7F80) & (mantissa != 0)).any(), "no NaN"
-    assert (gu == 0x7F80).any() and (gu == 0xFF80).any(), "no infinity"
-    assert ((exponent == 0) & (mantissa != 0)).any(), "no subnormal"
-    y = np.asarray(fused[0]).view(np.uint16)[kind == 1]
-    assert ((y & 0x7F80) < 0x7F80).all(), "h of a finite row is not finite"
+    assert_special_values_reached(fused[1], fused[0], kind)
 
 
 @pytest.mark.parametrize("shape", SHAPES[1:])

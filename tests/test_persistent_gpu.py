@@ -135,6 +135,34 @@ def test_wide_tiles_at_the_block_edges(persistent):
     np.testing.assert_array_equal(stats.tokens_per_expert, counts)
 
 
+@pytest.mark.parametrize("experts,tile_rows", [(2, 128), (32, 64)])
+def test_special_values_round_as_in_the_chain(persistent, experts, tile_rows):
+    """The persistent epilogues round h, g, u and the expert-output rows with the
+    hardware's conversion, as the chain's SwiGLU epilogue does: with accumulators
+    that reach NaNs, infinities, subnormals and halfway cases (test_gpu's
+    special_values_problem), y and the saved residual are the chain's bits, with
+    both tile heights."""
+    from mok_jax import primitives as prim
+    from test_gpu import assert_special_values_reached, special_values_problem
+    T, H, F = 1536, 128, 128
+    x, ids, w, wgu, wd, kind = special_values_problem(T, experts, H, F)
+    previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
+    try:
+        assert _mok.persistent_shape(T, 1, experts, H, F)
+    finally:
+        _mok.set_persistent_kernels(previous)
+    assert _mok.persistent_tile_rows(T, 1, experts, H, F) == tile_rows
+    fwd = jax.jit(lambda *a: prim.moe_fwd_p.bind(
+        *a, recipe=int(mok_jax.Recipe.NATIVE), capacity=prim.NO_CAPACITY,
+        save_gate_up=True)[:2])
+    got = persistent(lambda: fwd(x, ids, w, wgu, wd), True)
+    want = persistent(lambda: fwd(x, ids, w, wgu, wd), False)
+    for name, a, b in zip(("y", "gate_up"), got, want):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
+                                      np.asarray(b).view(np.uint16), err_msg=name)
+    assert_special_values_reached(got[1], got[0], kind)
+
+
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0])
 def test_capacity_drops(persistent, capacity_factor):
     args = _problem(640, 4, 16, 256, 192, seed=4, skew=True)

@@ -365,10 +365,6 @@ __device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& 
 // l / 4 and r + 8 of its group's, and its value 4j + v is column 8j + 2q + v % 2 of
 // row r + 8 (v / 2) (tests/wgmma_c_layout.cu checks this with CuTe).
 
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-  return uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
-}
-
 // The rows one thread of a warp group stores in a staged pass: rows t / 8 + 16 i
 // (i < 4) of the group's 64, 16-byte chunk t % 8 of the pass's 64 columns.
 struct StagedRows {
@@ -476,11 +472,11 @@ __device__ void gemm1_epilogue(const Params& p, const Task& task, const Acc<128>
   auto silu_pair = [&](int j, int v) {
     const float g0 = acc(4 * j + v), g1 = acc(4 * j + v + 1);
     const float u0 = acc(4 * (j + 16) + v), u1 = acc(4 * (j + 16) + v + 1);
-    return pack_bf16(g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
+    return pack_bf16x2(g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
   };
-  auto gate_pair = [&](int j, int v) { return pack_bf16(acc(4 * j + v), acc(4 * j + v + 1)); };
+  auto gate_pair = [&](int j, int v) { return pack_bf16x2(acc(4 * j + v), acc(4 * j + v + 1)); };
   auto up_pair = [&](int j, int v) {
-    return pack_bf16(acc(4 * (j + 16) + v), acc(4 * (j + 16) + v + 1));
+    return pack_bf16x2(acc(4 * (j + 16) + v), acc(4 * (j + 16) + v + 1));
   };
   // Whole 64-row tiles by TMA (a column past F is not written: the maps end at F).
   const bool tma = group_rows_full(rb);
@@ -508,7 +504,7 @@ __device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& 
   const RowBlock& rb = task.rb;
   const int64_t H = p.hidden;
   const int64_t n0 = int64_t(task.tile) * kGemm2Cols;
-  auto pair = [&](int j, int v) { return pack_bf16(acc(4 * j + v), acc(4 * j + v + 1)); };
+  auto pair = [&](int j, int v) { return pack_bf16x2(acc(4 * j + v), acc(4 * j + v + 1)); };
   // One rank, whole 64-row tiles: by TMA into the row-ordered expert-output rows.
   const bool tma = p.ranks == 1 && group_rows_full(rb);
   const int32_t row = group_row0(rb);

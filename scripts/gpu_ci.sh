@@ -44,7 +44,7 @@ fi
 # Steps to run (default: build sass gpu memcheck bench suite cpu; also `train`, meshes in
 # MOK_TRAIN_MESHES: "1gpu ep2", also e.g. "ep8 dp2ep4"; MOK_PYTEST_ARGS: what the gpu step selects; MOK_BENCH_TORCH=0:
 # no torch baselines). Step time
-# limits: MOK_TIMEOUT_GPU, MOK_TIMEOUT_MEMCHECK, MOK_TIMEOUT_BENCH, MOK_TIMEOUT_TRAIN (s).
+# limits: MOK_TIMEOUT_SASS, MOK_TIMEOUT_GPU, MOK_TIMEOUT_MEMCHECK, MOK_TIMEOUT_BENCH, MOK_TIMEOUT_TRAIN (s).
 # `build` leaves the wheel in MOK_WHEEL_DIR (default OUTDIR/wheel; e.g. /tmp/wheel to
 # keep it out of OUTDIR when only OUTDIR's logs should be copied back).
 STEPS=" ${MOK_GPU_CI_STEPS:-build sass gpu memcheck bench suite cpu} "
@@ -58,7 +58,7 @@ fi
 # Run from outside the source tree so that the installed package is imported.
 cd tests
 if want sass; then  # the persistent kernels' wgmma K loops move no accumulators (cuobjdump)
-  step sass $PY ../scripts/sass_k_loops.py
+  step sass timeout ${MOK_TIMEOUT_SASS:-300} $PY ../scripts/sass_k_loops.py
 fi
 if want gpu; then
   step tests_gpu timeout ${MOK_TIMEOUT_GPU:-900} $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" -rs ${MOK_PYTEST_ARGS:-.}

@@ -138,10 +138,11 @@ def test_wide_tiles_at_the_block_edges(persistent):
 @pytest.mark.parametrize("experts,tile_rows", [(2, 128), (32, 64)])
 def test_special_values_round_as_in_the_chain(persistent, experts, tile_rows):
     """The persistent epilogues round h, g, u and the expert-output rows with the
-    hardware's conversion, as the chain's SwiGLU epilogue does: with accumulators
-    that reach NaNs, infinities, subnormals and halfway cases (test_gpu's
+    hardware's conversion, as the chain's SwiGLU epilogue does: with GEMM1
+    accumulators that reach NaNs, infinities, subnormals and halfway cases (test_gpu's
     special_values_problem), y and the saved residual are the chain's bits, with
-    both tile heights."""
+    both tile heights. (W_down = I: GEMM2's accumulators are h's bf16 values, so its
+    rounding sees exact values, infinities and NaNs only.)"""
     from mok_jax import primitives as prim
     from test_gpu import assert_special_values_reached, special_values_problem
     T, H, F = 1536, 128, 128

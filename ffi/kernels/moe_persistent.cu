@@ -585,10 +585,10 @@ __device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, c
     }
     const bool first = task.kind == Kind::kGemm1;
     const int64_t K = first ? p.hidden : p.ffn;
-    // The accumulators live for one task only: declared once for all tasks, they
-    // were live across the combine as well, and ptxas kept them outside the
-    // wgmma's registers, moving them in and out around every K block (138 moves
-    // in the 128-row loop; docs/performance.md).
+    // Declared per task, so that the accumulators are dead across the combine and
+    // between tasks: live across them, ptxas keeps part of them outside the wgmma's
+    // registers and moves them in and out around every K block (138-142 moves in
+    // the 128-row loop; scripts/sass_k_loops.py checks the loops).
     Acc<BM> acc;
     mma_k_loop<typename Tiles<BM>::Mma, LayoutARows<BM>, LayoutB>(
         ctl, tiles, st, static_cast<int>((K + kBlockK - 1) / kBlockK), acc);

@@ -232,20 +232,20 @@ __device__ void produce(const Params& p, const Windows& win, Control<BM>& ctl, c
     } else if (t < list.gemm12) {
       const uint32_t i = t - list.gemm1;
       task = {Kind::kGemm2, int32_t(i % list.n2), int64_t(list.block0) + i / list.n2, {}};
-      producer_wait_for(ptid, p.h_ready + task.block, list.n1);
     } else if (t < list.total) {
-      // A rank's tokens have rows at every rank's experts: wait for all GEMM2 tasks.
-      task = {Kind::kCombine, int32_t(t - list.gemm12), 0, {}};
-      producer_wait_for(ptid, p.gemm2_done, list.gemm2_all);
+      task = {Kind::kCombine, int32_t(t - list.gemm12), 0, {}};  // the consumers wait
     } else {
       task.kind = Kind::kEnd;
     }
     if (task.kind == Kind::kGemm1 || task.kind == Kind::kGemm2) {
       task.rb = find_block<BM>(block_begin, p.experts, p.expert_begin, task.block);
     }
+    // Handed over before the task's wait: the consumers signal their last task when
+    // they see the next (consume), and this wait may be for that signal.
     hand_over(ptid, ctl, mail, task);
     if (task.kind == Kind::kEnd) break;
     if (task.kind == Kind::kCombine) continue;
+    if (task.kind == Kind::kGemm2) producer_wait_for(ptid, p.h_ready + task.block, list.n1);
 
     const RowBlock& rb = task.rb;
     const bool first = task.kind == Kind::kGemm1;
@@ -569,21 +569,44 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
   }
 }
 
+// A GEMM task's outputs are signalled (its counter raised) one task late: the
+// wait for its stores to land runs under the next task's first wgmmas, not with
+// the tensor cores idle. Unless the next task may wait for the signal: a GEMM1
+// task waits for nothing and a GEMM2 task for GEMM1 tasks only, so the signal is
+// given first when a GEMM2 task follows a GEMM1 task, and before a combine task
+// (which waits for every GEMM2 task) or the end.
 template <typename W, int BM>
 __device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, char* tiles,
-                        Elem* staging, int32_t rank, uint32_t col_tiles) {
+                        Elem* staging, int32_t rank, const TaskList& list) {
   Ring<Tiles<BM>::kStages> st{0, 0u};
   Ring<kTaskSlots> mail{0, 0u};
   // The warp group's 8 KB staging buffer (128-row tiles).
   Elem* buf = staging + (threadIdx.x - kProducerThreads) / 128 * (64 * 64);
+  uint32_t* unsignalled = nullptr;  // the last GEMM task's counter (the same in every thread)
+  auto signal = [&] {
+    if (unsignalled == nullptr) return;
+    if constexpr (BM == 128) tma_stores_done();
+    consumer_signal(unsignalled);
+    unsignalled = nullptr;
+  };
+  bool gemm2_all_done = false;
   for (;;) {
     const Task task = take_task(ctl, mail);
-    if (task.kind == Kind::kEnd) return;
+    if (task.kind == Kind::kEnd) {
+      signal();
+      return;
+    }
     if (task.kind == Kind::kCombine) {
+      signal();
+      if (!gemm2_all_done) {  // a rank's tokens have rows at every rank's experts
+        consumer_wait_for(p.gemm2_done, list.gemm2_all);
+        gemm2_all_done = true;
+      }
       combine_task<W>(p, win, rank, task.tile);
       continue;
     }
     const bool first = task.kind == Kind::kGemm1;
+    if (!first && unsignalled != p.gemm2_done) signal();
     const int64_t K = first ? p.hidden : p.ffn;
     // Declared per task, so that the accumulators are dead across the combine and
     // between tasks: live across them, ptxas keeps part of them outside the wgmma's
@@ -591,24 +614,23 @@ __device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, c
     // the 128-row loop; scripts/sass_k_loops.py checks the loops).
     Acc<BM> acc;
     mma_k_loop<typename Tiles<BM>::Mma, LayoutARows<BM>, LayoutB>(
-        ctl, tiles, st, static_cast<int>((K + kBlockK - 1) / kBlockK), acc);
+        ctl, tiles, st, static_cast<int>((K + kBlockK - 1) / kBlockK), acc, signal);
+    signal();  // (done already in the K loop, but for an empty one)
     if (first) {
-      if (p.x_rows_out != nullptr) copy_x_rows(p, win, task, col_tiles);
+      if (p.x_rows_out != nullptr) copy_x_rows(p, win, task, list.n1);
       if constexpr (BM == 64) {
         gemm1_epilogue(p, task, acc);
       } else {
         gemm1_epilogue(p, task, acc, buf);
-        tma_stores_done();
       }
-      consumer_signal(p.h_ready + task.block);
+      unsignalled = p.h_ready + task.block;
     } else {
       if constexpr (BM == 64) {
         gemm2_epilogue(p, win, task, acc);
       } else {
         gemm2_epilogue(p, win, task, acc, buf);
-        tma_stores_done();
       }
-      consumer_signal(p.gemm2_done);
+      unsignalled = p.gemm2_done;
     }
   }
 }
@@ -653,7 +675,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     produce<BM>(p, win, ctl, tiles, block_begin, list);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consume<W, BM>(p, win, ctl, tiles, staging, rank, list.n1);
+    consume<W, BM>(p, win, ctl, tiles, staging, rank, list);
   }
 }
 

@@ -242,6 +242,15 @@ __device__ __forceinline__ void producer_wait_for(int ptid, const uint32_t* coun
   producer_sync();
 }
 
+// The same for the consumers (one thread spins; then every consumer thread may read).
+__device__ __forceinline__ void consumer_wait_for(const uint32_t* counter, uint32_t target) {
+  if (threadIdx.x == kProducerThreads) {
+    while (load_acquire(counter) < target) __nanosleep(64);
+    __threadfence();
+  }
+  consumer_sync();
+}
+
 // Shared-memory control of a persistent kernel with S stages: the stage barriers
 // (full: every producer thread's cp.async chunks and the TMA bytes, or thread 0's
 // plain arrival, landed; empty: every consumer warp is done reading), the task
@@ -343,10 +352,15 @@ __device__ __forceinline__ void scan_row_blocks(const int64_t* expert_begin, int
 // tiled MMA `Mma` on stage tiles laid out as SmemA (its rows: the stage's) and SmemB.
 // Each stage is released when its wgmmas are done (keeping one K block's wgmmas in
 // flight across the next block's wait made the 128-row forward 11-19 % slower:
-// docs/performance.md).
-template <class Mma, class SmemA, class SmemB, class Ctl, int S, class Acc>
+// docs/performance.md). `issued` runs once, while the first K block's wgmmas are in
+// flight (work that can overlap them; it must not touch the accumulators).
+struct NothingWhileIssued {
+  __device__ void operator()() const {}
+};
+template <class Mma, class SmemA, class SmemB, class Ctl, int S, class Acc,
+          class Issued = NothingWhileIssued>
 __device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<S>& st,
-                                           int k_blocks, Acc& acc) {
+                                           int k_blocks, Acc& acc, Issued issued = {}) {
   constexpr int BM = decltype(size<0>(SmemA{}))::value;
   const int ctid = threadIdx.x - kProducerThreads;
   Mma mma;
@@ -368,6 +382,7 @@ __device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<S>& st,
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
+    if (kb == 0) issued();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     __syncwarp();

@@ -517,9 +517,10 @@ __device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& 
 }
 
 // Four warps per token, each on every fourth 8-column chunk of 256 lanes' worth;
-// per column, k ascending, f32 sum rounded once (combine_rows' arithmetic). The K
-// rows' loads are issued in batches of eight before any is summed, so a token
-// waits for one load latency per batch, not one per row.
+// per column, k ascending, f32 sum rounded once (combine_rows' arithmetic). A
+// batch of eight pairs loads its pairs and weights first, then all eight rows,
+// before any is summed, so a token waits for two load latencies per batch, not
+// one or two per row.
 // Rank `rank`'s combine task: its tokens' rows from its receive window (one rank:
 // from the row-ordered expert-output rows, by pair_row), y into its y window.
 template <typename W>
@@ -540,22 +541,26 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
     for (int64_t k0 = 0; k0 < p.top_k; k0 += kBatch) {
-      uint4 v[kBatch];
+      // The pairs and weights in separate loads ahead of the rows': ptxas does not
+      // move a load above the rows' strong loads, so with each pair's loads next to
+      // its row's the eight pairs' loads would wait for one another.
+      int32_t r[kBatch];
       float wk[kBatch];
-      bool use[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const int64_t k = k0 + j;
-        const int64_t pair = t * p.top_k + k;
-        const int32_t r = k < p.top_k ? p.pair_row[pair] : -1;  // past K: not read
-        use[j] = r >= 0;  // routed and kept
-        wk[j] = use[j] ? to_float(weights[pair]) : 0.0f;
-        const Elem* row = p.ranks == 1 ? win.recv[0] + int64_t(r) * H : rows + k * H;
-        v[j] = use[j] ? __ldcg(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0, 0, 0, 0);
+        r[j] = k < p.top_k ? p.pair_row[t * p.top_k + k] : -1;  // past K: not read
+        wk[j] = k < p.top_k ? to_float(weights[t * p.top_k + k]) : 0.0f;
+      }
+      uint4 v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const Elem* row = p.ranks == 1 ? win.recv[0] + int64_t(r[j]) * H : rows + (k0 + j) * H;
+        v[j] = r[j] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        if (!use[j]) continue;  // an unrouted pair adds nothing (not even a zero)
+        if (r[j] < 0) continue;  // unrouted or dropped: adds nothing (not even a zero)
         const bf16* e = reinterpret_cast<const bf16*>(&v[j]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] += wk[j] * to_float(e[i]);

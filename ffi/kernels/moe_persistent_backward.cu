@@ -353,14 +353,16 @@ __device__ void combine_task(const Params& p, int64_t task) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
     for (int64_t k0 = 0; k0 < K; k0 += kBatch) {
+      // The batch's pairs first, all in flight at once (the forward's combine_task).
+      int32_t r[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) r[j] = k0 + j < K ? p.pair_row[t * K + k0 + j] : -1;
       uint4 v[kBatch];
       bool use[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        const int64_t k = k0 + j;
-        const int32_t r = k < K ? p.pair_row[t * K + k] : -1;
-        use[j] = r >= 0;
-        v[j] = use[j] ? __ldcg(reinterpret_cast<const uint4*>(p.dx_rows + int64_t(r) * H + c))
+        use[j] = r[j] >= 0;
+        v[j] = use[j] ? __ldcg(reinterpret_cast<const uint4*>(p.dx_rows + int64_t(r[j]) * H + c))
                       : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll

@@ -110,14 +110,17 @@ NB_MODULE(_mok, m) {
         "the paths.");
   m.def(
       "persistent_shape",
-      [](int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn) {
+      [](int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn,
+         bool residuals) {
         const mok::MoeShape s{tokens, top_k, experts, hidden, ffn};
-        return mok::cuda::persistent_supported(s, mok::Recipe::kNative, mok::DType::kBF16);
+        return mok::cuda::persistent_supported(s, mok::Recipe::kNative, mok::DType::kBF16,
+                                               residuals);
       },
       nb::arg("tokens"), nb::arg("top_k"), nb::arg("experts"), nb::arg("hidden"),
-      nb::arg("ffn"),
+      nb::arg("ffn"), nb::arg("residuals") = false,
       "Whether a bf16 one-device forward of these sizes on this device runs as the "
-      "persistent kernel under the current mode.");
+      "persistent kernel under the current mode; residuals: a forward that also "
+      "writes the residuals a backward keeps (under a gradient).");
   m.def(
       "persistent_tile_rows",
       [](int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn) {

@@ -5,8 +5,8 @@ weight gradients, the dx combine) give the kernel chains' bits on the GPU.
 `_mok.set_persistent_kernels(OFF)` makes the handlers run the chains (gathers,
 grouped GEMMs, SwiGLU, combines as separate kernels), `ALWAYS` the persistent
 kernels wherever they can run (the default, `AUTO`, picks the forward's for few
-rows per expert only and the chain's backward); y, the residuals and every
-gradient must be equal bit for bit.
+rows per expert only, 64 or 128 with no residuals, and the chain's backward); y,
+the residuals and every gradient must be equal bit for bit.
 """
 
 import jax
@@ -76,10 +76,11 @@ def _check(persistent, args, **kw):
     previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
     try:
         takes = (_mok.persistent_shape(T, K, E, H, F2 // 2),
+                 _mok.persistent_shape(T, K, E, H, F2 // 2, residuals=True),
                  _mok.persistent_backward_shape(T, K, E, H, F2 // 2))
     finally:
         _mok.set_persistent_kernels(previous)
-    assert takes == (True, True), "the persistent kernels do not take this shape"
+    assert takes == (True, True, True), "the persistent kernels do not take this shape"
     fwd = lambda: mok_jax.moe(*args, return_stats=True, **kw)
     step = _forward_and_grads(*args, **kw)
     _assert_same(persistent(fwd, True), persistent(fwd, False))
@@ -149,7 +150,7 @@ def test_special_values_round_as_in_the_chain(persistent, experts, tile_rows):
     x, ids, w, wgu, wd, kind = special_values_problem(T, experts, H, F)
     previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
     try:
-        assert _mok.persistent_shape(T, 1, experts, H, F)
+        assert _mok.persistent_shape(T, 1, experts, H, F, residuals=True)
     finally:
         _mok.set_persistent_kernels(previous)
     assert _mok.persistent_tile_rows(T, 1, experts, H, F) == tile_rows
@@ -193,13 +194,21 @@ def test_every_pair_invalid_gives_zeros(persistent):
 
 
 def test_auto_mode_takes_few_rows_per_expert_only():
+    """AUTO's forward: the persistent kernel up to 64 rows per expert, and up to 128
+    for a forward that keeps no residuals (inference); the chain past that."""
     assert _mok.set_persistent_kernels(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
-    assert _mok.persistent_shape(256, 8, 128, 2048, 768)        # 16 rows per expert
-    assert _mok.persistent_shape(1024, 8, 128, 2048, 768)       # 64
-    assert not _mok.persistent_shape(1025, 8, 128, 2048, 768)   # just over 64
-    assert not _mok.persistent_shape(2048, 8, 128, 2048, 768)   # 128
-    assert not _mok.persistent_shape(256, 8, 128, 2048, 764)    # F % 8 != 0
-    assert not _mok.persistent_shape(256, 8, 5000, 2048, 768)   # E > 4096
+    for residuals in (False, True):
+        assert _mok.persistent_shape(256, 8, 128, 2048, 768, residuals)    # 16 rows per expert
+        assert _mok.persistent_shape(1024, 8, 128, 2048, 768, residuals)   # 64
+        assert not _mok.persistent_shape(2049, 8, 128, 2048, 768, residuals)  # just over 128
+        assert not _mok.persistent_shape(16384, 8, 128, 2048, 768, residuals)  # 1024
+        assert not _mok.persistent_shape(256, 8, 128, 2048, 764, residuals)  # F % 8 != 0
+        assert not _mok.persistent_shape(256, 8, 5000, 2048, 768, residuals)  # E > 4096
+    assert _mok.persistent_shape(1025, 8, 128, 2048, 768)               # just over 64
+    assert _mok.persistent_shape(2048, 8, 128, 2048, 768)               # 128
+    assert _mok.persistent_shape(1024, 4, 32, 1024, 1024)               # 128
+    assert not _mok.persistent_shape(1025, 8, 128, 2048, 768, residuals=True)
+    assert not _mok.persistent_shape(2048, 8, 128, 2048, 768, residuals=True)
     # The backward's kernel only where asked for: AUTO keeps the chain's backward.
     assert not _mok.persistent_backward_shape(256, 8, 128, 2048, 768)
     _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)

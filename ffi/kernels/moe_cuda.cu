@@ -23,8 +23,8 @@ ExpertFfnShape ffn_shape(const MoeShape& s) {
 // chain (gathers, expert FFN, combine). Both give the same bits, in either pass.
 // (The persistent kernels exist in sm_90a builds only; elsewhere the chain runs.)
 #ifdef MOK_HAVE_SM90A
-bool use_persistent(const MoeShape& s, Recipe recipe, DType dt) {
-  return persistent_supported(s, recipe, dt);
+bool use_persistent(const MoeShape& s, Recipe recipe, DType dt, bool residuals) {
+  return persistent_supported(s, recipe, dt, residuals);
 }
 bool use_persistent_backward(const MoeShape& s, Recipe recipe, DType dt) {
   return persistent_backward_supported(s, recipe, dt);
@@ -52,7 +52,7 @@ ForwardBuffers carve_forward(void* ws, const MoeShape& s, Recipe recipe, DType d
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
 #ifdef MOK_HAVE_SM90A
-  if (ranks > 1 || use_persistent(s, recipe, dt)) {
+  if (ranks > 1 || use_persistent(s, recipe, dt, save_gate_up)) {
     b.persistent = true;
     b.ffn_scratch_bytes = persistent_forward_workspace_bytes(s, ranks);
     b.ffn_scratch = c.take(b.ffn_scratch_bytes);

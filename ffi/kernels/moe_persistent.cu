@@ -25,11 +25,17 @@ constexpr int kCombineTokens = 2;     // tokens per combine task (four warps eac
 constexpr int kCombineWarps = 4;      // warps per token, side by side along H
 static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
 constexpr int kMaxRanks = kMaxPersistentRanks;  // EP ranks of one launch
-// Auto mode: the persistent kernel where experts average at most this many rows
-// (its 64-row tiles stream the weights; with more rows the chain's CUTLASS GEMMs,
-// 128x256 tiles with warp specialisation, are faster: docs/performance.md).
-constexpr int64_t kAutoRowsPerExpert = 64;
-// Past 64 rows per expert the kernel takes 128-row tiles (ALWAYS), for E up to this:
+// Where the persistent forward tiles by 64 rows (streaming the weights): experts
+// average at most this many rows.
+constexpr int64_t kNarrowTileRowsPerExpert = 64;
+// Auto mode: the persistent kernel where experts average at most this many rows, and
+// without the residuals a backward keeps up to kAutoRowsPerExpertNoResiduals
+// (its 128-row tiles' epilogues write h and y only there; with more rows the
+// chain's CUTLASS GEMMs, 128x256 tiles with warp specialisation, are as fast or
+// faster, and with the residuals the gain is gone: docs/performance.md).
+constexpr int64_t kAutoRowsPerExpert = kNarrowTileRowsPerExpert;
+constexpr int64_t kAutoRowsPerExpertNoResiduals = 128;
+// Past 64 rows per expert the kernel takes 128-row tiles, for E up to this:
 // the row-block prefix sums (4 bytes an expert) share shared memory with four 48 KB
 // stages and the staging buffers; they would fit up to E = 4083, 2048 keeps a margin.
 constexpr int64_t kMaxExpertsWideTiles = 2048;
@@ -764,17 +770,17 @@ bool persistent_can_run(const MoeShape& s, Recipe recipe, DType x_dtype) {
   return info.cc == 90;
 }
 
-bool persistent_supported(const MoeShape& s, Recipe recipe, DType x_dtype) {
+bool persistent_supported(const MoeShape& s, Recipe recipe, DType x_dtype, bool residuals) {
   const auto mode = static_cast<PersistentMode>(persistent_mode.load(std::memory_order_relaxed));
   if (mode == PersistentMode::kOff) return false;
-  if (mode == PersistentMode::kAuto && s.tokens * s.top_k > kAutoRowsPerExpert * s.experts) {
-    return false;
-  }
+  const int64_t auto_rows = residuals ? kAutoRowsPerExpert : kAutoRowsPerExpertNoResiduals;
+  if (mode == PersistentMode::kAuto && s.tokens * s.top_k > auto_rows * s.experts) return false;
   return persistent_can_run(s, recipe, x_dtype);
 }
 
 int persistent_forward_tile_rows(const MoeShape& s) {
-  return s.tokens * s.top_k > kAutoRowsPerExpert * s.experts && s.experts <= kMaxExpertsWideTiles
+  return s.tokens * s.top_k > kNarrowTileRowsPerExpert * s.experts &&
+                 s.experts <= kMaxExpertsWideTiles
              ? 128
              : 64;
 }

@@ -65,8 +65,9 @@ PersistentMode set_persistent_kernels(PersistentMode mode);
 // native one, H and F are multiples of 8 and E <= 4096).
 bool persistent_can_run(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
-// Whether the persistent forward takes this call under the current mode.
-bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
+// Whether the persistent forward takes this call under the current mode; `residuals`:
+// the call also writes the residuals a backward keeps (AUTO takes fewer such calls).
+bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype, bool residuals);
 
 // The rows of the persistent forward's GEMM tiles at this shape: 64 where experts
 // average at most 64 rows (the weights streamed: AUTO's range), else 128 (for

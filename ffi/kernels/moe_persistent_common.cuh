@@ -25,6 +25,7 @@
 #include "cutlass/numeric_types.h"
 #include "cuda_check.h"
 #include "mok/bf16.h"
+#include "swiglu_math.cuh"
 
 namespace mok::cuda::persistent {
 
@@ -95,20 +96,7 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid);
 }
 
-// Two floats rounded to bf16, `a` in the low half, by the hardware's
-// round-to-nearest-even conversion, as the chain's SwiGLU epilogue rounds
-// (swiglu_epilogue.cuh): one instruction for both, where float_to_bf16 takes ~8
-// integer instructions a value. The bits are float_to_bf16's for every non-NaN
-// value; a NaN becomes the canonical 0x7FFF, float_to_bf16's result for the only
-// NaN the GPU's arithmetic produces (0x7FFFFFFF). For the epilogues' products and
-// accumulators only, never for a value read from memory.
-__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
-  uint32_t packed;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(b), "f"(a));  // b: high half
-  return packed;
-}
-
-// Two rounded values at adjacent columns (`dst` 4-byte aligned) in one store.
+// Two rounded values (pack_bf16x2, swiglu_math.cuh) at adjacent columns (`dst` 4-byte aligned) in one store.
 __device__ __forceinline__ void store_pair(Elem* dst, float a, float b) {
   *reinterpret_cast<uint32_t*>(dst) = pack_bf16x2(a, b);
 }

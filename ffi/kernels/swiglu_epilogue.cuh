@@ -20,6 +20,7 @@
 
 #include "cutlass_grouped.cuh"
 #include "mok/bf16.h"
+#include "swiglu_math.cuh"
 
 namespace mok::cuda::cutlass_grouped {
 
@@ -177,20 +178,10 @@ class SwigluEpilogue {
   }
 
  private:
-  CUTLASS_DEVICE static float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
-  // Two floats rounded to bf16, `a` in the low half, by the hardware's
-  // round-to-nearest-even conversion: one instruction for both, where
-  // float_to_bf16 takes ~8 integer instructions a value (the epilogue rounds three
-  // values an output). The bits are float_to_bf16's for every non-NaN value; a NaN
-  // becomes the canonical 0x7FFF, which is also float_to_bf16's result for the only
-  // NaN that reaches here (the GPU's arithmetic, tensor cores included, produces
-  // the canonical 0x7FFFFFFF). tests/test_gpu.py checks the bits against the
-  // unfused path with NaN, infinite, subnormal and halfway inputs.
-  CUTLASS_DEVICE static uint32_t pack(float a, float b) {
-    uint32_t packed;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(b), "f"(a));  // b: high half
-    return packed;
-  }
+  // The rounded steps of swiglu_math.cuh: the SwiGLU forward kernel's sigmoid and
+  // the hardware's bf16 pair rounding (the epilogue rounds three values an output).
+  CUTLASS_DEVICE static float sigmoid(float g) { return mok::cuda::sigmoid(g); }
+  CUTLASS_DEVICE static uint32_t pack(float a, float b) { return mok::cuda::pack_bf16x2(a, b); }
   // One 16-byte store, written as PTX: nvcc compiled a uint4 store here (plain or
   // through memcpy) to four 4-byte stores (tests/test_ptx.py checks the instances'
   // PTX). No "memory" clobber: nothing in the kernel reads h or gate_up, so the

@@ -43,6 +43,21 @@ __device__ __forceinline__ Vec<float, V> load_floats_cg(const float* p) {
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
+// Two floats rounded to bf16, `a` in the low half, by the hardware's
+// round-to-nearest-even conversion: one instruction for both, where float_to_bf16
+// takes ~8 integer instructions a value. The bits are float_to_bf16's for every
+// non-NaN value; a NaN becomes the canonical 0x7FFF, float_to_bf16's result for the
+// only NaN the GPU's arithmetic produces (0x7FFFFFFF, tensor cores included). For
+// the epilogues' products and accumulators only (the chain's SwiGLU GEMM epilogue,
+// the persistent kernels'), never for a value read from memory; tests/test_gpu.py
+// and tests/test_persistent_gpu.py check the bits with NaN, infinite, subnormal
+// and halfway inputs.
+__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
+  uint32_t packed;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(b), "f"(a));  // b: high half
+  return packed;
+}
+
 // Sum over a warp in a fixed order (a fixed xor tree): same bits on every run.
 __device__ __forceinline__ float warp_sum_fixed(float v) {
 #pragma unroll

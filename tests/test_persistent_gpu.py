@@ -70,17 +70,23 @@ def _assert_same(a, b):
         np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8))
 
 
+def _always_takes(T, K, E, H, F):
+    """Whether, under ALWAYS (the mode restored after), the persistent kernels take
+    this shape: the forward without and with residuals, and the backward."""
+    previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
+    try:
+        return (_mok.persistent_shape(T, K, E, H, F),
+                _mok.persistent_shape(T, K, E, H, F, residuals=True),
+                _mok.persistent_backward_shape(T, K, E, H, F))
+    finally:
+        _mok.set_persistent_kernels(previous)
+
+
 def _check(persistent, args, **kw):
     T, K = args[1].shape
     E, H, F2 = args[3].shape
-    previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
-    try:
-        takes = (_mok.persistent_shape(T, K, E, H, F2 // 2),
-                 _mok.persistent_shape(T, K, E, H, F2 // 2, residuals=True),
-                 _mok.persistent_backward_shape(T, K, E, H, F2 // 2))
-    finally:
-        _mok.set_persistent_kernels(previous)
-    assert takes == (True, True, True), "the persistent kernels do not take this shape"
+    assert _always_takes(T, K, E, H, F2 // 2) == (True, True, True), (
+        "the persistent kernels do not take this shape")
     fwd = lambda: mok_jax.moe(*args, return_stats=True, **kw)
     step = _forward_and_grads(*args, **kw)
     _assert_same(persistent(fwd, True), persistent(fwd, False))
@@ -148,11 +154,7 @@ def test_special_values_round_as_in_the_chain(persistent, experts, tile_rows):
     from test_gpu import assert_special_values_reached, special_values_problem
     T, H, F = 1536, 128, 128
     x, ids, w, wgu, wd, kind = special_values_problem(T, experts, H, F)
-    previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
-    try:
-        assert _mok.persistent_shape(T, 1, experts, H, F, residuals=True)
-    finally:
-        _mok.set_persistent_kernels(previous)
+    assert _always_takes(T, 1, experts, H, F)[1]
     assert _mok.persistent_tile_rows(T, 1, experts, H, F) == tile_rows
     fwd = jax.jit(lambda *a: prim.moe_fwd_p.bind(
         *a, recipe=int(mok_jax.Recipe.NATIVE), capacity=prim.NO_CAPACITY,

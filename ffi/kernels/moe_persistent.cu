@@ -28,11 +28,12 @@ constexpr int kMaxRanks = kMaxPersistentRanks;  // EP ranks of one launch
 // Where the persistent forward tiles by 64 rows (streaming the weights): experts
 // average at most this many rows.
 constexpr int64_t kNarrowTileRowsPerExpert = 64;
-// Auto mode: the persistent kernel where experts average at most this many rows, and
-// without the residuals a backward keeps up to kAutoRowsPerExpertNoResiduals
-// (its 128-row tiles' epilogues write h and y only there; with more rows the
-// chain's CUTLASS GEMMs, 128x256 tiles with warp specialisation, are as fast or
-// faster, and with the residuals the gain is gone: docs/performance.md).
+// Auto mode: the persistent kernel where experts average at most this many rows, or
+// kAutoRowsPerExpertNoResiduals for a forward that writes no residuals (inference).
+// At 65-128 rows its 128-row tiles beat the chain's CUTLASS GEMMs (128x256 tiles
+// with warp specialisation) without the residuals' stores and are even with them;
+// past 128 the chain is faster at some widths and slower at others, no rule yet
+// (docs/performance.md).
 constexpr int64_t kAutoRowsPerExpert = kNarrowTileRowsPerExpert;
 constexpr int64_t kAutoRowsPerExpertNoResiduals = 128;
 // Past 64 rows per expert the kernel takes 128-row tiles, for E up to this:

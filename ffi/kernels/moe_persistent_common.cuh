@@ -96,7 +96,8 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid);
 }
 
-// Two rounded values (pack_bf16x2, swiglu_math.cuh) at adjacent columns (`dst` 4-byte aligned) in one store.
+// Two rounded values (pack_bf16x2, swiglu_math.cuh) at adjacent columns (`dst` 4-byte
+// aligned) in one store.
 __device__ __forceinline__ void store_pair(Elem* dst, float a, float b) {
   *reinterpret_cast<uint32_t*>(dst) = pack_bf16x2(a, b);
 }
@@ -219,24 +220,23 @@ __device__ __forceinline__ void stream_k_blocks(int ptid, Ctl& ctl, char* tiles,
   }
 }
 
-// Spins (one thread) until *counter >= target; then every producer thread may read
-// what the counted tasks wrote.
+// Spins (one thread, the leader) until *counter >= target; after the group's barrier
+// `sync`, every thread of the group may read what the counted tasks wrote.
+template <class Sync>
+__device__ __forceinline__ void wait_for(bool leader, const uint32_t* counter, uint32_t target,
+                                         Sync sync) {
+  if (leader) {
+    while (load_acquire(counter) < target) __nanosleep(64);
+    __threadfence();
+  }
+  sync();
+}
 __device__ __forceinline__ void producer_wait_for(int ptid, const uint32_t* counter,
                                                   uint32_t target) {
-  if (ptid == 0) {
-    while (load_acquire(counter) < target) __nanosleep(64);
-    __threadfence();
-  }
-  producer_sync();
+  wait_for(ptid == 0, counter, target, producer_sync);
 }
-
-// The same for the consumers (one thread spins; then every consumer thread may read).
 __device__ __forceinline__ void consumer_wait_for(const uint32_t* counter, uint32_t target) {
-  if (threadIdx.x == kProducerThreads) {
-    while (load_acquire(counter) < target) __nanosleep(64);
-    __threadfence();
-  }
-  consumer_sync();
+  wait_for(threadIdx.x == kProducerThreads, counter, target, consumer_sync);
 }
 
 // Shared-memory control of a persistent kernel with S stages: the stage barriers

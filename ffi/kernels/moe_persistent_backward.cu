@@ -358,16 +358,14 @@ __device__ void combine_task(const Params& p, int64_t task) {
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) r[j] = k0 + j < K ? p.pair_row[t * K + k0 + j] : -1;
       uint4 v[kBatch];
-      bool use[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        use[j] = r[j] >= 0;
-        v[j] = use[j] ? __ldcg(reinterpret_cast<const uint4*>(p.dx_rows + int64_t(r[j]) * H + c))
-                      : make_uint4(0, 0, 0, 0);
+        v[j] = r[j] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(p.dx_rows + int64_t(r[j]) * H + c))
+                         : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        if (!use[j]) continue;
+        if (r[j] < 0) continue;
         const bf16* e = reinterpret_cast<const bf16*>(&v[j]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] += to_float(e[i]);

@@ -41,6 +41,7 @@ nb::dict registrations() {
   nb::dict gpu;
   gpu["mok_moe_fwd"] = encapsulate(MokMoeForwardCuda);
   gpu["mok_moe_fwd_ranks"] = encapsulate(MokMoeForwardRanksCuda);
+  gpu["mok_moe_bwd_ranks"] = encapsulate(MokMoeBackwardRanksCuda);
   gpu["mok_moe_bwd"] = encapsulate(MokMoeBackwardCuda);
   gpu["mok_expert_ffn_fwd"] = encapsulate(MokExpertFfnForwardCuda);
   gpu["mok_expert_ffn_bwd"] = encapsulate(MokExpertFfnBackwardCuda);

@@ -18,6 +18,7 @@ except ImportError as err:  # e.g. importing the source tree instead of the inst
 MOE_FORWARD = "mok_moe_fwd"
 MOE_FORWARD_RANKS = "mok_moe_fwd_ranks"
 MOE_BACKWARD = "mok_moe_bwd"
+MOE_BACKWARD_RANKS = "mok_moe_bwd_ranks"
 EXPERT_FFN_FORWARD = "mok_expert_ffn_fwd"
 EXPERT_FFN_BACKWARD = "mok_expert_ffn_bwd"
 COMBINE = "mok_combine"

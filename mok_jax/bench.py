@@ -166,7 +166,7 @@ IMPLS = ("moe", "ragged_dot", "dense_onehot", "tokamax")
 # kernel where that can run (moe picks between them by shape).
 EXTRA_IMPLS = ("moe_xla", "moe_chain", "moe_persistent", "moe_vranks2", "moe_vranks4",
                "moe_vranks8")
-# The EP role of the persistent forward on P virtual ranks of one GPU (forward only).
+# The EP role of the persistent kernels on P virtual ranks of one GPU.
 VIRTUAL_RANKS = {"moe_vranks2": 2, "moe_vranks4": 4, "moe_vranks8": 8}
 PASSES = ("fwd", "fwdbwd")
 
@@ -186,9 +186,9 @@ IMPL_ABOUT = {
                       "they can run (one launch per pass after the routing plan; moe "
                       "picks the forward's for few rows per expert only and the chain's "
                       "backward; same bits; not in the default list)",
-    **{name: f"mok_jax.ep.forward_on_virtual_ranks(ranks={p}): the persistent forward as "
-             f"{p} EP ranks in one launch on one GPU, each with its own windows (forward "
-             "only; T and E divisible by the ranks; the same bits as moe; compare with "
+    **{name: f"mok_jax.ep.moe_on_virtual_ranks(ranks={p}): the persistent kernels as "
+             f"{p} EP ranks in one launch per pass on one GPU, each with its own windows "
+             "(T and E divisible by the ranks; the same bits as moe; compare with "
              "moe_persistent; not in the default list)"
        for name, p in VIRTUAL_RANKS.items()},
 }
@@ -275,7 +275,7 @@ def resolve_impl(name: str) -> tuple[MoEFn | None, str | None]:
         return (functools.partial(moe, backend="xla") if name == "moe_xla" else moe), None
     if name in VIRTUAL_RANKS:
         from mok_jax import ep  # pylint: disable=import-outside-toplevel
-        return functools.partial(ep.forward_on_virtual_ranks, ranks=VIRTUAL_RANKS[name]), None
+        return functools.partial(ep.moe_on_virtual_ranks, ranks=VIRTUAL_RANKS[name]), None
     if name == "ragged_dot":
         return baselines.ragged_dot_moe, None
     if name == "dense_onehot":
@@ -1352,8 +1352,6 @@ RAGGED_DOT_DENSE_WGRAD_LIMIT = 64 * 2**30
 
 def auto_skip(shape: Shape, impl: str, pass_name: str, backend: str) -> str | None:
     """Why a measurement is not attempted by default, or None."""
-    if impl in VIRTUAL_RANKS and pass_name != "fwd":
-        return "forward only: the virtual ranks' launch has no backward"
     if impl == "ragged_dot" and pass_name == "fwdbwd" and backend == "gpu":
         dense = shape.experts * shape.tokens * shape.top_k * shape.hidden * 4
         if dense >= RAGGED_DOT_DENSE_WGRAD_LIMIT:

@@ -17,8 +17,8 @@ arithmetic does not depend on its neighbours, and each expert's rows arrive in
 the global order, so results and gradients are bitwise equal to EP=1, whatever
 the transport.
 
-`forward_on_virtual_ranks` runs the EP role of the persistent forward: P ranks
-served by one launch on one GPU, each with its own token, output and receive
+`moe_on_virtual_ranks` runs the EP role of the persistent kernels: P ranks served
+by one launch per pass on one GPU, each with its own token, output and receive
 windows reached through pointer tables, as peers' windows would be.
 """
 
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import _ext, comm, primitives
+from mok_jax import _ext, comm, layer, primitives
 from mok_jax.recipe import Recipe
 from mok_jax.transport import TRANSPORTS, Transport
 
@@ -219,20 +219,61 @@ class ExchangePath:
 MAX_VIRTUAL_RANKS = 8
 
 
-def forward_on_virtual_ranks(x, expert_ids, expert_weights, w_gate_up, w_down, *,
-                             ranks: int, capacity: int | None = None) -> jax.Array:
-    """`mok_jax.moe`'s y, computed as `ranks` EP ranks in one persistent launch on one
-    GPU (the ``mok_moe_fwd_ranks`` FFI target; forward only, no gradient).
+@dataclasses.dataclass(frozen=True)
+class VirtualRanksPath:
+    """The layer as `ranks` EP ranks in one persistent launch per pass on one GPU
+    (``mok_moe_fwd_ranks``, ``mok_moe_bwd_ranks``): a path of ``layer.run``."""
 
-    Rank r holds tokens ``[r*T/P, (r+1)*T/P)`` (its slices of x and y are its
-    windows) and experts ``[r*E/P, (r+1)*E/P)``; its CTAs compute its experts' rows,
-    reading each token's x row from the window of the token's rank and writing each
-    output row into the receive window of the token's rank, and combine its own
-    tokens. The result is bit for bit ``mok_jax.moe``'s at EP=1, for every P.
-    ``ranks=1`` is the one-device forward as ``mok_jax.moe`` runs it (the
-    persistent kernel where the forward's mode picks it, else the kernel chain).
-    Needs the CUDA build on a compute capability 9.0 GPU, bf16 x and weights, H and
-    F multiples of 8. `capacity`: rows kept per expert (None: all).
+    ranks: int
+    capacity: int
+
+    def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
+        T, H = x.shape
+        K = expert_ids.shape[1]
+        E, _, F2 = w_gate_up.shape
+        rows = T * K if save else 0
+        outs = (jax.ShapeDtypeStruct((T, H), x.dtype),
+                jax.ShapeDtypeStruct((rows, F2), x.dtype),
+                jax.ShapeDtypeStruct((rows, H), x.dtype),
+                jax.ShapeDtypeStruct((E,), _I32), jax.ShapeDtypeStruct((), _I32),
+                jax.ShapeDtypeStruct((), _I32))
+        operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
+        y, gate_up, x_rows, *stats = jax.ffi.ffi_call(_ext.MOE_FORWARD_RANKS, outs)(
+            *operands, ranks=np.int64(self.ranks), capacity=np.int64(self.capacity),
+            save_gate_up=save)
+        return y, tuple(stats), (operands, gate_up, x_rows)
+
+    def backward(self, residuals, dy):
+        operands, gate_up, x_rows = residuals
+        x, _, expert_weights, w_gate_up, w_down = operands
+        outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),
+                jax.ShapeDtypeStruct(expert_weights.shape, expert_weights.dtype),
+                jax.ShapeDtypeStruct(w_gate_up.shape, w_gate_up.dtype),
+                jax.ShapeDtypeStruct(w_down.shape, w_down.dtype))
+        return tuple(jax.ffi.ffi_call(_ext.MOE_BACKWARD_RANKS, outs)(
+            *operands, gate_up, x_rows, dy.astype(x.dtype), ranks=np.int64(self.ranks),
+            capacity=np.int64(self.capacity)))
+
+
+def moe_on_virtual_ranks(x, expert_ids, expert_weights, w_gate_up, w_down, *,
+                         ranks: int, capacity: int | None = None) -> jax.Array:
+    """`mok_jax.moe`'s y, computed as `ranks` EP ranks in one persistent launch per
+    pass on one GPU; differentiable (w.r.t. x, expert_weights, w_gate_up, w_down)
+    like `mok_jax.moe`.
+
+    Rank r holds tokens ``[r*T/P, (r+1)*T/P)`` (its slices of x, y, the weights,
+    dy, dx and d expert_weights are its windows) and experts ``[r*E/P,
+    (r+1)*E/P)``. Forward: its CTAs compute its experts' rows, reading each
+    token's x row from the window of the token's rank and writing each output row
+    into the receive window of the token's rank, and combine its own tokens.
+    Backward: its CTAs read each dy row from the window of the token's rank, write
+    each dx row into the receive window of the token's rank, compute its experts'
+    weight gradients, and combine its own tokens' dx rows. Results and gradients
+    are bit for bit ``mok_jax.moe``'s at EP=1, for every P. ``ranks=1`` is the
+    one-device layer (each pass the persistent kernel where the mode picks it,
+    else the kernel chain). Needs the CUDA build on a compute capability 9.0 GPU,
+    bf16 x and weights, H and F multiples of 8. `capacity`: rows kept per expert
+    (None: all).
     """
     if isinstance(ranks, bool) or not isinstance(ranks, (int, np.integer)):
         raise TypeError(f"ranks must be an int, got {ranks!r}")
@@ -245,15 +286,12 @@ def forward_on_virtual_ranks(x, expert_ids, expert_weights, w_gate_up, w_down, *
         raise ValueError(f"capacity must be >= 0 or None, got {capacity}")
     for name, a in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         if a.dtype != jnp.bfloat16:
-            raise TypeError(f"forward_on_virtual_ranks takes bfloat16 {name}, got {a.dtype}")
+            raise TypeError(f"moe_on_virtual_ranks takes bfloat16 {name}, got {a.dtype}")
     _ext.require_target("cuda", _ext.MOE_FORWARD_RANKS)
     if jax.default_backend() != "gpu":
-        raise RuntimeError("forward_on_virtual_ranks runs on a CUDA GPU only (JAX's default "
+        raise RuntimeError("moe_on_virtual_ranks runs on a CUDA GPU only (JAX's default "
                            f"backend here: {jax.default_backend()})")
-    outs = (jax.ShapeDtypeStruct((T, H), x.dtype), jax.ShapeDtypeStruct((E,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    y, *_ = jax.ffi.ffi_call(_ext.MOE_FORWARD_RANKS, outs)(
-        x, expert_ids.astype(jnp.int32), expert_weights, w_gate_up, w_down,
-        ranks=np.int64(ranks),
-        capacity=np.int64(primitives.NO_CAPACITY if capacity is None else capacity))
+    path = VirtualRanksPath(
+        ranks=int(ranks), capacity=primitives.NO_CAPACITY if capacity is None else int(capacity))
+    y, _ = layer.run(path, x, expert_ids.astype(_I32), expert_weights, w_gate_up, w_down)
     return y

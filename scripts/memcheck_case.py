@@ -3,7 +3,8 @@ compute-sanitizer (scripts/gpu_ci.sh).
 
 Covers both GEMM paths (tensor-core sizes and odd sizes), GEMM1 with SwiGLU in its
 epilogue (on sm_90a), the persistent forward (64- and 128-row tiles, and its EP
-role on virtual ranks) and backward (forced on, sm_90a), capacity drops,
+role on virtual ranks) and backward (forced on, sm_90a; its EP role on virtual
+ranks too), capacity drops,
 invalid ids and an empty expert, so memcheck sees every kernel; then the fused
 residual add + RMSNorm on rows of every team width, with row counts that end a
 scale-gradient group part way.
@@ -98,10 +99,14 @@ def run_virtual_ranks(T, K, E, H, F, ranks):
     ids = ids.astype(jnp.int32).at[0, 0].set(-1)
     wgu = (jax.random.normal(ks[2], (E, H, 2 * F)) * H**-0.5).astype(jnp.bfloat16)
     wd = (jax.random.normal(ks[3], (E, F, H)) * F**-0.5).astype(jnp.bfloat16)
-    y = jax.jit(lambda *a: ep.forward_on_virtual_ranks(*a, ranks=ranks, capacity=T * K // E))(
-        x, ids, w, wgu, wd)
-    jax.block_until_ready(y)
-    print(f"ok virtual ranks P={ranks} T={T} K={K} E={E} H={H} F={F}")
+
+    def loss(x, w, wgu, wd):
+        y = ep.moe_on_virtual_ranks(x, ids, w, wgu, wd, ranks=ranks, capacity=T * K // E)
+        return y.astype(jnp.float32).sum()
+
+    out = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd)
+    jax.block_until_ready(out)
+    print(f"ok virtual ranks P={ranks} T={T} K={K} E={E} H={H} F={F} (forward + backward)")
 
 
 if __name__ == "__main__":

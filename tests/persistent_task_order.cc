@@ -1,8 +1,9 @@
-// The persistent backward's task list (ffi/kernels/moe_persistent_backward_tasks.h),
-// checked on the host over many routings: every task appears exactly once, waits
-// for the counter its data needs (stated here from what each kind of task reads
-// and what the kernel's consumers count), and that wait is met by the tasks
-// numbered before it. Run with tests/test_persistent_task_order.py; prints
+// The persistent backward's task lists (ffi/kernels/moe_persistent_backward_tasks.h),
+// checked on the host over many routings, one device and P = 2, 4, 8 EP ranks on one
+// launch: every task appears exactly once and belongs to its rank, waits for the
+// counter its data needs (stated here from what each kind of task reads and what
+// the kernel's consumers count), and the ranks' lists run to their ends without a
+// deadlock. Run with tests/test_persistent_task_order.py; prints
 // "N cases, 0 errors".
 #include <cstdint>
 #include <cstdio>
@@ -19,9 +20,12 @@ namespace {
 
 uint32_t ceil_div(int64_t n, int64_t d) { return static_cast<uint32_t>((n + d - 1) / d); }
 
-// Runs the tasks one at a time in number order, as the counters would see them if
-// each CTA finished its task before the next was claimed; returns the errors.
-int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& blocks_of) {
+// Runs P ranks' task lists (P = 1: the one-device list), each rank's tasks one at a
+// time in number order, the ranks taking turns, as the counters would see them if
+// each CTA finished its task before the next was claimed; returns the errors. A
+// rank whose next task waits stays put; if no rank can go on, the lists deadlock.
+int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& blocks_of,
+          int P = 1) {
   const int64_t E = static_cast<int64_t>(blocks_of.size());
   std::vector<int32_t> begin(E + 1, 0);
   std::vector<int64_t> expert_of_block;
@@ -32,99 +36,129 @@ int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& bloc
   const int64_t B = begin[E];
   const uint32_t nf = ceil_div(F, 256), nh = ceil_div(H, 256);
   const uint32_t mf = ceil_div(F, 64), mh = ceil_div(H, 64);
-  const uint32_t combines = ceil_div(tokens, 2);
-  const TaskList list(tokens, E, H, F, begin.data());
+  const int64_t rank_tokens = tokens / P, rank_experts = E / P;
+  const uint32_t combines = ceil_div(rank_tokens, 2);
+  std::vector<TaskList> lists;
+  std::vector<uint64_t> expected;
+  for (int o = 0; o < P; ++o) {
+    const int64_t e0 = o * rank_experts, e1 = e0 + rank_experts;
+    lists.push_back(P == 1 ? TaskList(tokens, E, H, F, begin.data())
+                           : TaskList(rank_tokens, E, H, F, begin.data(), e0, e1));
+    expected.push_back(uint64_t(begin[e1] - begin[e0]) * (nf + 1 + nh) +
+                       uint64_t(rank_experts) * (mf + mh) + combines);
+  }
 
   std::vector<uint32_t> block_ready(B, 0), expert_ready(E, 0);
   uint32_t dgrad1_done = 0;
   std::set<std::tuple<int, int64_t, int32_t>> seen;
   int errors = 0;
-  auto fail = [&](uint32_t t, const char* what) {
+  auto fail = [&](int o, uint32_t t, const char* what) {
     if (++errors <= 5) {
-      std::printf("T=%lld E=%lld H=%lld F=%lld B=%lld: task %u: %s\n", (long long)tokens,
-                  (long long)E, (long long)H, (long long)F, (long long)B, t, what);
+      std::printf("P=%d T=%lld E=%lld H=%lld F=%lld B=%lld: rank %d task %u: %s\n", P,
+                  (long long)tokens, (long long)E, (long long)H, (long long)F, (long long)B, o,
+                  t, what);
     }
   };
-  const uint64_t expected_tasks =
-      uint64_t(B) * (nf + 1 + nh) + uint64_t(E) * (mf + mh) + combines;
-  for (uint32_t t = 0;; ++t) {
-    if (t > expected_tasks + 1) {
-      fail(t, "no end");
-      break;
-    }
-    const TaskId id = list.at(t, begin.data(), E);
-    if (id.kind == Kind::kEnd) {
-      if (t != expected_tasks || list.total != expected_tasks) fail(t, "ends at the wrong number");
-      break;
-    }
-    // What the task reads, so what it must wait for.
-    Counter want = Counter::kNone;
-    int64_t want_index = 0;
-    uint32_t want_target = 0;
-    bool in_range = true;
-    switch (id.kind) {
-      case Kind::kDgrad2:  // dy and W_down only
-        in_range = id.block >= 0 && id.block < B && id.tile >= 0 && uint32_t(id.tile) < nf;
-        break;
-      case Kind::kSwiglu:  // dh of its block: every dgrad2 tile of it
-        in_range = id.block >= 0 && id.block < B;
-        want = Counter::kBlockReady, want_index = id.block, want_target = nf;
-        break;
-      case Kind::kDgrad1:  // d gate_up of its block: its SwiGLU task
-        in_range = id.block >= 0 && id.block < B && id.tile >= 0 && uint32_t(id.tile) < nh;
-        want = Counter::kBlockReady, want_index = id.block, want_target = nf + 1;
-        break;
-      case Kind::kWgradDown:    // wh of the expert's rows
-      case Kind::kWgradGateUp:  // d gate_up of the expert's rows
-        in_range = id.block >= 0 && id.block < E && id.mtile >= 0 &&
-                   uint32_t(id.mtile) < (id.kind == Kind::kWgradDown ? mf : mh);
-        if (in_range) {
-          want = Counter::kExpertReady, want_index = id.block,
-          want_target = uint32_t(blocks_of[id.block]);
+  std::vector<uint32_t> next(P, 0);
+  std::vector<bool> done(P, false);
+  for (int finished = 0; finished < P;) {
+    bool moved = false;
+    for (int o = 0; o < P; ++o) {
+      if (done[o]) continue;
+      const uint32_t t = next[o];
+      if (t > expected[o] + 1) {
+        fail(o, t, "no end");
+        done[o] = true, ++finished, moved = true;
+        continue;
+      }
+      const TaskId id = lists[o].at(t, begin.data());
+      if (id.kind == Kind::kEnd) {
+        if (t != expected[o] || lists[o].total != expected[o]) {
+          fail(o, t, "ends at the wrong number");
         }
-        break;
-      case Kind::kCombine:  // every dx row
-        in_range = id.tile >= 0 && uint32_t(id.tile) < combines;
-        want = Counter::kDgrad1Done, want_target = uint32_t(B) * nh;
-        break;
-      default:
-        in_range = false;
+        done[o] = true, ++finished, moved = true;
+        continue;
+      }
+      // What the task reads, so what it must wait for; and that it is the rank's.
+      const int64_t e0 = o * rank_experts, e1 = e0 + rank_experts;
+      const bool block_ok = id.block >= begin[e0] && id.block < begin[e1];
+      Counter want = Counter::kNone;
+      int64_t want_index = 0;
+      uint32_t want_target = 0;
+      bool in_range = true;
+      switch (id.kind) {
+        case Kind::kDgrad2:  // dy and W_down only
+          in_range = block_ok && id.tile >= 0 && uint32_t(id.tile) < nf;
+          break;
+        case Kind::kSwiglu:  // dh of its block: every dgrad2 tile of it
+          in_range = block_ok;
+          want = Counter::kBlockReady, want_index = id.block, want_target = nf;
+          break;
+        case Kind::kDgrad1:  // d gate_up of its block: its SwiGLU task
+          in_range = block_ok && id.tile >= 0 && uint32_t(id.tile) < nh;
+          want = Counter::kBlockReady, want_index = id.block, want_target = nf + 1;
+          break;
+        case Kind::kWgradDown:    // wh of the expert's rows
+        case Kind::kWgradGateUp:  // d gate_up of the expert's rows
+          in_range = id.block >= e0 && id.block < e1 && id.mtile >= 0 &&
+                     uint32_t(id.mtile) < (id.kind == Kind::kWgradDown ? mf : mh);
+          if (in_range) {
+            want = Counter::kExpertReady, want_index = id.block,
+            want_target = uint32_t(blocks_of[id.block]);
+          }
+          break;
+        case Kind::kCombine:  // every rank's dx rows
+          in_range = id.tile >= 0 && uint32_t(id.tile) < combines;
+          want = Counter::kDgrad1Done, want_target = uint32_t(B) * nh;
+          break;
+        default:
+          in_range = false;
+      }
+      if (!in_range) {
+        fail(o, t, "out of range");
+        ++next[o], moved = true;
+        continue;
+      }
+      if (id.wait != want || (want != Counter::kNone && want != Counter::kDgrad1Done &&
+                              id.wait_index != want_index) ||
+          (want != Counter::kNone && id.wait_target != want_target)) {
+        fail(o, t, "waits for the wrong counter or count");
+        ++next[o], moved = true;
+        continue;
+      }
+      uint32_t have = 0;
+      switch (id.wait) {
+        case Counter::kBlockReady: have = block_ready[id.wait_index]; break;
+        case Counter::kExpertReady: have = expert_ready[id.wait_index]; break;
+        case Counter::kDgrad1Done: have = dgrad1_done; break;
+        case Counter::kNone: break;
+      }
+      if (have < id.wait_target) continue;  // the rank waits; another may go on
+      // What it counts when done (the kernel's consumers).
+      switch (id.kind) {
+        case Kind::kDgrad2: ++block_ready[id.block]; break;
+        case Kind::kSwiglu:
+          ++block_ready[id.block];
+          ++expert_ready[expert_of_block[id.block]];
+          break;
+        case Kind::kDgrad1: ++dgrad1_done; break;
+        default: break;
+      }
+      const int32_t tile = id.kind == Kind::kWgradDown || id.kind == Kind::kWgradGateUp
+                               ? id.mtile
+                               : id.tile;
+      const int64_t place = id.kind == Kind::kCombine ? o : id.block;
+      if (!seen.insert({int(id.kind), place, tile}).second) fail(o, t, "a task twice");
+      ++next[o], moved = true;
     }
-    if (!in_range) {
-      fail(t, "out of range");
-      continue;
+    if (!moved) {
+      fail(-1, 0, "deadlock: every unfinished rank waits for a task that cannot run");
+      break;
     }
-    if (id.wait != want || (want != Counter::kNone && want != Counter::kDgrad1Done &&
-                            id.wait_index != want_index) ||
-        (want != Counter::kNone && id.wait_target != want_target)) {
-      fail(t, "waits for the wrong counter or count");
-      continue;
-    }
-    // The tasks before it have brought the counter there.
-    uint32_t have = 0;
-    switch (id.wait) {
-      case Counter::kBlockReady: have = block_ready[id.wait_index]; break;
-      case Counter::kExpertReady: have = expert_ready[id.wait_index]; break;
-      case Counter::kDgrad1Done: have = dgrad1_done; break;
-      case Counter::kNone: break;
-    }
-    if (have < id.wait_target) fail(t, "waits for a task numbered after it");
-    // What it counts when done (the kernel's consumers).
-    switch (id.kind) {
-      case Kind::kDgrad2: ++block_ready[id.block]; break;
-      case Kind::kSwiglu:
-        ++block_ready[id.block];
-        ++expert_ready[expert_of_block[id.block]];
-        break;
-      case Kind::kDgrad1: ++dgrad1_done; break;
-      default: break;
-    }
-    const int32_t tile = id.kind == Kind::kWgradDown || id.kind == Kind::kWgradGateUp ? id.mtile
-                                                                                       : id.tile;
-    const int64_t place = id.kind == Kind::kCombine ? 0 : id.block;
-    if (!seen.insert({int(id.kind), place, tile}).second) fail(t, "a task twice");
   }
-  if (seen.size() != expected_tasks) fail(0, "not every task once");
+  uint64_t all = 0;
+  for (uint64_t n : expected) all += n;
+  if (seen.size() != all) fail(-1, 0, "not every task once");
   return errors;
 }
 
@@ -152,6 +186,22 @@ int main() {
     const int most = 1 + rng() % 6;
     for (auto& b : blocks) b = (rng() % 3 == 0) ? 0 : int32_t(rng() % (most + 1));
     run(1 + rng() % 5000, dims[rng() % 10], dims[rng() % 10], blocks);
+  }
+  // EP ranks on one launch: P = 2, 4, 8 over experts and tokens divisible by P.
+  auto run_ranks = [&](int P, int64_t tokens, int64_t H, int64_t F,
+                       const std::vector<int32_t>& blocks) {
+    ++cases;
+    errors += check(tokens, H, F, blocks, P);
+  };
+  run_ranks(8, 8, 64, 72, std::vector<int32_t>(8, 0));  // one token per rank, no rows
+  run_ranks(2, 256, 2048, 768, one_hot);                 // every block at one rank
+  for (int i = 0; i < 150; ++i) {
+    const int P = 2 << (rng() % 3);
+    const int64_t E = P * (1 + rng() % 20);
+    std::vector<int32_t> blocks(E);
+    const int most = 1 + rng() % 6;
+    for (auto& b : blocks) b = (rng() % 3 == 0) ? 0 : int32_t(rng() % (most + 1));
+    run_ranks(P, P * (1 + rng() % 600), dims[rng() % 10], dims[rng() % 10], blocks);
   }
   std::printf("%d cases, %d errors\n", cases, errors);
   return errors == 0 ? 0 : 1;

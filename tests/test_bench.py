@@ -133,18 +133,18 @@ def test_persistent_rows_need_a_gpu_and_restore_the_mode(impl):
         assert _mok.set_persistent_kernels(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
 
 
-def test_virtual_rank_rows_are_forward_only_gpu_measurements():
+def test_virtual_rank_rows_are_gpu_measurements_of_both_passes():
     shape = bench.QUICK_SHAPES["ep"]
     for name, ranks in bench.VIRTUAL_RANKS.items():
         assert name in bench.EXTRA_IMPLS and name in bench.IMPL_ABOUT
         fn, why = bench.resolve_impl(name)
         assert why is None and fn.keywords == {"ranks": ranks}
-        assert "forward only" in bench.auto_skip(shape, name, "fwdbwd", "gpu")
-        assert bench.auto_skip(shape, name, "fwd", "gpu") is None
-        record = bench.bench_one(shape, name, "fwd", {}, dtype_name="bf16", warmup=0,
-                                 repeats=1)
-        if jax.default_backend() == "cpu":
-            assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
+        for pass_name in bench.PASSES:
+            assert bench.auto_skip(shape, name, pass_name, "gpu") is None
+            record = bench.bench_one(shape, name, pass_name, {}, dtype_name="bf16", warmup=0,
+                                     repeats=1)
+            if jax.default_backend() == "cpu":
+                assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
 
 
 def test_gemm_flops():

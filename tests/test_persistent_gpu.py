@@ -241,30 +241,58 @@ def test_backward_bitwise_deterministic_over_20_runs(persistent):
 
 # --- the EP role on virtual ranks ---------------------------------------------------------
 
+VRANK_SHAPES = [(256, 8, 128, 2048, 768), (96, 3, 8, 136, 200),
+                (512, 4, 8, 256, 128),  # 128-row tiles in the forward
+                (8, 2, 8, 64, 72)]      # one token per rank at P = 8
+
+
+def _vranks_grads(ids, fn):
+    """A jitted (x, w, wgu, wd) -> (the four gradients of sum(y * cot), y), y =
+    fn(x, ids, w, wgu, wd)."""
+
+    def loss(x, w, wgu, wd):
+        y = fn(x, ids, w, wgu, wd)
+        cot = jnp.cos(jnp.arange(x.shape[1], dtype=jnp.float32))
+        return jnp.sum(y.astype(jnp.float32) * cot), y
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
 
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])
-@pytest.mark.parametrize("shape", [(256, 8, 128, 2048, 768), (96, 3, 8, 136, 200),
-                                   (512, 4, 8, 256, 128)],  # the last: 128-row tiles
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", VRANK_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_virtual_ranks_give_the_one_device_bits(ranks, shape):
-    """P ranks in one launch, each with its own windows: y bit for bit the EP=1
-    forward's (the chain's and the persistent kernel's), skewed routing (empty
-    experts, experts past one 64-row block), invalid ids and capacity drops."""
+    """P ranks in one launch per pass, each with its own windows: y and every
+    gradient bit for bit the EP=1 layer's (`mok_jax.moe`, whichever path its mode
+    picks: all give the same bits), skewed routing (empty experts, experts past one
+    64-row block), invalid ids and capacity drops, f32 and bf16 combine weights."""
     T, K, E, H, F = shape
-    x, ids, w, wgu, wd = _problem(*shape, seed=11, skew=True)
-    ids = ids.at[::7, 0].set(E + 3).at[1::11, K - 1].set(-1)
-    for cap in (None, max(1, T * K // E // 2)):
-        cf = None if cap is None else cap * E / (T * K)
-        assert mok_jax.capacity(cf, T, K, E) == cap
-        want = jax.jit(lambda *a: mok_jax.moe(*a, capacity_factor=cf))(x, ids, w, wgu, wd)
-        got = jax.jit(lambda *a: ep.forward_on_virtual_ranks(
-            *a, ranks=ranks, capacity=cap))(x, ids, w, wgu, wd)
-        _assert_same(got, want)
+    for weight_dtype in (jnp.float32, jnp.bfloat16):
+        x, ids, w, wgu, wd = _problem(*shape, seed=11, skew=True, weight_dtype=weight_dtype)
+        ids = ids.at[::7, 0].set(E + 3).at[1::11, K - 1].set(-1)
+        for cap in (None, max(1, T * K // E // 2)):
+            cf = None if cap is None else cap * E / (T * K)
+            assert mok_jax.capacity(cf, T, K, E) == cap
+            one = lambda *a: mok_jax.moe(*a, capacity_factor=cf)
+            ranked = lambda *a: ep.moe_on_virtual_ranks(*a, ranks=ranks, capacity=cap)
+            want = jax.jit(one)(x, ids, w, wgu, wd)
+            _assert_same(jax.jit(ranked)(x, ids, w, wgu, wd), want)
+            grads, y = _vranks_grads(ids, ranked)(x, w, wgu, wd)
+            grads_want, y_want = _vranks_grads(ids, one)(x, w, wgu, wd)
+            _assert_same(y, want)
+            _assert_same(y_want, want)
+            _assert_same(grads, grads_want)
 
 
 def test_virtual_ranks_repeat_bit_for_bit():
+    """20 runs of each pass at P = 4 (the backward at a shape whose gradients are
+    small enough to compare 20 times on the host in seconds)."""
     x, ids, w, wgu, wd = _problem(256, 8, 128, 2048, 768, seed=12)
-    f = jax.jit(lambda *a: ep.forward_on_virtual_ranks(*a, ranks=4))
+    f = jax.jit(lambda *a: ep.moe_on_virtual_ranks(*a, ranks=4))
     first = f(x, ids, w, wgu, wd)
     for _ in range(19):
         _assert_same(f(x, ids, w, wgu, wd), first)
+    x, ids, w, wgu, wd = _problem(2048, 8, 64, 512, 256, seed=12, skew=True)
+    step = _vranks_grads(ids, lambda *a: ep.moe_on_virtual_ranks(*a, ranks=4))
+    first = step(x, w, wgu, wd)
+    for _ in range(19):
+        _assert_same(step(x, w, wgu, wd), first)

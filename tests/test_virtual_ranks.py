@@ -1,4 +1,4 @@
-"""Argument checks of mok_jax.ep.forward_on_virtual_ranks (its results are checked
+"""Argument checks of mok_jax.ep.moe_on_virtual_ranks (its results are checked
 on a GPU in tests/test_persistent_gpu.py)."""
 
 import jax
@@ -16,24 +16,24 @@ def _args(T=16, K=2, E=8, H=8, F=8, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("ranks", [0, 3, 9, 16])
 def test_ranks_must_be_1_to_8_and_divide_tokens_and_experts(ranks):
     with pytest.raises(ValueError, match="ranks must be in"):
-        ep.forward_on_virtual_ranks(*_args(), ranks=ranks)
+        ep.moe_on_virtual_ranks(*_args(), ranks=ranks)
 
 
 @pytest.mark.parametrize("ranks", [2.0, True, "2"])
 def test_ranks_must_be_an_int(ranks):
     with pytest.raises(TypeError, match="ranks must be an int"):
-        ep.forward_on_virtual_ranks(*_args(), ranks=ranks)
+        ep.moe_on_virtual_ranks(*_args(), ranks=ranks)
 
 
 def test_takes_bfloat16_only_and_a_non_negative_capacity():
     with pytest.raises(TypeError, match="bfloat16 x"):
-        ep.forward_on_virtual_ranks(*_args(dtype=jnp.float32), ranks=2)
+        ep.moe_on_virtual_ranks(*_args(dtype=jnp.float32), ranks=2)
     with pytest.raises(ValueError, match="capacity"):
-        ep.forward_on_virtual_ranks(*_args(), ranks=2, capacity=-1)
+        ep.moe_on_virtual_ranks(*_args(), ranks=2, capacity=-1)
 
 
 def test_without_a_gpu_it_says_so():
     if jax.default_backend() == "gpu":
         pytest.skip("a GPU is present: tests/test_persistent_gpu.py runs the op")
     with pytest.raises(RuntimeError, match="CUDA"):
-        ep.forward_on_virtual_ranks(*_args(), ranks=2)
+        ep.moe_on_virtual_ranks(*_args(), ranks=2)

@@ -87,31 +87,61 @@ ffi::Error MoeForwardRanksCuda(cudaStream_t stream, ffi::ScratchAllocator scratc
                                ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                                ffi::AnyBuffer expert_weights, ffi::AnyBuffer w_gate_up,
                                ffi::AnyBuffer w_down, int64_t ranks, int64_t capacity,
-                               ffi::Result<ffi::AnyBuffer> y,
+                               bool save_gate_up, ffi::Result<ffi::AnyBuffer> y,
+                               ffi::Result<ffi::AnyBuffer> gate_up,
+                               ffi::Result<ffi::AnyBuffer> x_rows,
                                ffi::Result<ffi::Buffer<ffi::S32>> tokens_per_expert,
                                ffi::Result<ffi::Buffer<ffi::S32>> dropped,
                                ffi::Result<ffi::Buffer<ffi::S32>> invalid) {
   constexpr const char* op = "mok_moe_fwd_ranks (CUDA)";
   Decoded d;
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "y", *y, {d.shape.tokens, d.shape.hidden}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "y", *y, d.x_dtype));
-  MOK_RETURN_IF_ERROR(
-      ffi_checks::expect_shape(op, "tokens_per_expert", *tokens_per_expert, {d.shape.experts}));
+  MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *x_rows, *tokens_per_expert,
+                                            save_gate_up));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
   // Before the workspace is sized: its receive windows follow `ranks`.
-  const std::string bad_ranks = cuda::persistent_forward_ranks_error(d.shape, ranks);
+  const std::string bad_ranks = cuda::persistent_ranks_error(d.shape, ranks);
   if (!bad_ranks.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + bad_ranks);
-  // No residuals: y is passed for the unused gate_up result (save_gate_up false).
   MoeForwardArgs args = ffi_checks::forward_args(
       d, x, expert_ids, expert_weights, w_gate_up, w_down, Recipe::kNative, capacity,
-      /*save_gate_up=*/false, *y, *y, *tokens_per_expert, *dropped, *invalid);
+      save_gate_up, *y, *gate_up, *tokens_per_expert, *dropped, *invalid);
   args.ranks = static_cast<int>(ranks);
   const size_t bytes = cuda::moe_forward_workspace_bytes(d.shape, Recipe::kNative, d.x_dtype,
-                                                          false, args.ranks);
+                                                          save_gate_up, args.ranks);
   void* ws = nullptr;
   MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
-  return ffi_checks::launcher_result(op, cuda::moe_forward(args, nullptr, ws, bytes, stream));
+  return ffi_checks::launcher_result(
+      op, cuda::moe_forward(args, save_gate_up ? x_rows->untyped_data() : nullptr, ws, bytes,
+                            stream));
+}
+
+ffi::Error MoeBackwardRanksCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                                ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
+                                ffi::AnyBuffer expert_weights, ffi::AnyBuffer w_gate_up,
+                                ffi::AnyBuffer w_down, ffi::AnyBuffer gate_up,
+                                ffi::AnyBuffer x_rows, ffi::AnyBuffer dy, int64_t ranks,
+                                int64_t capacity, ffi::Result<ffi::AnyBuffer> dx,
+                                ffi::Result<ffi::AnyBuffer> d_expert_weights,
+                                ffi::Result<ffi::AnyBuffer> d_w_gate_up,
+                                ffi::Result<ffi::AnyBuffer> d_w_down) {
+  constexpr const char* op = "mok_moe_bwd_ranks (CUDA)";
+  Decoded d;
+  MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
+  MOK_RETURN_IF_ERROR(check_backward_operands(op, d, gate_up, x_rows, dy, *dx, *d_expert_weights,
+                                              *d_w_gate_up, *d_w_down));
+  MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
+  const std::string bad_ranks = cuda::persistent_ranks_error(d.shape, ranks);
+  if (!bad_ranks.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + bad_ranks);
+  MoeBackwardArgs args = ffi_checks::backward_args(
+      d, x, expert_ids, expert_weights, w_gate_up, w_down, gate_up, dy, Recipe::kNative,
+      capacity, *dx, *d_expert_weights, *d_w_gate_up, *d_w_down);
+  args.ranks = static_cast<int>(ranks);
+  const size_t bytes =
+      cuda::moe_backward_workspace_bytes(d.shape, Recipe::kNative, d.x_dtype, args.ranks);
+  void* ws = nullptr;
+  MOK_RETURN_IF_ERROR(take_scratch(scratch, bytes, &ws));
+  return ffi_checks::launcher_result(
+      op, cuda::moe_backward(args, x_rows.untyped_data(), ws, bytes, stream));
 }
 
 ffi::Error MoeBackwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
@@ -244,6 +274,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokMoeForwardRanksCuda, mok::MoeForwardRanksCuda,
     mok::signatures::moe_forward_ranks(mok::signatures::cuda_context(xla::ffi::Ffi::Bind())));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MokMoeBackwardRanksCuda, mok::MoeBackwardRanksCuda,
+    mok::signatures::moe_backward_ranks(mok::signatures::cuda_context(xla::ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokMoeBackwardCuda, mok::MoeBackwardCuda,

@@ -33,7 +33,8 @@ auto moe_forward(Binding b) {
 }
 
 // The forward of `ranks` EP ranks in one launch on one device (virtual ranks;
-// CUDA only): the persistent kernel's EP role, with y bit for bit moe_forward's.
+// CUDA only): the persistent kernel's EP role, with y and the residuals bit for
+// bit moe_forward's.
 template <typename Binding>
 auto moe_forward_ranks(Binding b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()   // x [T, H], rank o: rows [o T/P, (o+1) T/P)
@@ -43,10 +44,33 @@ auto moe_forward_ranks(Binding b) {
       .template Arg<ffi::AnyBuffer>()       // w_down [E, F, H]
       .template Attr<int64_t>("ranks")      // P, 1..8, dividing T and E
       .template Attr<int64_t>("capacity")   // rows kept per expert, < 0: all
+      .template Attr<bool>("save_gate_up")  // write gate_up and x_rows for the backward
       .template Ret<ffi::AnyBuffer>()       // y [T, H]
+      .template Ret<ffi::AnyBuffer>()       // gate_up [T*K or 0, 2F] by plan row
+      .template Ret<ffi::AnyBuffer>()       // x_rows [T*K or 0, H] by plan row
       .template Ret<S32>()                  // tokens_per_expert [E]
       .template Ret<S32>()                  // dropped []
       .template Ret<S32>();                 // invalid []
+}
+
+// The backward of `ranks` EP ranks in one launch on one device (virtual ranks;
+// CUDA only): the persistent backward's EP role, bit for bit moe_backward's.
+template <typename Binding>
+auto moe_backward_ranks(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()   // x [T, H]
+      .template Arg<S32>()                  // expert_ids [T, K]
+      .template Arg<ffi::AnyBuffer>()       // expert_weights [T, K], rank o: rows [o T/P, ...)
+      .template Arg<ffi::AnyBuffer>()       // w_gate_up [E, H, 2F], rank o: [o E/P, (o+1) E/P)
+      .template Arg<ffi::AnyBuffer>()       // w_down [E, F, H]
+      .template Arg<ffi::AnyBuffer>()       // gate_up [T*K, 2F] from the forward
+      .template Arg<ffi::AnyBuffer>()       // x_rows [T*K, H] from the forward
+      .template Arg<ffi::AnyBuffer>()       // dy [T, H], rank o: rows [o T/P, (o+1) T/P)
+      .template Attr<int64_t>("ranks")      // P, 1..8, dividing T and E
+      .template Attr<int64_t>("capacity")   // rows kept per expert, < 0: all
+      .template Ret<ffi::AnyBuffer>()       // dx [T, H]
+      .template Ret<ffi::AnyBuffer>()       // d_expert_weights [T, K]
+      .template Ret<ffi::AnyBuffer>()       // d_w_gate_up [E, H, 2F]
+      .template Ret<ffi::AnyBuffer>();      // d_w_down [E, F, H]
 }
 
 template <typename Binding>

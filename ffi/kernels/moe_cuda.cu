@@ -31,6 +31,22 @@ bool use_persistent_backward(const MoeShape& s, Recipe recipe, DType dt) {
 }
 #endif
 
+// EP ranks on one launch (ranks > 1) exist in the persistent kernels only.
+std::string ranks_can_run(const MoeShape& s, Recipe recipe, DType dt, int ranks,
+                          const char* pass) {
+  if (ranks == 1) return {};
+#ifdef MOK_HAVE_SM90A
+  const bool can = persistent_can_run(s, recipe, dt);
+#else
+  const bool can = false;
+  (void)s, (void)recipe, (void)dt;
+#endif
+  if (can) return {};
+  return std::string("EP ranks on one launch run in the persistent ") + pass +
+         " only: it needs sm_90a code, a compute capability 9.0 device, bf16 x and "
+         "weights, the native recipe, H and F multiples of 8 and E <= 4096";
+}
+
 // The layer's own buffers around the expert FFN, which takes its scratch after them.
 struct ForwardBuffers {
   RoutingPlanDevice plan;
@@ -76,7 +92,7 @@ struct BackwardBuffers {
   size_t ffn_scratch_bytes;
 };
 
-BackwardBuffers carve_backward(void* ws, const MoeShape& s, Recipe recipe, DType dt,
+BackwardBuffers carve_backward(void* ws, const MoeShape& s, Recipe recipe, DType dt, int ranks,
                                size_t* total) {
   const int64_t pairs = s.tokens * s.top_k;
   Carver c(ws);
@@ -84,9 +100,9 @@ BackwardBuffers carve_backward(void* ws, const MoeShape& s, Recipe recipe, DType
   void* plan = c.take(routing_plan_bytes(pairs, s.experts));
   if (ws) b.plan = carve_routing_plan(plan, pairs, s.experts);
 #ifdef MOK_HAVE_SM90A
-  if (use_persistent_backward(s, recipe, dt)) {
+  if (ranks > 1 || use_persistent_backward(s, recipe, dt)) {
     b.persistent = true;
-    b.ffn_scratch_bytes = persistent_backward_workspace_bytes(s);
+    b.ffn_scratch_bytes = persistent_backward_workspace_bytes(s, ranks);
     b.ffn_scratch = c.take(b.ffn_scratch_bytes);
     *total = c.used();
     return b;
@@ -108,9 +124,10 @@ size_t moe_forward_workspace_bytes(const MoeShape& shape, Recipe recipe, DType x
   return total;
 }
 
-size_t moe_backward_workspace_bytes(const MoeShape& shape, Recipe recipe, DType x_dtype) {
+size_t moe_backward_workspace_bytes(const MoeShape& shape, Recipe recipe, DType x_dtype,
+                                    int ranks) {
   size_t total = 0;
-  carve_backward(nullptr, shape, recipe, x_dtype, &total);
+  carve_backward(nullptr, shape, recipe, x_dtype, ranks, &total);
   return total;
 }
 
@@ -119,18 +136,7 @@ std::string moe_forward(const MoeForwardArgs& a, void* x_rows_out, void* workspa
   const auto [T, K, E, H, F] = a.shape;
   const int64_t pairs = T * K;
   size_t need = 0;
-  if (a.ranks != 1) {
-#ifdef MOK_HAVE_SM90A
-    const bool can = persistent_can_run(a.shape, a.recipe, a.x_dtype);
-#else
-    const bool can = false;
-#endif
-    if (!can) {
-      return "EP ranks on one launch run in the persistent forward only: it needs sm_90a "
-             "code, a compute capability 9.0 device, bf16 x and weights, the native "
-             "recipe, H and F multiples of 8 and E <= 4096";
-    }
-  }
+  MOK_RETURN_IF_MESSAGE(ranks_can_run(a.shape, a.recipe, a.x_dtype, a.ranks, "forward"));
   ForwardBuffers b = carve_forward(workspace, a.shape, a.recipe, a.x_dtype,
                                    x_rows_out != nullptr, a.ranks, &need);
   if (need > workspace_bytes) return "MoE forward: workspace too small";
@@ -169,22 +175,24 @@ std::string moe_backward(const MoeBackwardArgs& a, const void* x_rows, void* wor
   const auto [T, K, E, H, F] = a.shape;
   const int64_t pairs = T * K;
   size_t need = 0;
-  BackwardBuffers b = carve_backward(workspace, a.shape, a.recipe, a.x_dtype, &need);
+  MOK_RETURN_IF_MESSAGE(ranks_can_run(a.shape, a.recipe, a.x_dtype, a.ranks, "backward"));
+  BackwardBuffers b = carve_backward(workspace, a.shape, a.recipe, a.x_dtype, a.ranks, &need);
   if (need > workspace_bytes) return "MoE backward: workspace too small";
   if (x_rows == nullptr && pairs > 0) return "MoE backward: the forward's x rows are missing";
   const int64_t* num_rows = b.plan.expert_begin + E;
 
 #ifdef MOK_HAVE_SM90A
   if (b.persistent) {
-    MOK_RETURN_IF_MESSAGE(
-        persistent_backward_prepare(a.shape, b.ffn_scratch, b.ffn_scratch_bytes, stream));
+    MOK_RETURN_IF_MESSAGE(persistent_backward_prepare(a.shape, b.ffn_scratch,
+                                                      b.ffn_scratch_bytes, stream, a.ranks));
     MOK_RETURN_IF_MESSAGE(build_routing_plan(a.expert_ids, pairs, E, a.capacity, b.plan,
                                              nullptr, nullptr, nullptr, stream));
     const PersistentBackwardArgs p{a.shape,        a.weight_dtype,   a.dy,
                                    x_rows,         a.gate_up,        a.expert_weights,
                                    a.w_gate_up,    a.w_down,         b.plan.expert_begin,
                                    b.plan.row_pair, b.plan.pair_row, a.dx,
-                                   a.d_expert_weights, a.d_w_gate_up, a.d_w_down};
+                                   a.d_expert_weights, a.d_w_gate_up, a.d_w_down,
+                                   a.ranks};
     return persistent_backward(p, b.ffn_scratch, b.ffn_scratch_bytes, stream);
   }
 #endif

@@ -23,7 +23,8 @@ using mok::MoeForwardArgs;
 // its workspace; it must be true exactly when moe_forward gets an x_rows_out.
 size_t moe_forward_workspace_bytes(const MoeShape& shape, Recipe recipe, DType x_dtype,
                                    bool save_gate_up, int ranks = 1);
-size_t moe_backward_workspace_bytes(const MoeShape& shape, Recipe recipe, DType x_dtype);
+size_t moe_backward_workspace_bytes(const MoeShape& shape, Recipe recipe, DType x_dtype,
+                                    int ranks = 1);
 
 // Enqueue on `stream`; return an empty string on success, else what failed.
 // x_rows_out: [T * K, H] in x.dtype, or nullptr: the forward's gathered x rows by

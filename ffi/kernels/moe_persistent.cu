@@ -799,7 +799,7 @@ size_t persistent_forward_workspace_bytes(const MoeShape& s, int ranks) {
 
 std::string persistent_forward_prepare(const MoeShape& s, void* workspace, size_t workspace_bytes,
                                        cudaStream_t stream, int ranks) {
-  MOK_RETURN_IF_MESSAGE(persistent_forward_ranks_error(s, ranks));
+  MOK_RETURN_IF_MESSAGE(persistent_ranks_error(s, ranks));
   size_t need = 0;
   const Scratch b = carve(workspace, s, ranks, &need);
   if (need > workspace_bytes) return "persistent MoE forward: workspace too small";
@@ -811,7 +811,7 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream) {
   const MoeShape& s = a.shape;
   if (s.tokens == 0) return {};
-  MOK_RETURN_IF_MESSAGE(persistent_forward_ranks_error(s, a.ranks));
+  MOK_RETURN_IF_MESSAGE(persistent_ranks_error(s, a.ranks));
   size_t need = 0;
   const Scratch b = carve(workspace, s, a.ranks, &need);
   if (need > workspace_bytes) return "persistent MoE forward: workspace too small";

@@ -86,13 +86,13 @@ constexpr int kMaxPersistentRanks = 8;
 
 // Why `ranks` cannot split this shape (empty when it can: 1 <= ranks <= 8, T and E
 // divisible by ranks). Host-only; the FFI handler checks its attribute with it.
-inline std::string persistent_forward_ranks_error(const MoeShape& s, int64_t ranks) {
+inline std::string persistent_ranks_error(const MoeShape& s, int64_t ranks) {
   if (ranks < 1 || ranks > kMaxPersistentRanks) {
-    return "persistent MoE forward: ranks must be in [1, " +
+    return "EP ranks on one launch: ranks must be in [1, " +
            std::to_string(kMaxPersistentRanks) + "], got " + std::to_string(ranks);
   }
   if (s.tokens % ranks != 0 || s.experts % ranks != 0) {
-    return "persistent MoE forward: " + std::to_string(ranks) +
+    return "EP ranks on one launch: " + std::to_string(ranks) +
            " ranks need T and E divisible by them (T = " + std::to_string(s.tokens) +
            ", E = " + std::to_string(s.experts) + ")";
   }
@@ -129,8 +129,8 @@ std::string persistent_forward(const PersistentForwardArgs& args, void* workspac
                                size_t workspace_bytes, cudaStream_t stream);
 
 // The backward after the routing plan as one persistent kernel
-// (moe_persistent_backward.cu), on one device, where persistent_backward_supported
-// says so, with the same bits as the chain's backward.
+// (moe_persistent_backward.cu), where persistent_backward_supported says so, with
+// the same bits as the chain's backward.
 // Tasks, numbered in this order, each waiting only for lower-numbered ones
 // (moe_persistent_backward_tasks.h):
 //   dgrad2 (64 rows x 256 F columns): dh = dy rows @ W_down^T in f32, the dy rows
@@ -143,7 +143,17 @@ std::string persistent_forward(const PersistentForwardArgs& args, void* workspac
 //     expert's SwiGLU tasks, over its rows in 64-row K blocks, ascending;
 //   the combine (2 tokens): after every dgrad1 task, dx = the sum over k ascending
 //     of each token's dx rows (f32, rounded once).
-size_t persistent_backward_workspace_bytes(const MoeShape& shape);
+// EP on one launch (`ranks` P > 1, virtual ranks on one device), as the forward:
+// rank o's CTAs take the tasks of experts [o E/P, (o+1) E/P) and the combine of
+// tokens [o T/P, (o+1) T/P); the dy, dx, expert_weights and d expert_weights rows
+// of a token live in its rank's windows, reached through pointer tables only:
+// dgrad2 and dW_down read each dy row from the window of the token's rank, the
+// SwiGLU tasks read and write each pair's weight and d weight there, dgrad1 writes
+// each dx row into the receive window of the token's rank (at the pair's place),
+// and a rank's combine waits for every rank's dgrad1 tasks. The weight gradients
+// of a rank's experts are its own (over its experts' rows in canonical order), so
+// every P gives the bits of P = 1.
+size_t persistent_backward_workspace_bytes(const MoeShape& shape, int ranks = 1);
 
 struct PersistentBackwardArgs {
   MoeShape shape;
@@ -161,11 +171,14 @@ struct PersistentBackwardArgs {
   void* d_expert_weights;        // [T, K]
   void* d_w_gate_up;             // [E, H, 2F]
   void* d_w_down;                // [E, F, H]
+  int ranks = 1;                 // P: EP ranks on this launch (dy, dx and the weights'
+                                 // rows split in P windows)
 };
 
 // Zeroes the task counters in `workspace` (enqueued before the routing plan).
 std::string persistent_backward_prepare(const MoeShape& shape, void* workspace,
-                                        size_t workspace_bytes, cudaStream_t stream);
+                                        size_t workspace_bytes, cudaStream_t stream,
+                                        int ranks = 1);
 
 // The launch; the routing plan must be enqueued before it on `stream`.
 std::string persistent_backward(const PersistentBackwardArgs& args, void* workspace,

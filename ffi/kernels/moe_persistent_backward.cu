@@ -1,6 +1,8 @@
 // The MoE backward after the routing plan as one persistent kernel (moe_persistent.h).
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
+
 #include "cuda_check.h"
 #include "device_info.h"
 #include "moe_persistent.h"
@@ -26,6 +28,7 @@ static_assert(backward_tasks::kTileCols == kStageCols &&
 // group rounds its 64 x 128 half of a tile into its own 16 KB of shared memory, and
 // a TMA store writes it out while the group goes on to the next tile.
 constexpr int kStages = 4;
+constexpr int kMaxRanks = kMaxPersistentRanks;  // EP ranks of one launch
 using HalfTile = Shape<Int<kBlockRows>, Int<kStageCols / 2>>;
 using LayoutC = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, HalfTile{}));
 constexpr int kHalfTileBytes = kBlockRows * kStageCols / 2 * 2;  // 16 KB
@@ -76,24 +79,73 @@ struct Params {
   TmaStore tma_d_down;     // d W_down as (F, H, E)
   TmaStore tma_d_gate_up;  // d W_gate_up as (H, 2F, E)
   int64_t tokens, top_k, experts, hidden, ffn;
-  const Elem* dy;        // [T, H]
+  // EP ranks: rank o holds tokens [o T/P, (o+1) T/P) (their dy, dx, weights and
+  // d weights are its windows, reached through these pointer tables only) and
+  // experts [o E/P, (o+1) E/P) (their rows' residuals and scratch, and their weight
+  // gradients). P = 1: the one-device backward.
+  int32_t ranks;
+  int32_t rank_tokens;                 // T / P
+  int32_t rank_experts;                // E / P
+  cutlass::FastDivmod by_rank_tokens;  // t -> (t / (T/P), t % (T/P))
+  const Elem* dy_win[kMaxRanks];       // rank o's dy rows [T/P, H]
+  Elem* dx_win[kMaxRanks];             // rank o's dx rows [T/P, H]
+  const void* w_win[kMaxRanks];        // rank o's expert_weights [T/P, K]
+  void* dw_win[kMaxRanks];             // rank o's d expert_weights [T/P, K]
+  Elem* recv_win[kMaxRanks];           // rank o's dx rows by its pairs [T/P * K, H]
+                                       // (P = 1: all rows in row order [R, H])
   const Elem* x_rows;    // [R, H] the forward's gathered x rows
   const bf16* gate_up;   // [R, 2F] the forward's rounded gate and up
-  const void* weights;   // [T, K]
-  void* d_weights;       // [T, K]
   const int64_t* expert_begin;
   const int32_t* row_pair;
   const int32_t* pair_row;
   float* dh;             // [R, F] scratch: dy rows @ W_down^T, f32
   Elem* wh;              // [R, F] scratch: round(w h), dW_down's A
   Elem* dgu;             // [R, 2F] scratch: d gate_up
-  Elem* dx_rows;         // [R, H] scratch
-  Elem* dx;              // [T, H]
   uint32_t* block_ready;   // [row blocks]: dgrad2 tiles done, + 1 once SwiGLU's backward is
   uint32_t* expert_ready;  // [E]: the expert's row blocks through SwiGLU's backward
-  uint32_t* dgrad1_done;   // dgrad1 tasks done
-  uint32_t* ticket;
+  uint32_t* dgrad1_done;   // dgrad1 tasks done, every rank's
+  uint32_t* ticket;        // [P]
 };
+
+// The ranks' window tables, copied to shared memory at start (indexing the kernel
+// parameters by a run-time rank would copy them to local memory).
+struct Windows {
+  const Elem* dy[kMaxRanks];
+  Elem* dx[kMaxRanks];
+  const void* w[kMaxRanks];
+  void* dw[kMaxRanks];
+  Elem* recv[kMaxRanks];
+};
+
+// Pair `pair` (token t, slot k) as its token's rank holds it: the rank, and the
+// pair's place among that rank's pairs.
+struct PairPlace {
+  int rank;
+  int64_t local;  // local token * K + k
+};
+__device__ __forceinline__ PairPlace pair_place(const Params& p, int32_t pair) {
+  const int32_t t = pair / static_cast<int32_t>(p.top_k);
+  const int32_t k = pair - t * static_cast<int32_t>(p.top_k);
+  int rank, local;
+  p.by_rank_tokens(rank, local, t);
+  return {rank, int64_t(local) * p.top_k + k};
+}
+
+// Token t's dy row, read from the window of the rank that holds t.
+__device__ __forceinline__ const Elem* dy_row(const Params& p, const Windows& w, int32_t token) {
+  int rank, local;
+  p.by_rank_tokens(rank, local, token);
+  return w.dy[rank] + int64_t(local) * p.hidden;
+}
+
+// Where row `row`'s dx row goes. One rank: the dx rows in row order (the combine
+// finds a pair's row through pair_row). P ranks: the receive window of the rank
+// that holds its token, at the pair's place among its pairs.
+__device__ __forceinline__ Elem* dx_row_out(const Params& p, const Windows& w, int64_t row) {
+  if (p.ranks == 1) return w.recv[0] + row * p.hidden;
+  const PairPlace q = pair_place(p, p.row_pair[row]);
+  return w.recv[q.rank] + q.local * p.hidden;
+}
 
 struct Task {
   Kind kind;
@@ -141,8 +193,8 @@ __device__ __forceinline__ void load_wgrad_block(int ptid, char* tiles, int slot
   }
 }
 
-__device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_t* block_begin,
-                        const TaskList& list) {
+__device__ void produce(const Params& p, const Windows& win, Control& ctl, char* tiles,
+                        const int32_t* block_begin, const TaskList& list, uint32_t* ticket) {
   const int ptid = threadIdx.x;  // 0..127
   const int64_t H = p.hidden, F = p.ffn;
   Ring<kStages> st{0, 1u};
@@ -150,8 +202,8 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
   Tensor mDown = p.tma_down.get_tma_tensor(make_shape(F, H, p.experts));
   Tensor mGateUp = p.tma_gate_up.get_tma_tensor(make_shape(H, 2 * F, p.experts));
   for (int claim = 0;; ++claim) {
-    const uint32_t t = claim_task(ptid, ctl, p.ticket, claim);
-    const TaskId id = list.at(t, block_begin, p.experts);
+    const uint32_t t = claim_task(ptid, ctl, ticket, claim);
+    const TaskId id = list.at(t, block_begin);
     Task task{id.kind, id.tile, id.mtile, id.block, {}};
     switch (id.wait) {
       case Counter::kBlockReady:
@@ -182,9 +234,10 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
     if (task.kind == Kind::kDgrad2 || task.kind == Kind::kDgrad1) {
       const bool second = task.kind == Kind::kDgrad2;
       const int64_t K = second ? H : 2 * F;
-      const Elem* base = second ? p.dy : p.dgu;
+      const Elem* base = second ? win.dy[0] : p.dgu;
       const ARows a = second ? ARows(ptid, rb, base, [&](int m) {
-                                 return p.dy + (p.row_pair[rb.row0 + m] / p.top_k) * H;
+                                 return dy_row(p, win, p.row_pair[rb.row0 + m] /
+                                                           static_cast<int32_t>(p.top_k));
                                })
                              : ARows(ptid, rb, base, [&](int m) {
                                  return p.dgu + (rb.row0 + m) * 2 * F;
@@ -221,12 +274,14 @@ __device__ void produce(const Params& p, Control& ctl, char* tiles, const int32_
       const int64_t n_rows = min(int64_t(kBlockRows), rb.row_end - r0);
       if (down) {
         load_wgrad_block(
-            ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, p.dy,
+            ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, win.dy[0],
             [&](int64_t r) { return p.wh + r * F; },
-            [&](int64_t r) { return p.dy + (p.row_pair[r] / p.top_k) * H; });
+            [&](int64_t r) {
+              return dy_row(p, win, p.row_pair[r] / static_cast<int32_t>(p.top_k));
+            });
       } else {
         load_wgrad_block(
-            ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, p.dy,
+            ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, win.dy[0],
             [&](int64_t r) { return p.x_rows + r * H; },
             [&](int64_t r) { return p.dgu + r * 2 * F; });
       }
@@ -313,38 +368,42 @@ __device__ __forceinline__ void consumer_signal2(uint32_t* a, uint32_t* b) {
 
 // SwiGLU's backward over a row block: a warp per row (swiglu_backward_row, as the
 // chain computes it).
+// A pair's combine weight and d weight live in the window of its token's rank.
 template <typename W>
-__device__ void swiglu_task(const Params& p, const RowBlock& rb) {
+__device__ void swiglu_task(const Params& p, const Windows& win, const RowBlock& rb) {
   const int ctid = threadIdx.x - kProducerThreads;
   const int warp = ctid >> 5, lane = ctid & 31;
-  const W* weights = static_cast<const W*>(p.weights);
-  W* d_weights = static_cast<W*>(p.d_weights);
   const int64_t F = p.ffn;
   for (int64_t m = warp; m < rb.rows(); m += kConsumerThreads / 32) {
     const int64_t r = rb.row0 + m;
-    const int32_t pair = p.row_pair[r];
+    const PairPlace q = pair_place(p, p.row_pair[r]);
+    const float w = to_float(static_cast<const W*>(win.w[q.rank])[q.local]);
     const float total = swiglu_backward_row<bf16, 4, 2>(
-        p.gate_up + r * 2 * F, p.dh + r * F, to_float(weights[pair]), F, lane,
-        reinterpret_cast<bf16*>(p.wh + r * F), reinterpret_cast<bf16*>(p.dgu + r * 2 * F));
-    if (lane == 0) d_weights[pair] = from_float<W>(total);
+        p.gate_up + r * 2 * F, p.dh + r * F, w, F, lane, reinterpret_cast<bf16*>(p.wh + r * F),
+        reinterpret_cast<bf16*>(p.dgu + r * 2 * F));
+    if (lane == 0) static_cast<W*>(win.dw[q.rank])[q.local] = from_float<W>(total);
   }
 }
 
-// dx for two tokens, four warps each along H: each token's dx rows summed over k
-// ascending in f32 and rounded once (combine_rows' arithmetic without weights);
-// an unrouted or dropped pair adds nothing and gets d expert_weights = 0.
+// Rank `rank`'s combine task: dx for two of its tokens, four warps each along H:
+// each token's dx rows (one rank: by their rows; P ranks: from the rank's receive
+// window, at the pairs' places) summed over k ascending in f32 and rounded once
+// (combine_rows' arithmetic without weights); an unrouted or dropped pair adds
+// nothing and gets d expert_weights = 0.
 template <typename W>
-__device__ void combine_task(const Params& p, int64_t task) {
+__device__ void combine_task(const Params& p, const Windows& win, int32_t rank, int64_t task) {
   constexpr int kBatch = 8;
   const int ctid = threadIdx.x - kProducerThreads;
   const int warp = ctid >> 5, lane = ctid & 31;
   const int64_t H = p.hidden, K = p.top_k;
-  const int64_t t = task * kCombineTokens + warp / kCombineWarps;
-  if (t >= p.tokens) return;
+  const int64_t local = task * kCombineTokens + warp / kCombineWarps;  // of the rank's tokens
+  if (local >= p.rank_tokens) return;
+  const int64_t t = int64_t(rank) * p.rank_tokens + local;
+  const Elem* rows = win.recv[rank] + local * K * H;
   if (warp % kCombineWarps == 0) {
-    W* d_weights = static_cast<W*>(p.d_weights);
+    W* d_weights = static_cast<W*>(win.dw[rank]) + local * K;
     for (int64_t k = lane; k < K; k += 32) {
-      if (p.pair_row[t * K + k] < 0) d_weights[t * K + k] = from_float<W>(0.0f);
+      if (p.pair_row[t * K + k] < 0) d_weights[k] = from_float<W>(0.0f);
     }
   }
   constexpr int64_t kStep = kCombineWarps * 32 * 8;
@@ -360,8 +419,8 @@ __device__ void combine_task(const Params& p, int64_t task) {
       uint4 v[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        v[j] = r[j] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(p.dx_rows + int64_t(r[j]) * H + c))
-                         : make_uint4(0, 0, 0, 0);
+        const Elem* row = p.ranks == 1 ? win.recv[0] + int64_t(r[j]) * H : rows + (k0 + j) * H;
+        v[j] = r[j] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
@@ -375,12 +434,13 @@ __device__ void combine_task(const Params& p, int64_t task) {
     bf16* oe = reinterpret_cast<bf16*>(&o);
 #pragma unroll
     for (int i = 0; i < 8; ++i) oe[i] = float_to_bf16(acc[i]);
-    *reinterpret_cast<uint4*>(p.dx + t * H + c) = o;
+    *reinterpret_cast<uint4*>(win.dx[rank] + local * H + c) = o;
   }
 }
 
 template <typename W>
-__device__ void consume(const Params& p, Control& ctl, char* tiles, Elem* store_tile) {
+__device__ void consume(const Params& p, const Windows& win, Control& ctl, char* tiles,
+                        Elem* store_tile, int32_t rank) {
   Ring<kStages> st{0, 0u};
   Ring<kTaskSlots> mail{0, 0u};
   const int64_t H = p.hidden, F = p.ffn;
@@ -394,10 +454,10 @@ __device__ void consume(const Params& p, Control& ctl, char* tiles, Elem* store_
         if (threadIdx.x % 128 == 0) tma_store_wait<0>();
         return;
       case Kind::kCombine:
-        combine_task<W>(p, task.tile);
+        combine_task<W>(p, win, rank, task.tile);
         break;
       case Kind::kSwiglu:
-        swiglu_task<W>(p, rb);
+        swiglu_task<W>(p, win, rb);
         consumer_signal2(p.block_ready + task.block, p.expert_ready + rb.expert);
         break;
       case Kind::kDgrad2: {
@@ -421,9 +481,7 @@ __device__ void consume(const Params& p, Control& ctl, char* tiles, Elem* store_
         const int64_t rows = rb.rows(), h0 = int64_t(task.tile) * kStageCols;
         store_tile_bf16(acc, [&](int m, int n, uint4 v) {
           const int64_t h = h0 + n;  // H % 8 == 0: a chunk is in or out whole
-          if (m < rows && h < H) {
-            *reinterpret_cast<uint4*>(p.dx_rows + (rb.row0 + m) * H + h) = v;
-          }
+          if (m < rows && h < H) *reinterpret_cast<uint4*>(dx_row_out(p, win, rb.row0 + m) + h) = v;
         });
         consumer_signal(p.dgrad1_done);
         break;
@@ -480,7 +538,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   Elem* store_tile = reinterpret_cast<Elem*>(tiles + tile_bytes(kStages));  // 2 x 16 KB
   int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + kTilesBytes);    // [E + 1]
   __shared__ Control ctl;
+  __shared__ Windows win;
   if (threadIdx.x == 0) {
+#pragma unroll
+    for (int o = 0; o < kMaxRanks; ++o) {  // constant indices: read from the parameters
+      win.dy[o] = p.dy_win[o];
+      win.dx[o] = p.dx_win[o];
+      win.w[o] = p.w_win[o];
+      win.dw[o] = p.dw_win[o];
+      win.recv[o] = p.recv_win[o];
+    }
     prefetch_tma_descriptor(p.tma_down.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma_gate_up.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma_d_down.get_tma_descriptor());
@@ -491,53 +558,60 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ typename Scan::TempStorage scan_tmp;
   scan_row_blocks<kThreads, Scan>(p.expert_begin, p.experts, block_begin, scan_tmp);
 
+  // This CTA's rank: the CTAs in P contiguous groups of (nearly) equal size.
+  const int32_t rank = static_cast<int32_t>(int64_t(blockIdx.x) * p.ranks / gridDim.x);
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegs>();
-    const TaskList list(p.tokens, p.experts, p.hidden, p.ffn, block_begin);
-    produce(p, ctl, tiles, block_begin, list);
+    const TaskList list(p.rank_tokens, p.experts, p.hidden, p.ffn, block_begin,
+                        int64_t(rank) * p.rank_experts, int64_t(rank + 1) * p.rank_experts);
+    produce(p, win, ctl, tiles, block_begin, list, p.ticket + rank);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kBwdConsumerRegs>();
-    consume<W>(p, ctl, tiles, store_tile);
+    consume<W>(p, win, ctl, tiles, store_tile, rank);
   }
 }
 
 size_t elem_bytes(int64_t n) { return static_cast<size_t>(n) * sizeof(Elem); }
 
 struct Scratch {
-  uint32_t* counters;  // block_ready[max row blocks], expert_ready[E], dgrad1_done, ticket
+  // block_ready[max row blocks], expert_ready[E], dgrad1_done, ticket[P]
+  uint32_t* counters;
   size_t counter_bytes;
   float* dh;
   Elem* wh;
   Elem* dgu;
-  Elem* dx_rows;
+  Elem* recv[kMaxRanks];  // the ranks' receive windows [T/P * K, H] (P = 1: [R, H])
 };
 
-Scratch carve(void* ws, const MoeShape& s, size_t* total) {
+Scratch carve(void* ws, const MoeShape& s, int ranks, size_t* total) {
   const int64_t rows = s.tokens * s.top_k;
   Carver c(ws);
   Scratch b{};
-  b.counter_bytes = (max_row_blocks(rows, s.experts) + s.experts + 2) * sizeof(uint32_t);
+  b.counter_bytes = (max_row_blocks(rows, s.experts) + s.experts + 1 + ranks) * sizeof(uint32_t);
   b.counters = static_cast<uint32_t*>(c.take(b.counter_bytes));
   b.dh = static_cast<float*>(c.take(static_cast<size_t>(rows * s.ffn) * sizeof(float)));
   b.wh = static_cast<Elem*>(c.take(elem_bytes(rows * s.ffn)));
   b.dgu = static_cast<Elem*>(c.take(elem_bytes(rows * 2 * s.ffn)));
-  b.dx_rows = static_cast<Elem*>(c.take(elem_bytes(rows * s.hidden)));
+  for (int o = 0; o < ranks; ++o) {
+    b.recv[o] = static_cast<Elem*>(c.take(elem_bytes(rows / ranks * s.hidden)));
+  }
   *total = c.used();
   return b;
 }
 
 }  // namespace
 
-size_t persistent_backward_workspace_bytes(const MoeShape& s) {
+size_t persistent_backward_workspace_bytes(const MoeShape& s, int ranks) {
   size_t total = 0;
-  carve(nullptr, s, &total);
+  carve(nullptr, s, ranks, &total);
   return total;
 }
 
 std::string persistent_backward_prepare(const MoeShape& s, void* workspace,
-                                        size_t workspace_bytes, cudaStream_t stream) {
+                                        size_t workspace_bytes, cudaStream_t stream, int ranks) {
+  MOK_RETURN_IF_MESSAGE(persistent_ranks_error(s, ranks));
   size_t need = 0;
-  const Scratch b = carve(workspace, s, &need);
+  const Scratch b = carve(workspace, s, ranks, &need);
   if (need > workspace_bytes) return "persistent MoE backward: workspace too small";
   MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(b.counters, 0, b.counter_bytes, stream));
   return {};
@@ -546,8 +620,9 @@ std::string persistent_backward_prepare(const MoeShape& s, void* workspace,
 std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace,
                                 size_t workspace_bytes, cudaStream_t stream) {
   const MoeShape& s = a.shape;
+  MOK_RETURN_IF_MESSAGE(persistent_ranks_error(s, a.ranks));
   size_t need = 0;
-  const Scratch b = carve(workspace, s, &need);
+  const Scratch b = carve(workspace, s, a.ranks, &need);
   if (need > workspace_bytes) return "persistent MoE backward: workspace too small";
   if (reinterpret_cast<uintptr_t>(a.w_gate_up) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(a.w_down) % 16 != 0 ||
@@ -574,19 +649,29 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
     return "persistent MoE backward: cuTensorMapEncodeTiled failed for the expert weights "
            "or their gradients";
   }
-  p.dy = static_cast<const Elem*>(a.dy);
+  // Rank o's windows: its slices of dy, dx and the weights' rows, and its receive
+  // window in the scratch.
+  const size_t wb = a.weight_dtype == DType::kF32 ? sizeof(float) : sizeof(bf16);
+  p.ranks = a.ranks;
+  p.rank_tokens = static_cast<int32_t>(s.tokens / a.ranks);
+  p.rank_experts = static_cast<int32_t>(s.experts / a.ranks);
+  p.by_rank_tokens = cutlass::FastDivmod(std::max(p.rank_tokens, 1));
+  for (int o = 0; o < a.ranks; ++o) {
+    const int64_t t0 = int64_t(o) * p.rank_tokens;
+    p.dy_win[o] = static_cast<const Elem*>(a.dy) + t0 * s.hidden;
+    p.dx_win[o] = static_cast<Elem*>(a.dx) + t0 * s.hidden;
+    p.w_win[o] = static_cast<const char*>(a.expert_weights) + t0 * s.top_k * wb;
+    p.dw_win[o] = static_cast<char*>(a.d_expert_weights) + t0 * s.top_k * wb;
+    p.recv_win[o] = b.recv[o];
+  }
   p.x_rows = static_cast<const Elem*>(a.x_rows);
   p.gate_up = static_cast<const bf16*>(a.gate_up);
-  p.weights = a.expert_weights;
-  p.d_weights = a.d_expert_weights;
   p.expert_begin = a.expert_begin;
   p.row_pair = a.row_pair;
   p.pair_row = a.pair_row;
   p.dh = b.dh;
   p.wh = b.wh;
   p.dgu = b.dgu;
-  p.dx_rows = b.dx_rows;
-  p.dx = static_cast<Elem*>(a.dx);
   const int64_t blocks = max_row_blocks(s.tokens * s.top_k, s.experts);
   p.block_ready = b.counters;
   p.expert_ready = b.counters + blocks;
@@ -595,6 +680,7 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
 
   DeviceInfo info;
   MOK_RETURN_IF_MESSAGE(current_device_info(&info));
+  if (a.ranks > info.sm_count) return "persistent MoE backward: more ranks than SMs";
   auto kernel = a.weight_dtype == DType::kF32 ? moe_backward_persistent<float>
                                               : moe_backward_persistent<bf16>;
   return launch_one_cta_per_sm(kernel, p, dynamic_smem_bytes(kTilesBytes, s.experts),

@@ -37,8 +37,11 @@ MOK_HOST_DEVICE constexpr uint32_t tiles_of(int64_t n, int tile) {
   return static_cast<uint32_t>((n + tile - 1) / tile);
 }
 
-// The numbered task list (every CTA computes the same), given block_begin[0..E]:
-// the experts' row blocks prefix-summed.
+// A rank's numbered task list (every CTA of the rank computes the same), given
+// block_begin[0..E]: the experts' row blocks prefix-summed. Rank o of P (EP ranks
+// on one launch) holds experts [e0, e1) = [o E/P, (o+1) E/P), their row blocks
+// [block_begin[e0], block_begin[e1]), and tokens [o T/P, (o+1) T/P); P = 1 is the
+// one-device backward (every expert, block and token).
 //   dgrad2 (row block x F tile of 256): dh = dy rows @ W_down^T, K = H, f32 to scratch;
 //   SwiGLU's backward (row block): after the block's dgrad2 tiles, wh, d gate_up and
 //     d expert_weights for its rows (the chain's swiglu_backward, row by row);
@@ -49,37 +52,53 @@ MOK_HOST_DEVICE constexpr uint32_t tiles_of(int64_t n, int tile) {
 //     weight gradients (64-row M tile, its 256-column N tiles one after another),
 //       dW_down's then dW_gate_up's: dW_down = wh^T dy rows, dW_gate_up = x rows^T
 //       d gate_up, over the expert's rows in ascending 64-row K blocks;
-//   the combine (2 tokens): after every dgrad1 task, dx = the sum of each token's
-//     dx rows over k ascending, f32, rounded once.
-// Each task waits only for tasks numbered before it (the SwiGLU tasks for dgrad2's,
-// the expert's tasks for its SwiGLU tasks, the combine for dgrad1's).
+//   the combine (2 of the rank's tokens, numbered from 0 in each rank): after every
+//     rank's dgrad1 tasks (a token has rows at every rank's experts), dx = the sum
+//     of each token's dx rows over k ascending, f32, rounded once.
+// Each task waits only for tasks of its rank numbered before it (the SwiGLU tasks
+// for dgrad2's, the expert's tasks for its SwiGLU tasks), or, the combine, for
+// other ranks' dgrad1 tasks, which wait for nothing of another rank.
 struct TaskList {
-  uint32_t nf, nh, mf, mh, blocks;
+  uint32_t nf, nh, mf, mh;
+  int64_t e0, e1;        // the rank's experts
+  uint32_t block0;       // its first row block
+  uint32_t blocks;       // its row blocks
+  uint32_t all_blocks;   // every rank's
   uint32_t dgrad2_end, swiglu_end, experts_end, total;
 
+  // The one-device list: every expert and token.
   MOK_HOST_DEVICE TaskList(int64_t tokens, int64_t experts, int64_t hidden, int64_t ffn,
                            const int32_t* block_begin)
+      : TaskList(tokens, experts, hidden, ffn, block_begin, 0, experts) {}
+
+  // Rank o's of P: experts [e0, e1) and `rank_tokens` = T/P tokens.
+  MOK_HOST_DEVICE TaskList(int64_t rank_tokens, int64_t experts, int64_t hidden, int64_t ffn,
+                           const int32_t* block_begin, int64_t e0_, int64_t e1_)
       : nf(tiles_of(ffn, kTileCols)),
         nh(tiles_of(hidden, kTileCols)),
         mf(tiles_of(ffn, kTileRows)),
         mh(tiles_of(hidden, kTileRows)),
-        blocks(static_cast<uint32_t>(block_begin[experts])) {
+        e0(e0_),
+        e1(e1_),
+        block0(static_cast<uint32_t>(block_begin[e0_])),
+        blocks(static_cast<uint32_t>(block_begin[e1_] - block_begin[e0_])),
+        all_blocks(static_cast<uint32_t>(block_begin[experts])) {
     dgrad2_end = blocks * nf;
     swiglu_end = dgrad2_end + blocks;
-    experts_end = swiglu_end + group_begin(block_begin, experts);
-    total = experts_end + tiles_of(tokens, kCombineTokens);
+    experts_end = swiglu_end + group_begin(block_begin, e1);
+    total = experts_end + tiles_of(rank_tokens, kCombineTokens);
   }
 
   // Expert e's first task, counted from swiglu_end (strictly increasing in e: every
   // expert has weight-gradient tasks).
   MOK_HOST_DEVICE uint32_t group_begin(const int32_t* block_begin, int64_t e) const {
-    return static_cast<uint32_t>(block_begin[e]) * nh + static_cast<uint32_t>(e) * (mf + mh);
+    return (static_cast<uint32_t>(block_begin[e]) - block0) * nh +
+           static_cast<uint32_t>(e - e0) * (mf + mh);
   }
 
   // The expert whose group holds task swiglu_end + i.
-  MOK_HOST_DEVICE int64_t group_of(const int32_t* block_begin, int64_t experts,
-                                   uint32_t i) const {
-    int64_t lo = 0, hi = experts;  // the last e with group_begin(e) <= i
+  MOK_HOST_DEVICE int64_t group_of(const int32_t* block_begin, uint32_t i) const {
+    int64_t lo = e0, hi = e1;  // the last e with group_begin(e) <= i
     while (hi - lo > 1) {
       const int64_t mid = (lo + hi) / 2;
       if (group_begin(block_begin, mid) <= i) lo = mid; else hi = mid;
@@ -87,18 +106,19 @@ struct TaskList {
     return lo;
   }
 
-  // Task t (kEnd from `total` on).
-  MOK_HOST_DEVICE TaskId at(uint32_t t, const int32_t* block_begin, int64_t experts) const {
+  // Task t (kEnd from `total` on). Blocks and experts are numbered over all ranks;
+  // combine tasks within the rank.
+  MOK_HOST_DEVICE TaskId at(uint32_t t, const int32_t* block_begin) const {
     if (t < dgrad2_end) {
-      return {Kind::kDgrad2, int32_t(t % nf), 0, int64_t(t / nf), Counter::kNone, 0, 0};
+      return {Kind::kDgrad2, int32_t(t % nf), 0, int64_t(block0 + t / nf), Counter::kNone, 0, 0};
     }
     if (t < swiglu_end) {
-      const int64_t b = t - dgrad2_end;
+      const int64_t b = block0 + (t - dgrad2_end);
       return {Kind::kSwiglu, 0, 0, b, Counter::kBlockReady, b, nf};
     }
     if (t < experts_end) {
       const uint32_t i = t - swiglu_end;
-      const int64_t e = group_of(block_begin, experts, i);
+      const int64_t e = group_of(block_begin, i);
       const uint32_t blocks_e = static_cast<uint32_t>(block_begin[e + 1] - block_begin[e]);
       uint32_t j = i - group_begin(block_begin, e);
       if (j < blocks_e * nh) {
@@ -112,7 +132,7 @@ struct TaskList {
     }
     if (t < total) {
       return {Kind::kCombine, int32_t(t - experts_end), 0, 0, Counter::kDgrad1Done, 0,
-              blocks * nh};
+              all_blocks * nh};
     }
     return {Kind::kEnd, 0, 0, 0, Counter::kNone, 0, 0};
   }

@@ -47,6 +47,10 @@ struct MoeBackwardArgs {
   void* d_expert_weights;        // [T, K]
   void* d_w_gate_up;             // [E, H, 2F]
   void* d_w_down;                // [E, F, H]
+  // EP ranks served by one launch on this device (virtual ranks: dy, dx and the
+  // weights' rows split in `ranks` windows, the experts in `ranks` groups); > 1 runs
+  // the persistent backward only (moe_persistent.h).
+  int ranks = 1;
 };
 
 }  // namespace mok

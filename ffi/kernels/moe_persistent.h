@@ -49,10 +49,9 @@
 namespace mok::cuda {
 
 // When the persistent kernels (the forward's and the backward's) run: never (the
-// kernel chains), where they are the faster ones (the default: at most 64 rows per
-// expert, where the GEMMs stream the weights; docs/performance.md), or wherever
-// they can. The backward's kernel is not yet the faster one anywhere, so AUTO
-// leaves it out (persistent_backward_supported).
+// kernel chains), where they are the faster ones (the default, AUTO: the forward at
+// most 64 rows per expert, 128 without residuals; docs/performance.md), or wherever
+// they can. AUTO leaves the backward's kernel out (persistent_backward_supported).
 enum class PersistentMode : int { kOff = 0, kAuto = 1, kAlways = 2 };
 
 // Sets the mode for every later call in this process and returns the previous one.

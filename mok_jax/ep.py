@@ -288,6 +288,7 @@ def moe_on_virtual_ranks(x, expert_ids, expert_weights, w_gate_up, w_down, *,
         if a.dtype != jnp.bfloat16:
             raise TypeError(f"moe_on_virtual_ranks takes bfloat16 {name}, got {a.dtype}")
     _ext.require_target("cuda", _ext.MOE_FORWARD_RANKS)
+    _ext.require_target("cuda", _ext.MOE_BACKWARD_RANKS)
     if jax.default_backend() != "gpu":
         raise RuntimeError("moe_on_virtual_ranks runs on a CUDA GPU only (JAX's default "
                            f"backend here: {jax.default_backend()})")

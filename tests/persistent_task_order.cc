@@ -194,6 +194,7 @@ int main() {
     errors += check(tokens, H, F, blocks, P);
   };
   run_ranks(8, 8, 64, 72, std::vector<int32_t>(8, 0));  // one token per rank, no rows
+  run_ranks(4, 0, 64, 64, std::vector<int32_t>(8, 0));  // no tokens: weight gradients only
   run_ranks(2, 256, 2048, 768, one_hot);                 // every block at one rank
   for (int i = 0; i < 150; ++i) {
     const int P = 2 << (rng() % 3);

@@ -8,7 +8,7 @@ ffi/kernels/moe_persistent_backward_tasks.h (host and device code);
 tests/persistent_task_order.cc runs it over 304 routings (empty experts, one
 expert with every row, sizes off the tiles) and checks that every task appears
 once, waits for what its data needs, and that the tasks before it meet the wait;
-then over 152 routings split in P = 2, 4, 8 EP ranks on one launch (each rank its
+then over 153 routings split in P = 2, 4, 8 EP ranks on one launch (each rank its
 own list, the combine waiting for every rank's dgrad1 tasks), run in turn, that
 every task belongs to its rank and the lists end without a deadlock.
 """

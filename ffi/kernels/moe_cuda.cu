@@ -35,6 +35,7 @@ bool use_persistent_backward(const MoeShape& s, Recipe recipe, DType dt) {
 std::string ranks_can_run(const MoeShape& s, Recipe recipe, DType dt, int ranks,
                           const char* pass) {
   if (ranks == 1) return {};
+  MOK_RETURN_IF_MESSAGE(persistent_ranks_error(s, ranks));
 #ifdef MOK_HAVE_SM90A
   const bool can = persistent_can_run(s, recipe, dt);
 #else

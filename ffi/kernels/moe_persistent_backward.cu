@@ -584,6 +584,9 @@ struct Scratch {
 };
 
 Scratch carve(void* ws, const MoeShape& s, int ranks, size_t* total) {
+  // The launchers reject ranks outside [1, kMaxRanks] (persistent_ranks_error); the
+  // sizes asked for them are those of the nearest valid count.
+  ranks = std::clamp(ranks, 1, kMaxRanks);
   const int64_t rows = s.tokens * s.top_k;
   Carver c(ws);
   Scratch b{};

@@ -84,6 +84,7 @@ def test_tiny_training_eval_loss_falls(straight_run):
     assert log["summary"]["steps"] == STEPS
 
 
+@pytest.mark.slow  # the module's trained run (14 s), shared with the slow tests
 def test_log_json_and_loss_png(straight_run):
     out, log = straight_run
     with open(out / "log.json") as f:
@@ -339,6 +340,7 @@ def test_fused_norms_are_the_same_model(mesh_shape, lag):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # two compiled training steps (8 s)
 def test_weight_copies_state_and_step_must_agree():
     cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=2, dtype="bfloat16")
     mesh = lm.make_mesh(1, 1, jax.devices()[:1])
@@ -536,6 +538,7 @@ def test_a_diverged_run_stops_without_a_checkpoint(tmp_path):
     assert not (out / "ckpt" / "8").exists()
 
 
+@pytest.mark.slow  # the module's trained run (14 s), shared with the slow tests
 def test_refuses_to_overwrite_checkpoints_without_flag(straight_run):
     out, _ = straight_run
     with pytest.raises(SystemExit, match="--resume"):

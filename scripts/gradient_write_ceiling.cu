@@ -20,18 +20,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
+#include "check_cuda.h"
 #include "cute/tensor.hpp"
 #include "cute/atom/copy_traits_sm90_tma.hpp"
 #include "cutlass/numeric_types.h"
 using namespace cute;
-#define CHECK(call)                                                              \
-  do {                                                                           \
-    cudaError_t e_ = (call);                                                     \
-    if (e_ != cudaSuccess) {                                                     \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));           \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
 using Elem = cutlass::bfloat16_t;
 constexpr int kHalfBytes = 64 * 128 * 2;  // a group's 64 x 128 half tile
 using Half = Shape<_64, _128>;

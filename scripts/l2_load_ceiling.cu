@@ -14,15 +14,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
+#include "check_cuda.h"
 #include "cutlass/arch/barrier.h"
-#define CHECK(call)                                                              \
-  do {                                                                           \
-    cudaError_t e_ = (call);                                                     \
-    if (e_ != cudaSuccess) {                                                     \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));           \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
 constexpr int kStages = 4, kChunk = 16384, kChunksPerStage = 3;
 constexpr int kStageBytes = kChunk * kChunksPerStage;
 using B = cutlass::arch::ClusterTransactionBarrier;

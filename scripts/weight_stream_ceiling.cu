@@ -12,19 +12,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
+#include "check_cuda.h"
 #include "cute/tensor.hpp"
 #include "cute/atom/copy_traits_sm90_tma.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/numeric_types.h"
 using namespace cute;
-#define CHECK(call)                                                              \
-  do {                                                                           \
-    cudaError_t e_ = (call);                                                     \
-    if (e_ != cudaSuccess) {                                                     \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));           \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
 using Elem = cutlass::bfloat16_t;
 constexpr int kStages = 5, kStageBytes = 32768;
 using SL = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<_64, _64>{}, Step<_2, _1>{}));

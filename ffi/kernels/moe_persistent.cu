@@ -148,19 +148,15 @@ struct Windows {
 
 // Token t's x row, read from the window of the rank that holds t.
 __device__ __forceinline__ const Elem* x_row(const Params& p, const Windows& w, int64_t token) {
-  int rank, local;
-  p.by_rank_tokens(rank, local, static_cast<int>(token));
-  return w.x[rank] + int64_t(local) * p.hidden;
+  const RankPlace q = token_place(p.by_rank_tokens, static_cast<int32_t>(token));
+  return w.x[q.rank] + q.local * p.hidden;
 }
 
 // Where pair `pair`'s expert-output row goes: the receive window of the rank
 // that holds its token, at the pair's place among that rank's pairs.
 __device__ __forceinline__ Elem* recv_row(const Params& p, const Windows& w, int32_t pair) {
-  const int32_t t = pair / static_cast<int32_t>(p.top_k);
-  const int32_t k = pair - t * static_cast<int32_t>(p.top_k);
-  int rank, local;
-  p.by_rank_tokens(rank, local, t);
-  return w.recv[rank] + (int64_t(local) * p.top_k + k) * p.hidden;
+  const RankPlace q = pair_place(p.by_rank_tokens, p.top_k, pair);
+  return w.recv[q.rank] + q.local * p.hidden;
 }
 
 // Where row `row`'s expert output goes. One rank: the expert-output rows in row

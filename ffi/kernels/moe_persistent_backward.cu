@@ -117,25 +117,10 @@ struct Windows {
   Elem* recv[kMaxRanks];
 };
 
-// Pair `pair` (token t, slot k) as its token's rank holds it: the rank, and the
-// pair's place among that rank's pairs.
-struct PairPlace {
-  int rank;
-  int64_t local;  // local token * K + k
-};
-__device__ __forceinline__ PairPlace pair_place(const Params& p, int32_t pair) {
-  const int32_t t = pair / static_cast<int32_t>(p.top_k);
-  const int32_t k = pair - t * static_cast<int32_t>(p.top_k);
-  int rank, local;
-  p.by_rank_tokens(rank, local, t);
-  return {rank, int64_t(local) * p.top_k + k};
-}
-
 // Token t's dy row, read from the window of the rank that holds t.
 __device__ __forceinline__ const Elem* dy_row(const Params& p, const Windows& w, int32_t token) {
-  int rank, local;
-  p.by_rank_tokens(rank, local, token);
-  return w.dy[rank] + int64_t(local) * p.hidden;
+  const RankPlace q = token_place(p.by_rank_tokens, token);
+  return w.dy[q.rank] + q.local * p.hidden;
 }
 
 // Where row `row`'s dx row goes. One rank: the dx rows in row order (the combine
@@ -143,7 +128,7 @@ __device__ __forceinline__ const Elem* dy_row(const Params& p, const Windows& w,
 // that holds its token, at the pair's place among its pairs.
 __device__ __forceinline__ Elem* dx_row_out(const Params& p, const Windows& w, int64_t row) {
   if (p.ranks == 1) return w.recv[0] + row * p.hidden;
-  const PairPlace q = pair_place(p, p.row_pair[row]);
+  const RankPlace q = pair_place(p.by_rank_tokens, p.top_k, p.row_pair[row]);
   return w.recv[q.rank] + q.local * p.hidden;
 }
 
@@ -376,7 +361,7 @@ __device__ void swiglu_task(const Params& p, const Windows& win, const RowBlock&
   const int64_t F = p.ffn;
   for (int64_t m = warp; m < rb.rows(); m += kConsumerThreads / 32) {
     const int64_t r = rb.row0 + m;
-    const PairPlace q = pair_place(p, p.row_pair[r]);
+    const RankPlace q = pair_place(p.by_rank_tokens, p.top_k, p.row_pair[r]);
     const float w = to_float(static_cast<const W*>(win.w[q.rank])[q.local]);
     const float total = swiglu_backward_row<bf16, 4, 2>(
         p.gate_up + r * 2 * F, p.dh + r * F, w, F, lane, reinterpret_cast<bf16*>(p.wh + r * F),

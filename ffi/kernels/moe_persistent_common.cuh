@@ -22,6 +22,7 @@
 #include "cute/atom/copy_traits_sm90_tma.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/fast_math.h"
 #include "cutlass/numeric_types.h"
 #include "cuda_check.h"
 #include "mok/bf16.h"
@@ -431,6 +432,27 @@ std::string launch_one_cta_per_sm(void (*kernel)(P), const P& p, size_t smem, in
 // Upper bound of the bm-row blocks of R = T K rows over E experts.
 inline int64_t max_row_blocks(int64_t rows, int64_t experts, int64_t bm = kBlockRows) {
   return (rows + bm - 1) / bm + experts;
+}
+
+// EP ranks on one launch (virtual ranks): token t's rank and its place among the
+// rank's tokens (by_rank_tokens divides by T / P), and pair (t, k)'s rank (its
+// token's) and its place among that rank's pairs (local token * K + k).
+struct RankPlace {
+  int rank;
+  int64_t local;
+};
+__device__ __forceinline__ RankPlace token_place(const cutlass::FastDivmod& by_rank_tokens,
+                                                 int32_t t) {
+  int rank, local;
+  by_rank_tokens(rank, local, t);
+  return {rank, local};
+}
+__device__ __forceinline__ RankPlace pair_place(const cutlass::FastDivmod& by_rank_tokens,
+                                                int64_t top_k, int32_t pair) {
+  const int32_t t = pair / static_cast<int32_t>(top_k);
+  const int32_t k = pair - t * static_cast<int32_t>(top_k);
+  const RankPlace q = token_place(by_rank_tokens, t);
+  return {q.rank, q.local * top_k + k};
 }
 
 }  // namespace mok::cuda::persistent

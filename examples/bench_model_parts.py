@@ -47,7 +47,7 @@ import train_moe_lm as lm  # noqa: E402
 
 import mok_jax  # noqa: E402
 import mok_jax.nn as mnn  # noqa: E402
-from mok_jax.bench import error_string, rel_fro, time_step  # noqa: E402
+from mok_jax.bench.measure import error_string, rel_fro, time_step  # noqa: E402
 
 ROUTER = {
     "current": None,  # mok_jax.nn.router_logits, router_dot="auto"

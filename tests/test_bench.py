@@ -114,7 +114,7 @@ def test_baseline_invalid_ids_contribute_zero(pipeline):
 def test_tokamax_available_reports_reason():
     ok, why = baselines.tokamax_available()
     assert ok or why  # unavailable always says why (available may carry a note)
-    record = bench.bench_one(bench.QUICK_SHAPES["ep"], "tokamax", "fwd", {},
+    record = bench.measure.bench_one(bench.QUICK_SHAPES["ep"], "tokamax", "fwd", {},
                              dtype_name="bf16", warmup=0, repeats=1)
     if jax.default_backend() == "cpu":  # GPU-only: not attempted, whether installed or not
         assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
@@ -124,7 +124,7 @@ def test_tokamax_available_reports_reason():
 
 @pytest.mark.parametrize("impl", ["moe_chain", "moe_persistent"])
 def test_persistent_rows_need_a_gpu_and_restore_the_mode(impl):
-    record = bench.bench_one(bench.QUICK_SHAPES["ep"], impl, "fwd", {}, dtype_name="bf16",
+    record = bench.measure.bench_one(bench.QUICK_SHAPES["ep"], impl, "fwd", {}, dtype_name="bf16",
                              warmup=0, repeats=1)
     if jax.default_backend() == "cpu":  # the switch is a CUDA kernel's: not attempted
         assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
@@ -135,13 +135,13 @@ def test_persistent_rows_need_a_gpu_and_restore_the_mode(impl):
 
 def test_virtual_rank_rows_are_gpu_measurements_of_both_passes():
     shape = bench.QUICK_SHAPES["ep"]
-    for name, ranks in bench.VIRTUAL_RANKS.items():
-        assert name in bench.EXTRA_IMPLS and name in bench.IMPL_ABOUT
-        fn, why = bench.resolve_impl(name)
+    for name, ranks in bench.pipelines.VIRTUAL_RANKS.items():
+        assert name in bench.pipelines.EXTRA_IMPLS and name in bench.pipelines.IMPL_ABOUT
+        fn, why = bench.pipelines.resolve_impl(name)
         assert why is None and fn.keywords == {"ranks": ranks}
-        for pass_name in bench.PASSES:
-            assert bench.auto_skip(shape, name, pass_name, "gpu") is None
-            record = bench.bench_one(shape, name, pass_name, {}, dtype_name="bf16", warmup=0,
+        for pass_name in bench.pipelines.PASSES:
+            assert bench.pipelines.auto_skip(shape, name, pass_name, "gpu") is None
+            record = bench.measure.bench_one(shape, name, pass_name, {}, dtype_name="bf16", warmup=0,
                                      repeats=1)
             if jax.default_backend() == "cpu":
                 assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
@@ -175,11 +175,11 @@ def test_model_like_shapes_are_the_models_experts():
         assert (s.top_k, s.experts, s.hidden, s.ffn) == (k, e, h, f), name
         assert name not in bench.DEFAULT_SHAPES
     assert bench.FULL_SHAPES["few-tokens"].tokens == 256
-    args = bench.parse_args(["--impls", "moe"])
+    args = bench.cli.parse_args(["--impls", "moe"])
     assert args.shapes == list(bench.DEFAULT_SHAPES)
-    args = bench.parse_args(["--shapes", "qwen3-like,few-tokens", "--impls", "moe"])
+    args = bench.cli.parse_args(["--shapes", "qwen3-like,few-tokens", "--impls", "moe"])
     assert [bench.FULL_SHAPES[n].tokens for n in args.shapes] == [16384, 256]
-    assert "gpt-oss-like" in bench.help_epilog()
+    assert "gpt-oss-like" in bench.cli.help_epilog()
 
 
 def test_make_inputs_routing():
@@ -208,27 +208,27 @@ def test_quick_run_writes_json(tmp_path):
     records = result["records"]
     keys = [(r["shape"], r["impl"], r["pass"]) for r in records]
     assert len(keys) == len(set(keys))
-    assert set(keys) == {(s, i, p) for s in bench.DEFAULT_SHAPES for i in bench.IMPLS
-                         for p in bench.PASSES}
+    assert set(keys) == {(s, i, p) for s in bench.DEFAULT_SHAPES for i in bench.pipelines.IMPLS
+                         for p in bench.pipelines.PASSES}
 
     must_run = {"ragged_dot", "dense_onehot"}
     if _mok_moe_available():
-        must_run.add(bench.MOK)
+        must_run.add(bench.pipelines.MOK)
     backend = jax.default_backend()
-    if baselines.tokamax_available()[0] and not bench.platform_skip("tokamax", backend):
+    if baselines.tokamax_available()[0] and not bench.pipelines.platform_skip("tokamax", backend):
         must_run.add("tokamax")
     for r in records:
         if r["impl"] in must_run:
             assert r["status"] == "ok", r
             assert r["median_ms"] > 0 and r["min_ms"] > 0 and r["tflops"] > 0
             assert len(r["times_ms"]) == 2
-        elif bench.platform_skip(r["impl"], backend):
+        elif bench.pipelines.platform_skip(r["impl"], backend):
             assert r["status"] == "skipped" and "CUDA GPU" in r["error"], r
             assert r["median_ms"] is None
         else:
             assert r["status"] == "unavailable" and r["error"]
             assert r["median_ms"] is None
-        if r["impl"] != bench.MOK and r["status"] == "ok" and bench.MOK in must_run:
+        if r["impl"] != bench.pipelines.MOK and r["status"] == "ok" and bench.pipelines.MOK in must_run:
             assert r["mok_speedup"] > 0
 
 
@@ -262,18 +262,18 @@ def test_module_entry_point(tmp_path):
 
 def test_bad_arguments_exit():
     with pytest.raises(SystemExit):
-        bench.parse_args(["--impls", "cublas"])
+        bench.cli.parse_args(["--impls", "cublas"])
     with pytest.raises(SystemExit):
-        bench.parse_args(["--shapes", "nope"])
+        bench.cli.parse_args(["--shapes", "nope"])
 
 
 def test_failing_pipeline_is_recorded(monkeypatch):
     def broken(*_):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (simulated)")
 
-    monkeypatch.setattr(bench, "resolve_impl", lambda name: (broken, None))
+    monkeypatch.setattr(bench.pipelines, "resolve_impl", lambda name: (broken, None))
     shape = bench.QUICK_SHAPES["ep"]
-    record = bench.bench_one(shape, "ragged_dot", "fwd",
+    record = bench.measure.bench_one(shape, "ragged_dot", "fwd",
                              bench.make_inputs(shape, jnp.float32),
                              dtype_name="f32", warmup=0, repeats=1)
     assert record["status"] == "error"
@@ -287,11 +287,11 @@ def test_table_and_speedups():
                 "error": None if ms else "boom\nmore"}
 
     records = [rec("moe", 2.0), rec("ragged_dot", 5.0), rec("tokamax", None, "error")]
-    bench.add_speedups(records)
+    bench.report.add_speedups(records)
     assert records[0]["mok_speedup"] is None
     assert records[1]["mok_speedup"] == pytest.approx(2.5)
     assert records[2]["mok_speedup"] is None
-    table = bench.format_table(records)
+    table = bench.report.format_table(records)
     assert "2.50x" in table and "tokamax: error: boom" in table
 
 
@@ -303,14 +303,14 @@ def test_time_queued_is_per_call_time_of_each_batch():
         time.sleep(0.02)
         return x
 
-    times = bench.time_queued(compiled, [jnp.zeros(2)], queue=3, repeats=2)
+    times = bench.measure.time_queued(compiled, [jnp.zeros(2)], queue=3, repeats=2)
     assert len(calls) == 6 and len(times) == 2
     # A batch is three 20 ms sleeps: 20 ms and some after dividing by three, not 60.
     assert all(20.0 <= t < 40.0 for t in times), times
 
 
 def test_torch_queued_timing_synchronizes_once_per_batch():
-    from mok_jax import _torch_moe  # pylint: disable=import-outside-toplevel
+    from mok_jax.bench import _torch_moe  # pylint: disable=import-outside-toplevel
     events = []
 
     class FakeTorch:
@@ -344,15 +344,15 @@ def test_queue_adds_queued_times_and_their_speedups(capsys):
                 "queued_ms": queued_ms}
 
     records = [rec("moe", 2.0, 1.0), rec("ragged_dot", 5.0, 4.0), rec("dense_onehot", 6.0, None)]
-    bench.add_speedups(records)
+    bench.report.add_speedups(records)
     assert records[1]["mok_speedup_queued"] == pytest.approx(4.0)
     assert records[0]["mok_speedup_queued"] is None
     assert records[2]["mok_speedup_queued"] is None
-    lines = bench.format_table(records).splitlines()
+    lines = bench.report.format_table(records).splitlines()
     assert lines[0].split()[-4:] == ["queued", "ms", "queued", "speedup"]
     assert lines[3].split()[-2:] == ["4.000", "4.00x"] and lines[4].split()[-2:] == ["-", "-"]
     with pytest.raises(SystemExit):
-        bench.parse_args(["--queue", "-1"])
+        bench.cli.parse_args(["--queue", "-1"])
 
 
 def test_check_reports_relative_errors():
@@ -360,7 +360,7 @@ def test_check_reports_relative_errors():
                          "--repeats", "1", "--warmup", "0", "--check", "--dtype", "f32"])
     for r in result["records"]:
         assert r["status"] == "ok" and r["check_error"] is None, r
-        assert set(r["rel_err"]) == set(bench.OUTPUT_NAMES[r["pass"]])
+        assert set(r["rel_err"]) == set(bench.measure.OUTPUT_NAMES[r["pass"]])
         assert max(r["rel_err"].values()) < 1e-5, r["rel_err"]
 
 
@@ -398,7 +398,7 @@ def test_ep_mode_times_moe_on_meshes_of_each_size(ep_run):
         compute = by_impl[f"moe_compute_ep{size}"]
         assert compute["status"] == "ok", compute["error"]
         assert compute["mok_speedup"] is None and "ep_size" not in compute
-        for backend in bench.EP_BACKENDS:
+        for backend in bench.expert_parallel.EP_BACKENDS:
             ep = by_impl[f"moe_ep{size}_{backend}"]
             assert ep["ep_size"] == size and ep["backend"] == backend
             assert ep["experts_per_device"] == bench.QUICK_SHAPES["ep"].experts // size
@@ -422,15 +422,15 @@ def test_ep_mode_times_moe_on_meshes_of_each_size(ep_run):
             else:
                 assert ep["ep_time_ratio"] is None
     exchanges = {(r["ep_size"], r["exchange"]): r for r in result["exchange"]}
-    assert set(exchanges) == {(n, k) for n in (2, 4) for k in bench.EXCHANGES}
+    assert set(exchanges) == {(n, k) for n in (2, 4) for k in bench.exchanges.EXCHANGES}
     backend = jax.default_backend()
     for (n, kind), r in exchanges.items():
         assert r["bytes_per_device"] > 0 and "gb_per_s" in r, r
-        if bench.platform_skip(kind, backend):
+        if bench.pipelines.platform_skip(kind, backend):
             # No CPU lowering: not attempted, recorded as skipped with the reason.
             assert r["status"] == "skipped" and r["gb_per_s"] is None, r
-            assert r["error"] == bench.platform_skip(kind, backend) and "GPU" in r["error"]
-        elif kind in bench.NVLINK_EXCHANGES:
+            assert r["error"] == bench.pipelines.platform_skip(kind, backend) and "GPU" in r["error"]
+        elif kind in bench.exchanges.NVLINK_EXCHANGES:
             _fused_expected_status(r)
         else:
             assert r["status"] == "ok" and r["gb_per_s"] > 0, r
@@ -450,24 +450,24 @@ def test_compute_only_record_is_one_ranks_work_with_e_over_p_experts(ep_run):
         assert compute["experts_global"] == shape.experts
         assert compute["shape"] == "ep" and compute["pass"] == "fwd"
     # K > E/P: K' = E/P picks of T*K/K' tokens keep the T*K rows (and GEMM FLOPs).
-    local = bench.compute_only_shape(shape, 8)
+    local = bench.expert_parallel.compute_only_shape(shape, 8)
     assert (local.tokens, local.top_k, local.experts) == (128, 4, 4)
     assert local.gemm_flops("fwd") == shape.gemm_flops("fwd")
-    assert bench.compute_only_shape(bench.FULL_SHAPES["ep"], 8) == bench.Shape(
+    assert bench.expert_parallel.compute_only_shape(bench.FULL_SHAPES["ep"], 8) == bench.Shape(
         "ep", 4096, 8, 16, 7168, 2048)
 
 
 def test_fused_ep_is_skipped_on_cpu_and_unavailable_without_the_build(monkeypatch):
-    status, why = bench.fused_skip("cpu")
+    status, why = bench.expert_parallel.fused_skip("cpu")
     assert status == "skipped" and "GPU" in why and "fused" in why
-    monkeypatch.setattr(bench, "fused_unavailable",
+    monkeypatch.setattr(bench.expert_parallel, "fused_unavailable",
                         lambda: "Missing: mok_jax was built without its fused EP transport")
-    assert bench.fused_skip("gpu") == (
+    assert bench.expert_parallel.fused_skip("gpu") == (
         "unavailable", "Missing: mok_jax was built without its fused EP transport")
-    monkeypatch.setattr(bench, "fused_unavailable", lambda: None)
-    assert bench.fused_skip("gpu") is None
+    monkeypatch.setattr(bench.expert_parallel, "fused_unavailable", lambda: None)
+    assert bench.expert_parallel.fused_skip("gpu") is None
     if jax.default_backend() == "cpu":
-        record = bench.bench_ep(bench.QUICK_SHAPES["ep"], 2, "fwd", dtype=jnp.float32,
+        record = bench.expert_parallel.bench_ep(bench.QUICK_SHAPES["ep"], 2, "fwd", dtype=jnp.float32,
                                 dtype_name="f32", seed=0, warmup=0, repeats=1,
                                 backend="fused")
         assert record["impl"] == "moe_ep2_fused" and record["status"] == "skipped"
@@ -484,12 +484,12 @@ def test_nvlink_pull_bytes_on_a_hand_made_routing():
                     [1, 0]],   # t5 (rank 1): rank 0 twice, pulled once    -> rank 0 pulls 1
                    np.int32)
     hidden, itemsize = 5, 2
-    np.testing.assert_array_equal(bench.nvlink_pull_rows(ids, 2, 4), [3, 2])
-    np.testing.assert_array_equal(bench.nvlink_pull_bytes(ids, 2, 4, hidden, itemsize),
+    np.testing.assert_array_equal(bench.exchanges.nvlink_pull_rows(ids, 2, 4), [3, 2])
+    np.testing.assert_array_equal(bench.exchanges.nvlink_pull_bytes(ids, 2, 4, hidden, itemsize),
                                   [3 * 5 * 2, 2 * 5 * 2])
     # Ids outside [0, E) move nothing: t1 loses its pick of rank 1.
     ids[1, 1] = -1
-    np.testing.assert_array_equal(bench.nvlink_pull_rows(ids, 2, 4), [3, 1])
+    np.testing.assert_array_equal(bench.exchanges.nvlink_pull_rows(ids, 2, 4), [3, 1])
 
 
 def test_nvlink_pull_rows_match_the_transports_own_route():
@@ -499,16 +499,16 @@ def test_nvlink_pull_rows_match_the_transports_own_route():
     shape = bench.Shape("tiny", 16, 3, 8, 8, 8)
     for ep_size in (2, 4):
         ids = bench.make_routing(dataclasses.replace(shape, tokens=16 * ep_size), 3)[0]
-        mesh, _ = bench.ep_mesh(ep_size)
+        mesh, _ = bench.expert_parallel.ep_mesh(ep_size)
         sharded = NamedSharding(mesh, P("ep"))
-        route = jax.jit(jax.shard_map(bench.nvlink_fns(ep_size, shape.experts)["route"],
+        route = jax.jit(jax.shard_map(bench.exchanges.nvlink_fns(ep_size, shape.experts)["route"],
                                       mesh=mesh, in_specs=(P("ep"),), out_specs=P("ep")))(
             jax.device_put(ids, sharded))
         entries = np.asarray(route.entries).reshape(ep_size, -1)   # src * T + t, -1: none
         remote = [int(np.sum((e >= 0) & (e // shape.tokens != r)))
                   for r, e in enumerate(entries)]
         np.testing.assert_array_equal(
-            bench.nvlink_pull_rows(np.asarray(ids), ep_size, shape.experts), remote)
+            bench.exchanges.nvlink_pull_rows(np.asarray(ids), ep_size, shape.experts), remote)
 
 
 def test_nvlink_exchanges_trace_to_the_fused_dispatch():
@@ -517,9 +517,9 @@ def test_nvlink_exchanges_trace_to_the_fused_dispatch():
     from jax.sharding import NamedSharding, PartitionSpec as P
     ep_size, shape = 2, bench.QUICK_SHAPES["ep"]
     global_shape = dataclasses.replace(shape, tokens=shape.tokens * ep_size)
-    mesh, _ = bench.ep_mesh(ep_size)
+    mesh, _ = bench.expert_parallel.ep_mesh(ep_size)
     sharded = NamedSharding(mesh, P("ep"))
-    fns = bench.nvlink_fns(ep_size, shape.experts)
+    fns = bench.exchanges.nvlink_fns(ep_size, shape.experts)
     x = jax.device_put(bench.make_tokens(global_shape, jnp.bfloat16), sharded)
     ids = jax.device_put(bench.make_routing(global_shape)[0], sharded)
     route = jax.jit(jax.shard_map(fns["route"], mesh=mesh, in_specs=(P("ep"),),
@@ -535,7 +535,7 @@ def test_nvlink_exchanges_trace_to_the_fused_dispatch():
 def test_ep_sizes_must_be_positive_integers():
     for bad in ("0", "2,x", "-2"):
         with pytest.raises(SystemExit):
-            bench.parse_args(["--ep", bad])
+            bench.cli.parse_args(["--ep", bad])
 
 
 def test_torch_baselines_are_recorded_even_when_unavailable():
@@ -543,11 +543,11 @@ def test_torch_baselines_are_recorded_even_when_unavailable():
     result = bench.main(["--quick", "--shapes", "ep", "--impls", "moe", "--passes", "fwd",
                          "--repeats", "1", "--warmup", "0", "--torch"])
     torch_recs = [r for r in result["records"] if r["impl"].startswith("torch_")]
-    assert {r["impl"] for r in torch_recs} == set(bench.TORCH_IMPLS)
+    assert {r["impl"] for r in torch_recs} == set(bench.torch_baselines.TORCH_IMPLS)
     for r in torch_recs:
         if jax.default_backend() == "cpu":  # GPU-only: not attempted, with the reason
             assert r["status"] == "skipped" and r["median_ms"] is None, r
-            assert r["error"] == bench.platform_skip(r["impl"], "cpu")
+            assert r["error"] == bench.pipelines.platform_skip(r["impl"], "cpu")
             continue
         # Either measured (torch with CUDA here) or marked unavailable with a reason.
         assert (r["status"] == "ok" and r["median_ms"] > 0) or (
@@ -571,7 +571,7 @@ def _run_exchange(kind: str, ep_size: int, rows: int, hidden: int, devices):
         args.append(jax.device_put(np.zeros((ep_size * rows, hidden), np.float32),
                                    NamedSharding(mesh, P("ep"))))
         specs += (P("ep"),)
-    fn = jax.shard_map(bench.exchange_fn(kind, ep_size, rows, hidden), mesh=mesh,
+    fn = jax.shard_map(bench.exchanges.exchange_fn(kind, ep_size, rows, hidden), mesh=mesh,
                        in_specs=specs, out_specs=P("ep"))
     return sent, np.asarray(jax.jit(fn)(*args))
 
@@ -596,13 +596,13 @@ def test_auto_skip_spares_gpu_runs_ragged_dot_backwards_that_did_not_compile():
     # Measured on an H200 (docs/performance.md): ragged_dot's backward failed to compile on
     # these three full shapes and compiled on mixtral-like.
     for name in ("small-experts", "deepseek-slice", "ep"):
-        why = bench.auto_skip(bench.FULL_SHAPES[name], "ragged_dot", "fwdbwd", "gpu")
+        why = bench.pipelines.auto_skip(bench.FULL_SHAPES[name], "ragged_dot", "fwdbwd", "gpu")
         assert why and "GiB" in why and "--try-all" in why
-    assert bench.auto_skip(bench.FULL_SHAPES["mixtral-like"], "ragged_dot", "fwdbwd",
+    assert bench.pipelines.auto_skip(bench.FULL_SHAPES["mixtral-like"], "ragged_dot", "fwdbwd",
                            "gpu") is None
     for impl, pass_name, backend in (("ragged_dot", "fwd", "gpu"), ("moe", "fwdbwd", "gpu"),
                                      ("ragged_dot", "fwdbwd", "cpu")):
-        assert bench.auto_skip(bench.FULL_SHAPES["ep"], impl, pass_name, backend) is None
+        assert bench.pipelines.auto_skip(bench.FULL_SHAPES["ep"], impl, pass_name, backend) is None
 
 
 def test_bad_skip_entries_and_exchange_without_ep_are_refused():
@@ -610,8 +610,8 @@ def test_bad_skip_entries_and_exchange_without_ep_are_refused():
                  ["--skip", "ragged_dot/fwdbwd/deepseek"], ["--skip", "ragged_dot"],
                  ["--exchange"], ["--exchange", "--ep", "1"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(argv)
-    args = bench.parse_args(["--skip", "ragged_dot/fwdbwd/deepseek-slice,tokamax/fwd",
+            bench.cli.parse_args(argv)
+    args = bench.cli.parse_args(["--skip", "ragged_dot/fwdbwd/deepseek-slice,tokamax/fwd",
                              "--exchange", "--ep", "1,2"])
     assert args.skip == ["ragged_dot/fwdbwd/deepseek-slice", "tokamax/fwd"]
     assert args.ep == [1, 2] and args.exchange
@@ -631,16 +631,16 @@ def test_xprof_stub_does_not_outlive_the_tokamax_import():
 
 
 def test_custom_shape_replaces_the_shape_list_unless_shapes_is_given():
-    args = bench.parse_args(["--shape", "4096,8,64,2048,1024"])
+    args = bench.cli.parse_args(["--shape", "4096,8,64,2048,1024"])
     assert args.shapes == []
     assert args.shape == [bench.Shape("T4096-K8-E64-H2048-F1024", 4096, 8, 64, 2048, 1024)]
-    args = bench.parse_args(["--shape", "mine=16,2,4,8,8", "--shape", "7,1,1,3,5",
+    args = bench.cli.parse_args(["--shape", "mine=16,2,4,8,8", "--shape", "7,1,1,3,5",
                              "--shapes", "ep"])
     assert args.shapes == ["ep"]
     assert [s.name for s in args.shape] == ["mine", "T7-K1-E1-H3-F5"]
-    assert bench.run_shapes(args, True) == [bench.QUICK_SHAPES["ep"], *args.shape]
+    assert bench.cli.run_shapes(args, True) == [bench.QUICK_SHAPES["ep"], *args.shape]
     # The default EP shapes: the ep bench shape and every custom one.
-    assert bench.parse_args(["--shape", "mine=16,2,4,8,8", "--shapes", "ep",
+    assert bench.cli.parse_args(["--shape", "mine=16,2,4,8,8", "--shapes", "ep",
                              "--ep", "2"]).ep_shapes == ["ep", "mine"]
 
 
@@ -674,7 +674,7 @@ def test_custom_shape_is_benchmarked(tmp_path):
 ])
 def test_bad_custom_shape_is_a_clear_error(bad, why, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        bench.parse_args(["--shape", bad])
+        bench.cli.parse_args(["--shape", bad])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "argument --shape" in err and why in err, err
@@ -700,7 +700,7 @@ def test_ep_rows_are_time_ratios_to_compute_only_never_speedups():
     records = [one, _compute_record(1.0), _ep_record(1.9), _ep_record(1.5, backend="fused"),
                _compute_record(0.5, size=4), _ep_record(None, size=4)]
     records[-1].update(status="error", error="boom")
-    bench.add_speedups(records)
+    bench.report.add_speedups(records)
     slow, fused = records[2], records[3]
     assert slow["ep_time_ratio"] == pytest.approx(1.9)
     assert slow["ep_reference_ms"] == 1.0 and slow["ep_reference"] == "moe_compute_ep2"
@@ -712,7 +712,7 @@ def test_ep_rows_are_time_ratios_to_compute_only_never_speedups():
     assert records[1]["mok_speedup"] is None  # compute-only: not a baseline of moe
     for r in records[2:4] + records[5:]:
         assert not [key for key in r if "speedup" in key], r
-    text = bench.format_table(records)
+    text = bench.report.format_table(records)
     assert "1.90x" in text and "3.80x" in text and "1.50x" in text
     header = text.splitlines()[0].split("  ")
     header = [h.strip() for h in header if h.strip()]
@@ -735,10 +735,10 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_timing(tmp_path, c
                       (a_file / "out.json", "is not a writable directory"),
                       (a_file / "deeper" / "out.json", "is not a writable directory")):
         with pytest.raises(SystemExit) as exit_info:
-            bench.parse_args(["--json", str(path)])
+            bench.cli.parse_args(["--json", str(path)])
         assert exit_info.value.code == 2
         assert why in capsys.readouterr().err
-    args = bench.parse_args(["--json", str(tmp_path / "new" / "dir" / "out.json")])
+    args = bench.cli.parse_args(["--json", str(tmp_path / "new" / "dir" / "out.json")])
     assert args.json.endswith("out.json")  # a directory to be made is fine
 
 
@@ -768,7 +768,7 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_timing(tmp_path, c
 ])
 def test_flags_that_select_nothing_are_refused(argv, why, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        bench.parse_args(argv)
+        bench.cli.parse_args(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert why in err, err
@@ -788,20 +788,20 @@ def test_flags_that_select_nothing_are_refused(argv, why, capsys):
 ])
 def test_flags_that_select_nothing_on_this_platform_are_refused(argv, platform, why,
                                                                  capsys):
-    bench.parse_args(argv)  # fine before the devices are known ...
+    bench.cli.parse_args(argv)  # fine before the devices are known ...
     with pytest.raises(SystemExit) as exit_info:
-        bench.parse_args(argv, platform)  # ... refused once they are
+        bench.cli.parse_args(argv, platform)  # ... refused once they are
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert why in err, err
 
 
 def test_platform_checks_accept_what_the_platform_runs():
-    assert bench.parse_args(["--impls", "tokamax"], ("gpu", 1)).impls == ["tokamax"]
-    assert bench.parse_args(["--try-all"], ("gpu", 1)).try_all
-    args = bench.parse_args(["--ep", "2,8", "--shapes", "ep"], ("cpu", 8))
+    assert bench.cli.parse_args(["--impls", "tokamax"], ("gpu", 1)).impls == ["tokamax"]
+    assert bench.cli.parse_args(["--try-all"], ("gpu", 1)).try_all
+    args = bench.cli.parse_args(["--ep", "2,8", "--shapes", "ep"], ("cpu", 8))
     assert args.ep == [2, 8] and args.ep_shapes == ["ep"]
-    args = bench.parse_args(["--ep", "2", "--shapes", "small-experts",
+    args = bench.cli.parse_args(["--ep", "2", "--shapes", "small-experts",
                              "--ep-shapes", "small-experts"], ("cpu", 8))
     assert args.ep_shapes == ["small-experts"]
 
@@ -811,7 +811,7 @@ def test_too_many_ep_devices_is_refused_before_anything_runs(monkeypatch, capsys
         raise AssertionError("ran before the --ep device check")
 
     for name in ("make_inputs", "bench_one", "bench_ep", "torch_records"):
-        monkeypatch.setattr(bench, name, must_not_run)
+        monkeypatch.setattr(bench.cli, name, must_not_run)
     too_many = jax.device_count() + 1
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--shapes", "ep", "--impls", "moe", "--ep", f"2,{too_many}"])
@@ -823,10 +823,10 @@ def test_gpu_only_baselines_are_skipped_on_cpu_with_a_note(monkeypatch, capsys, 
     if jax.default_backend() != "cpu":
         pytest.skip("checks how a CPU backend skips the GPU-only baselines; on a GPU they "
                     "are attempted, so there is nothing to check")
-    assert bench.platform_skip("tokamax", "gpu") is None
-    for name in ("tokamax", *bench.TORCH_IMPLS, "ragged_all_to_all"):
-        assert "GPU" in bench.platform_skip(name, "cpu")
-    resolve, run = bench.resolve_impl, subprocess.run
+    assert bench.pipelines.platform_skip("tokamax", "gpu") is None
+    for name in ("tokamax", *bench.torch_baselines.TORCH_IMPLS, "ragged_all_to_all"):
+        assert "GPU" in bench.pipelines.platform_skip(name, "cpu")
+    resolve, run = bench.pipelines.resolve_impl, subprocess.run
 
     def resolve_no_tokamax(name):
         assert name != "tokamax", "tokamax attempted on CPU"
@@ -836,18 +836,18 @@ def test_gpu_only_baselines_are_skipped_on_cpu_with_a_note(monkeypatch, capsys, 
         assert not any("_torch_moe" in str(c) for c in cmd), "torch attempted on CPU"
         return run(cmd, *a, **kw)
 
-    monkeypatch.setattr(bench, "resolve_impl", resolve_no_tokamax)
+    monkeypatch.setattr(bench.pipelines, "resolve_impl", resolve_no_tokamax)
     monkeypatch.setattr(subprocess, "run", run_no_torch)
     path = tmp_path / "cpu.json"
     bench.main(["--quick", "--shapes", "ep", "--impls", "ragged_dot,tokamax", "--passes",
                 "fwd", "--torch", "--repeats", "1", "--warmup", "0", "--json", str(path)])
     captured = capsys.readouterr()
     records = {r["impl"]: r for r in json.loads(path.read_text())["records"]}
-    assert set(records) == {"ragged_dot", "tokamax", *bench.TORCH_IMPLS}
+    assert set(records) == {"ragged_dot", "tokamax", *bench.torch_baselines.TORCH_IMPLS}
     assert records["ragged_dot"]["status"] == "ok"
-    for name in ("tokamax", *bench.TORCH_IMPLS):
+    for name in ("tokamax", *bench.torch_baselines.TORCH_IMPLS):
         assert records[name]["status"] == "skipped", records[name]
-        assert records[name]["error"] == bench.platform_skip(name, "cpu")
+        assert records[name]["error"] == bench.pipelines.platform_skip(name, "cpu")
         assert f"note: {name} is not attempted on cpu" in captured.err
         assert f"{name}: skipped: needs a CUDA GPU" in captured.out  # the table's note
 
@@ -891,13 +891,13 @@ def test_a_baseline_of_a_recipe_compares_with_moe_of_that_recipe():
 
     records = [rec("moe", 4.0, "native"), rec("moe", 2.0, "fp8"),
                rec("torch_grouped_mm", 3.0), rec("torch_scaled_grouped_mm", 1.0, "fp8")]
-    bench.add_speedups(records)
+    bench.report.add_speedups(records)
     assert records[1]["recipe_speedup"] == pytest.approx(2.0)
     assert records[2]["mok_speedup"] == pytest.approx(3.0 / 4.0)
     assert records[3]["mok_speedup"] == pytest.approx(1.0 / 2.0)
     # no moe of the baseline's recipe measured: nothing to compare with
     alone = [rec("moe", 4.0, "native"), rec("torch_scaled_grouped_mm", 1.0, "fp8")]
-    bench.add_speedups(alone)
+    bench.report.add_speedups(alone)
     assert alone[1]["mok_speedup"] is None
 
 
@@ -917,8 +917,8 @@ def test_skip_names_a_torch_baseline(monkeypatch):
     """--skip takes the --torch baselines too: the skipped one is not run (the
     subprocess is told so) and is recorded as skipped; without --torch it is refused."""
     with pytest.raises(SystemExit):
-        bench.parse_args(["--impls", "moe", "--skip", "torch_pipeline/fwd"])
-    args = bench.parse_args(["--impls", "moe", "--torch", "--skip",
+        bench.cli.parse_args(["--impls", "moe", "--skip", "torch_pipeline/fwd"])
+    args = bench.cli.parse_args(["--impls", "moe", "--torch", "--skip",
                              "torch_pipeline/fwdbwd/ep"])
     assert args.skip == ["torch_pipeline/fwdbwd/ep"]
 
@@ -928,11 +928,11 @@ def test_skip_names_a_torch_baseline(monkeypatch):
         seen["cmd"] = cmd
         shape = [64, 8, 32, 448, 128]
         recs = [{"shape": shape, "impl": i, "pass": p, "status": "ok", "error": None,
-                 "times_ms": [1.0]} for i in bench.TORCH_IMPLS for p in bench.PASSES]
+                 "times_ms": [1.0]} for i in bench.torch_baselines.TORCH_IMPLS for p in bench.pipelines.PASSES]
         return subprocess.CompletedProcess(cmd, 0, json.dumps({"records": recs}) + "\n", "")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    records = bench.torch_records([bench.QUICK_SHAPES["ep"]], bench.PASSES, warmup=0,
+    records = bench.torch_baselines.torch_records([bench.QUICK_SHAPES["ep"]], bench.pipelines.PASSES, warmup=0,
                                   repeats=1, skip=args.skip)
     assert seen["cmd"][seen["cmd"].index("--skip") + 1] == "torch_pipeline/fwdbwd/64,8,32,448,128"
     assert seen["cmd"].count("--skip") == 1

@@ -1,0 +1,89 @@
+"""`--torch`: the PyTorch baselines (the eager pipeline and the grouped GEMMs
+alone), timed by `_torch_moe.py` in a subprocess before JAX takes the GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from mok_jax.bench.measure import error_string, finish_record, new_record
+from mok_jax.bench.pipelines import platform_skip, skipped
+from mok_jax.bench.shapes import Shape
+
+
+TORCH_IMPLS = ("torch_pipeline", "torch_grouped_mm", "torch_scaled_grouped_mm")
+# The recipe a baseline computes in: moe of that recipe is what it is compared with.
+BASELINE_RECIPE = {"torch_scaled_grouped_mm": "fp8"}
+TORCH_ABOUT = {
+    "torch_pipeline": "the eager PyTorch layer a user writes with torch._grouped_mm "
+                      "(gather, grouped GEMMs, SwiGLU, index_add_ combine)",
+    "torch_grouped_mm": "torch._grouped_mm's two grouped GEMMs alone on pre-permuted "
+                        "rows: the GEMM time the whole layer is compared with",
+    "torch_scaled_grouped_mm": "the same two GEMMs in FP8 with torch._scaled_grouped_mm "
+                               "(rowwise f32 scales, operands quantized beforehand): the "
+                               "FP8 GEMM time moe [fp8] is compared with; forward only",
+}
+
+
+def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int,
+                  repeats: int, timeout_s: float = 1800,
+                  backend: str | None = None, skip: Sequence[str] = (),
+                  queue: int = 0) -> list[dict]:
+    """PyTorch baselines (_torch_moe.py beside this file) timed in a subprocess; the
+    measurements `skip` names (--skip entries) are recorded as skipped, not run.
+
+    Call this before JAX touches the GPU: JAX reserves most of its memory.
+    Returns bench records (status "unavailable" when torch or CUDA is missing).
+    With `backend` "cpu" (the backend the JAX pipelines run on) nothing is run:
+    every record is "skipped" with the reason (GPU_ONLY).
+    """
+    if backend is not None and any(platform_skip(i, backend) for i in TORCH_IMPLS):
+        records = []
+        for shape in shapes:
+            for pass_name in passes:
+                for impl in TORCH_IMPLS:
+                    record = new_record(shape, impl, pass_name, dtype_name="bf16",
+                                        warmup=warmup, repeats=repeats)
+                    record.update(status="skipped", error=platform_skip(impl, backend))
+                    records.append(record)
+        return records
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_moe.py")
+    cmd = [sys.executable, script, "--passes", ",".join(passes), "--warmup", str(warmup),
+           "--repeats", str(repeats), "--queue", str(queue)]
+    for shape in shapes:
+        dims = ",".join(str(v) for v in (shape.tokens, shape.top_k, shape.experts,
+                                         shape.hidden, shape.ffn))
+        cmd += ["--shape", dims]
+        cmd += [arg for impl in TORCH_IMPLS for pass_name in passes
+                if skipped(skip, impl, pass_name, shape.name)
+                for arg in ("--skip", f"{impl}/{pass_name}/{dims}")]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              check=False)
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except Exception as err:  # pylint: disable=broad-except
+        result = {"records": [], "error": error_string(err)}
+    by_key = {(tuple(r["shape"]), r["impl"], r["pass"]): r for r in result["records"]}
+    records = []
+    for shape in shapes:
+        key_shape = (shape.tokens, shape.top_k, shape.experts, shape.hidden, shape.ffn)
+        for pass_name in passes:
+            for impl in TORCH_IMPLS:
+                got = by_key.get((key_shape, impl, pass_name), {})
+                record = new_record(shape, impl, pass_name, dtype_name="bf16",
+                                    warmup=warmup, repeats=repeats)
+                record["recipe"] = BASELINE_RECIPE.get(impl)
+                record["torch_version"] = result.get("torch_version")
+                if skipped(skip, impl, pass_name, shape.name):
+                    record.update(status="skipped", error="named in --skip")
+                elif got.get("times_ms"):
+                    record["queue"] = queue
+                    finish_record(record, got["times_ms"], None, got.get("queued_times_ms"))
+                else:
+                    record.update(status=got.get("status", "unavailable"),
+                                  error=got.get("error", result.get("error")))
+                records.append(record)
+    return records

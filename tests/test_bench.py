@@ -115,7 +115,7 @@ def test_tokamax_available_reports_reason():
     ok, why = baselines.tokamax_available()
     assert ok or why  # unavailable always says why (available may carry a note)
     record = bench.measure.bench_one(bench.QUICK_SHAPES["ep"], "tokamax", "fwd", {},
-                             dtype_name="bf16", warmup=0, repeats=1)
+                                     dtype_name="bf16", warmup=0, repeats=1)
     if jax.default_backend() == "cpu":  # GPU-only: not attempted, whether installed or not
         assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
     elif not ok:
@@ -125,7 +125,7 @@ def test_tokamax_available_reports_reason():
 @pytest.mark.parametrize("impl", ["moe_chain", "moe_persistent"])
 def test_persistent_rows_need_a_gpu_and_restore_the_mode(impl):
     record = bench.measure.bench_one(bench.QUICK_SHAPES["ep"], impl, "fwd", {}, dtype_name="bf16",
-                             warmup=0, repeats=1)
+                                     warmup=0, repeats=1)
     if jax.default_backend() == "cpu":  # the switch is a CUDA kernel's: not attempted
         assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
     from mok_jax import _mok
@@ -141,8 +141,8 @@ def test_virtual_rank_rows_are_gpu_measurements_of_both_passes():
         assert why is None and fn.keywords == {"ranks": ranks}
         for pass_name in bench.pipelines.PASSES:
             assert bench.pipelines.auto_skip(shape, name, pass_name, "gpu") is None
-            record = bench.measure.bench_one(shape, name, pass_name, {}, dtype_name="bf16", warmup=0,
-                                     repeats=1)
+            record = bench.measure.bench_one(shape, name, pass_name, {}, dtype_name="bf16",
+                                             warmup=0, repeats=1)
             if jax.default_backend() == "cpu":
                 assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
 
@@ -228,7 +228,8 @@ def test_quick_run_writes_json(tmp_path):
         else:
             assert r["status"] == "unavailable" and r["error"]
             assert r["median_ms"] is None
-        if r["impl"] != bench.pipelines.MOK and r["status"] == "ok" and bench.pipelines.MOK in must_run:
+        mok = bench.pipelines.MOK
+        if r["impl"] != mok and r["status"] == "ok" and mok in must_run:
             assert r["mok_speedup"] > 0
 
 
@@ -274,8 +275,8 @@ def test_failing_pipeline_is_recorded(monkeypatch):
     monkeypatch.setattr(bench.pipelines, "resolve_impl", lambda name: (broken, None))
     shape = bench.QUICK_SHAPES["ep"]
     record = bench.measure.bench_one(shape, "ragged_dot", "fwd",
-                             bench.make_inputs(shape, jnp.float32),
-                             dtype_name="f32", warmup=0, repeats=1)
+                                     bench.make_inputs(shape, jnp.float32),
+                                     dtype_name="f32", warmup=0, repeats=1)
     assert record["status"] == "error"
     assert "RESOURCE_EXHAUSTED" in record["error"] and record["median_ms"] is None
 
@@ -426,10 +427,11 @@ def test_ep_mode_times_moe_on_meshes_of_each_size(ep_run):
     backend = jax.default_backend()
     for (n, kind), r in exchanges.items():
         assert r["bytes_per_device"] > 0 and "gb_per_s" in r, r
-        if bench.pipelines.platform_skip(kind, backend):
+        why = bench.pipelines.platform_skip(kind, backend)
+        if why:
             # No CPU lowering: not attempted, recorded as skipped with the reason.
             assert r["status"] == "skipped" and r["gb_per_s"] is None, r
-            assert r["error"] == bench.pipelines.platform_skip(kind, backend) and "GPU" in r["error"]
+            assert r["error"] == why and "GPU" in r["error"]
         elif kind in bench.exchanges.NVLINK_EXCHANGES:
             _fused_expected_status(r)
         else:
@@ -467,9 +469,9 @@ def test_fused_ep_is_skipped_on_cpu_and_unavailable_without_the_build(monkeypatc
     monkeypatch.setattr(bench.expert_parallel, "fused_unavailable", lambda: None)
     assert bench.expert_parallel.fused_skip("gpu") is None
     if jax.default_backend() == "cpu":
-        record = bench.expert_parallel.bench_ep(bench.QUICK_SHAPES["ep"], 2, "fwd", dtype=jnp.float32,
-                                dtype_name="f32", seed=0, warmup=0, repeats=1,
-                                backend="fused")
+        record = bench.expert_parallel.bench_ep(bench.QUICK_SHAPES["ep"], 2, "fwd",
+                                                dtype=jnp.float32, dtype_name="f32", seed=0,
+                                                warmup=0, repeats=1, backend="fused")
         assert record["impl"] == "moe_ep2_fused" and record["status"] == "skipped"
         assert "GPU" in record["error"]
 
@@ -599,7 +601,7 @@ def test_auto_skip_spares_gpu_runs_ragged_dot_backwards_that_did_not_compile():
         why = bench.pipelines.auto_skip(bench.FULL_SHAPES[name], "ragged_dot", "fwdbwd", "gpu")
         assert why and "GiB" in why and "--try-all" in why
     assert bench.pipelines.auto_skip(bench.FULL_SHAPES["mixtral-like"], "ragged_dot", "fwdbwd",
-                           "gpu") is None
+                                     "gpu") is None
     for impl, pass_name, backend in (("ragged_dot", "fwd", "gpu"), ("moe", "fwdbwd", "gpu"),
                                      ("ragged_dot", "fwdbwd", "cpu")):
         assert bench.pipelines.auto_skip(bench.FULL_SHAPES["ep"], impl, pass_name, backend) is None
@@ -612,7 +614,7 @@ def test_bad_skip_entries_and_exchange_without_ep_are_refused():
         with pytest.raises(SystemExit):
             bench.cli.parse_args(argv)
     args = bench.cli.parse_args(["--skip", "ragged_dot/fwdbwd/deepseek-slice,tokamax/fwd",
-                             "--exchange", "--ep", "1,2"])
+                                 "--exchange", "--ep", "1,2"])
     assert args.skip == ["ragged_dot/fwdbwd/deepseek-slice", "tokamax/fwd"]
     assert args.ep == [1, 2] and args.exchange
 
@@ -635,13 +637,13 @@ def test_custom_shape_replaces_the_shape_list_unless_shapes_is_given():
     assert args.shapes == []
     assert args.shape == [bench.Shape("T4096-K8-E64-H2048-F1024", 4096, 8, 64, 2048, 1024)]
     args = bench.cli.parse_args(["--shape", "mine=16,2,4,8,8", "--shape", "7,1,1,3,5",
-                             "--shapes", "ep"])
+                                 "--shapes", "ep"])
     assert args.shapes == ["ep"]
     assert [s.name for s in args.shape] == ["mine", "T7-K1-E1-H3-F5"]
     assert bench.cli.run_shapes(args, True) == [bench.QUICK_SHAPES["ep"], *args.shape]
     # The default EP shapes: the ep bench shape and every custom one.
     assert bench.cli.parse_args(["--shape", "mine=16,2,4,8,8", "--shapes", "ep",
-                             "--ep", "2"]).ep_shapes == ["ep", "mine"]
+                                 "--ep", "2"]).ep_shapes == ["ep", "mine"]
 
 
 def test_custom_shape_is_benchmarked(tmp_path):
@@ -802,7 +804,7 @@ def test_platform_checks_accept_what_the_platform_runs():
     args = bench.cli.parse_args(["--ep", "2,8", "--shapes", "ep"], ("cpu", 8))
     assert args.ep == [2, 8] and args.ep_shapes == ["ep"]
     args = bench.cli.parse_args(["--ep", "2", "--shapes", "small-experts",
-                             "--ep-shapes", "small-experts"], ("cpu", 8))
+                                 "--ep-shapes", "small-experts"], ("cpu", 8))
     assert args.ep_shapes == ["small-experts"]
 
 
@@ -919,7 +921,7 @@ def test_skip_names_a_torch_baseline(monkeypatch):
     with pytest.raises(SystemExit):
         bench.cli.parse_args(["--impls", "moe", "--skip", "torch_pipeline/fwd"])
     args = bench.cli.parse_args(["--impls", "moe", "--torch", "--skip",
-                             "torch_pipeline/fwdbwd/ep"])
+                                 "torch_pipeline/fwdbwd/ep"])
     assert args.skip == ["torch_pipeline/fwdbwd/ep"]
 
     seen = {}
@@ -928,12 +930,14 @@ def test_skip_names_a_torch_baseline(monkeypatch):
         seen["cmd"] = cmd
         shape = [64, 8, 32, 448, 128]
         recs = [{"shape": shape, "impl": i, "pass": p, "status": "ok", "error": None,
-                 "times_ms": [1.0]} for i in bench.torch_baselines.TORCH_IMPLS for p in bench.pipelines.PASSES]
+                 "times_ms": [1.0]}
+                for i in bench.torch_baselines.TORCH_IMPLS for p in bench.pipelines.PASSES]
         return subprocess.CompletedProcess(cmd, 0, json.dumps({"records": recs}) + "\n", "")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    records = bench.torch_baselines.torch_records([bench.QUICK_SHAPES["ep"]], bench.pipelines.PASSES, warmup=0,
-                                  repeats=1, skip=args.skip)
+    records = bench.torch_baselines.torch_records([bench.QUICK_SHAPES["ep"]],
+                                                  bench.pipelines.PASSES, warmup=0, repeats=1,
+                                                  skip=args.skip)
     assert seen["cmd"][seen["cmd"].index("--skip") + 1] == "torch_pipeline/fwdbwd/64,8,32,448,128"
     assert seen["cmd"].count("--skip") == 1
     status = {(r["impl"], r["pass"]): r["status"] for r in records}

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_moe_lm as lm  # noqa: E402
+import moe_lm as lm  # noqa: E402
 
 import mok_jax  # noqa: E402
 import mok_jax.nn as mnn  # noqa: E402

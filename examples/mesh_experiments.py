@@ -117,7 +117,7 @@ def run(args) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import train_moe_lm as lm
+    import moe_lm as lm
     from mok_jax import nn as mnn
 
     if args.preset not in lm.PRESETS:
@@ -145,7 +145,7 @@ def run(args) -> dict:
         ce = lm.cross_entropy(logits, tokens[:, 1:])
         if reduce_axes:
             ce = jax.lax.pmean(ce, reduce_axes)
-        aux_loss, z_loss, _, _ = lm._aux_totals(auxes)
+        aux_loss, z_loss, _, _ = lm.aux_totals(auxes)
         return ce + cfg.aux_coef * aux_loss + cfg.z_coef * z_loss, logits
 
     def jit_step(graphdef):

@@ -2,10 +2,11 @@
 resume, the h200 preset traces) and mesh_experiments.py (every mesh agrees), from
 their command lines and in process."""
 
+import dataclasses
 import json
-import re
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+
+from mok_jax import nn as mnn
 
 from conftest import assert_bitwise, assert_close
 
@@ -20,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
 
-import train_moe_lm as lm  # noqa: E402
+import moe_lm as lm  # noqa: E402  (the model, its data, step and checkpoints)
+import train_moe_lm  # noqa: E402  (the command line and the run)
 
 # The examples' dependencies (the `examples` extra) are required, not skipped on:
 # a missing one fails here, by name.
@@ -49,7 +54,7 @@ def _run_script(name, *args, timeout=240):
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    log = lm.main(["--steps", str(STEPS), "--eval-every", "10", "--out", str(out), *SMALL])
+    log = train_moe_lm.main(["--steps", str(STEPS), "--eval-every", "10", "--out", str(out), *SMALL])
     return out, log
 
 
@@ -62,8 +67,8 @@ def resumed_run(tmp_path_factory):
     """STOP steps, then --resume to STEPS; the resume logs every step (how a run
     reports may change between its parts)."""
     out = tmp_path_factory.mktemp("resumed")
-    first = lm.main([*_resumed_common(out), "--stop-after", str(STOP)])
-    log = lm.main([*_resumed_common(out), "--resume", "--log-every", "1"])
+    first = train_moe_lm.main([*_resumed_common(out), "--stop-after", str(STOP)])
+    log = train_moe_lm.main([*_resumed_common(out), "--resume", "--log-every", "1"])
     return out, first, log
 
 
@@ -227,8 +232,8 @@ def test_reduce_barrier_adds_a_barrier_per_tied_layer_and_keeps_the_step():
         mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
         cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=2, dtype=dtype, grad_reduce_lag=lag)
         tx, schedule = lm.make_optimizer(cfg)
-        rules = lm.mnn.logical_axis_rules(mesh.axis_names)
-        with jax.set_mesh(mesh), lm.nnx.logical_axis_rules(rules):  # as the example runs
+        rules = mnn.logical_axis_rules(mesh.axis_names)
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):  # as the example runs
             graphdef, state, shardings = lm.init_state(cfg, mesh, tx)
             step = jax.jit(lm.make_train_step(cfg, graphdef, tx, schedule),
                            in_shardings=(shardings, lm.batch_sharding(mesh)),
@@ -265,12 +270,12 @@ def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
     combine these layouts and are left out."""
     dp, ep = mesh_shape
     mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
-    rules = lm.mnn.logical_axis_rules(mesh.axis_names)
+    rules = mnn.logical_axis_rules(mesh.axis_names)
     runs = {}
     for dtype, copies in (("bfloat16", True), ("bfloat16", False), ("float32", True)):
         cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=2, dtype=dtype, weight_copies=copies)
         tx, schedule = lm.make_optimizer(cfg)
-        with jax.set_mesh(mesh), lm.nnx.logical_axis_rules(rules):  # as the example runs
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):  # as the example runs
             graphdef, state, shardings = lm.init_state(cfg, mesh, tx,
                                                        shard_optimizer=shard_optimizer)
             if dtype == "float32":  # the steps keep the state's structure: no steps needed
@@ -297,8 +302,8 @@ def test_weight_copies_give_the_same_steps(mesh_shape, shard_optimizer):
             assert a.dtype == b.dtype and a.shape == b.shape, what
             assert_close(a, b, jnp.bfloat16, what=what)
     want = lm.weight_copies(state.params, jnp.bfloat16)
-    for (path, a), (_, b) in zip(lm.nnx.to_flat_state(state.copies),
-                                 lm.nnx.to_flat_state(want)):
+    for (path, a), (_, b) in zip(nnx.to_flat_state(state.copies),
+                                 nnx.to_flat_state(want)):
         assert a.dtype == jnp.bfloat16 and path[-1] in lm.EXPERT_STACKS
         assert_bitwise(a, b, f"copy {path}")
 
@@ -314,12 +319,12 @@ def test_fused_norms_are_the_same_model(mesh_shape, lag):
     adds no case of its own: the norms act on each device's tokens alone.)"""
     dp, ep = mesh_shape
     mesh = lm.make_mesh(dp, ep, jax.devices()[:dp * ep])
-    rules = lm.mnn.logical_axis_rules(mesh.axis_names)
+    rules = mnn.logical_axis_rules(mesh.axis_names)
     runs = {}
     for impl in ("nnx", "fused"):
         cfg = lm.Config(steps=2, batch=4, seq=32, n_layers=2, norm=impl, grad_reduce_lag=lag)
         tx, schedule = lm.make_optimizer(cfg)
-        with jax.set_mesh(mesh), lm.nnx.logical_axis_rules(rules):  # as the example runs
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):  # as the example runs
             graphdef, state, shardings = lm.init_state(cfg, mesh, tx)
             init = state.params
             step = jax.jit(lm.make_train_step(cfg, graphdef, tx, schedule),
@@ -347,7 +352,7 @@ def test_weight_copies_state_and_step_must_agree():
     tx, schedule = lm.make_optimizer(cfg)
     graphdef, state, _ = lm.init_state(cfg, mesh, tx)
     batch = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)
-    off = lm.dataclasses.replace(cfg, weight_copies=False)
+    off = dataclasses.replace(cfg, weight_copies=False)
     with pytest.raises(ValueError, match="state holds the expert stacks' copies but the step "
                        "was built with weight_copies=False"):
         jax.eval_shape(lm.make_train_step(off, graphdef, tx, schedule), state, batch)
@@ -361,11 +366,11 @@ def test_reduce_barrier_leaves_the_model_unchanged():
     """The tied weights run in a copy of the block: calling the model (eagerly, or
     closed over by jax.jit) neither changes its parameters nor fails."""
     cfg = lm.Config(batch=2, seq=16, n_layers=3, dtype="bfloat16", grad_reduce_lag=1)
-    model = lm.MoELM(cfg, rngs=lm.nnx.Rngs(0))
+    model = lm.MoELM(cfg, rngs=nnx.Rngs(0))
 
     def params():
         return {path: (v[...].dtype, np.asarray(v[...]))
-                for path, v in lm.nnx.iter_graph(model) if isinstance(v, lm.nnx.Param)}
+                for path, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
 
     before = params()
     tokens = jnp.zeros((2, 16), jnp.int32)
@@ -423,15 +428,15 @@ def test_pgle_untimed_steps_are_the_profiled_and_recompiling_ones(tmp_path):
             calls[0] = call
             jax.block_until_ready(f(x))
         calls[0] = 0
-        untimed = lm.untimed_steps()
-        log = lm.main(["--steps", "10", "--eval-every", "10", "--pgle", "--out",
+        untimed = train_moe_lm.untimed_steps()
+        log = train_moe_lm.main(["--steps", "10", "--eval-every", "10", "--pgle", "--out",
                        str(tmp_path / "run"), "--no-checkpoint", *SMALL, "--dp", "2",
                        "--log-every", "10"])
     finally:
         jax.config.update("jax_enable_pgle", False)
         monitoring.unregister_event_duration_listener(on_event)
     assert compiles == [1, runs + 1] and untimed == max(compiles), (compiles, untimed)
-    assert lm.untimed_steps() == 1  # PGLE off
+    assert train_moe_lm.untimed_steps() == 1  # PGLE off
     timed = {r["step"]: r["steps"] for r in log["throughput"]}
     assert timed == {10: 10 - untimed}, timed
     assert log["config"]["grad_reduce_lag"] == 1 and log["mesh"] == {"dp": 2, "ep": 1}
@@ -455,9 +460,9 @@ def test_log_lines_wait_only_for_their_own_step(tmp_path, monkeypatch):
     def printing(*args, **kw):
         events.append(("print", " ".join(map(str, args))))
 
-    monkeypatch.setattr(lm, "batch_at", dispatching)
-    monkeypatch.setattr(lm, "print", printing, raising=False)
-    log = lm.main(["--steps", str(STEPS), "--stop-after", "12", "--eval-every", "12",
+    monkeypatch.setattr(train_moe_lm, "batch_at", dispatching)
+    monkeypatch.setattr(train_moe_lm, "print", printing, raising=False)
+    log = train_moe_lm.main(["--steps", str(STEPS), "--stop-after", "12", "--eval-every", "12",
                    "--out", str(tmp_path / "run"), *SMALL, "--log-every", "3",
                    "--ckpt-every", "12"])
     printed = {int(m.group(1)): i for i, (kind, text) in enumerate(events)
@@ -469,29 +474,29 @@ def test_log_lines_wait_only_for_their_own_step(tmp_path, monkeypatch):
     assert [r["step"] for r in log["train"]] == list(range(1, 13))
     rows = log["throughput"]
     assert [r["step"] for r in rows] == [3, 6, 9, 12]
-    assert sum(r["steps"] for r in rows) == 12 - lm.untimed_steps()
+    assert sum(r["steps"] for r in rows) == 12 - train_moe_lm.untimed_steps()
 
 
 def test_profile_refuses_pgle():
     with pytest.raises(SystemExit):
-        lm.parse_args(["--profile", "p", "--pgle"])
+        train_moe_lm.parse_args(["--profile", "p", "--pgle"])
     try:
         jax.config.update("jax_enable_pgle", True)  # as JAX_ENABLE_PGLE sets it
         with pytest.raises(SystemExit):
-            lm.parse_args(["--profile", "p"])
+            train_moe_lm.parse_args(["--profile", "p"])
     finally:
         jax.config.update("jax_enable_pgle", False)
-    assert lm.parse_args(["--profile", "p"]).profile == "p"
+    assert train_moe_lm.parse_args(["--profile", "p"]).profile == "p"
 
 
 def test_dp_default_lag_only_where_measured():
     """The barrier's default (lag 1) is for dp > 1 with ep = 1 and a replicated
     optimizer, what was measured; elsewhere it stays off unless asked for. (That
     main() applies it: test_pgle_untimed_steps_... runs --dp 2 and finds lag 1.)"""
-    assert lm.default_grad_reduce_lag(dp=2, ep=1, shard_optimizer=False) == 1
-    assert lm.default_grad_reduce_lag(dp=8, ep=1, shard_optimizer=False) == 1
+    assert train_moe_lm.default_grad_reduce_lag(dp=2, ep=1, shard_optimizer=False) == 1
+    assert train_moe_lm.default_grad_reduce_lag(dp=8, ep=1, shard_optimizer=False) == 1
     for dp, ep, shard in ((2, 2, False), (2, 1, True), (1, 1, False), (1, 2, False)):
-        assert lm.default_grad_reduce_lag(dp=dp, ep=ep, shard_optimizer=shard) is None
+        assert train_moe_lm.default_grad_reduce_lag(dp=dp, ep=ep, shard_optimizer=shard) is None
     assert lm.Config().grad_reduce_lag == -1 == lm.PRESETS["tiny"].grad_reduce_lag  # off
 
 
@@ -514,17 +519,17 @@ def test_resume_refuses_another_run_and_a_foreign_log(resumed_run):
                                ("--balance", "bias", "config.balance")):
         with pytest.raises(SystemExit, match=rf"differs from the run that wrote .* in "
                                              rf"{re.escape(field)}: "):
-            lm.main([*common, "--resume", flag, value])
+            train_moe_lm.main([*common, "--resume", flag, value])
     log_text = (out / "log.json").read_text()
     log = json.loads(log_text)
     (out / "log.json").write_text(json.dumps(dict(log, config=dict(log["config"], seed=7))))
     try:
         with pytest.raises(SystemExit, match=r"is not the log of the run .*config\.seed: 0 -> 7"):
-            lm.main([*common, "--resume"])
+            train_moe_lm.main([*common, "--resume"])
     finally:
         (out / "log.json").write_text(log_text)
     with pytest.raises(SystemExit):
-        lm.parse_args(["--resume", "--overwrite"])
+        train_moe_lm.parse_args(["--resume", "--overwrite"])
 
 
 @pytest.mark.slow
@@ -533,7 +538,7 @@ def test_a_diverged_run_stops_without_a_checkpoint(tmp_path):
     state would otherwise push the good checkpoints out (two are kept)."""
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"the train loss is (nan|inf|-inf) .*without saving"):
-        lm.main(["--steps", "8", "--eval-every", "8", "--out", str(out), *SMALL,
+        train_moe_lm.main(["--steps", "8", "--eval-every", "8", "--out", str(out), *SMALL,
                  "--lr", "1e30", "--log-every", "1", "--ckpt-every", "8"])
     assert not (out / "ckpt" / "8").exists()
 
@@ -542,7 +547,7 @@ def test_a_diverged_run_stops_without_a_checkpoint(tmp_path):
 def test_refuses_to_overwrite_checkpoints_without_flag(straight_run):
     out, _ = straight_run
     with pytest.raises(SystemExit, match="--resume"):
-        lm.main(["--steps", "2", "--out", str(out), *SMALL])
+        train_moe_lm.main(["--steps", "2", "--out", str(out), *SMALL])
 
 
 def test_corpus_split_is_by_file_and_deterministic():
@@ -603,7 +608,7 @@ def test_train_refuses_a_count_below_one_as_a_usage_error(flag, value, capsys):
     """A count below 1 is a usage error naming the flag (was a ZeroDivisionError for
     --ep 0, a numpy traceback for --batch 0)."""
     with pytest.raises(SystemExit) as exit_info:
-        lm.parse_args([flag, value])
+        train_moe_lm.parse_args([flag, value])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}" in err and f"must be a positive integer, got {value}" in err
@@ -613,11 +618,11 @@ def test_train_mesh_mistakes_are_messages_not_tracebacks(tmp_path, capsys):
     """--ep that does not divide the experts, and --trace-only (one device, no mesh)
     with mesh flags: a message before anything is built."""
     with pytest.raises(SystemExit, match=r"--ep 3 must divide the preset's 8 experts"):
-        lm.main(["--ep", "3", "--dp", "1", "--batch", "3", "--out", str(tmp_path / "a"),
+        train_moe_lm.main(["--ep", "3", "--dp", "1", "--batch", "3", "--out", str(tmp_path / "a"),
                  *SMALL[4:-3], "--no-progress"])
     for flags in (["--dp", "2"], ["--ep", "2"], ["--host-devices", "4"]):
         with pytest.raises(SystemExit):
-            lm.parse_args(["--trace-only", *flags])
+            train_moe_lm.parse_args(["--trace-only", *flags])
         assert "--trace-only traces the one-device step" in capsys.readouterr().err
 
 
@@ -714,7 +719,7 @@ def test_profile_attributes_the_step_to_the_parts_of_the_model(tmp_path, monkeyp
     # this process the backend is already up, so XLA's CUDA graphs stay on: on a GPU
     # the graph-replayed kernels then count as "other".)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    log = lm.main(["--steps", "10", "--eval-every", "10", "--out", str(tmp_path / "run"),
+    log = train_moe_lm.main(["--steps", "10", "--eval-every", "10", "--out", str(tmp_path / "run"),
                    "--no-checkpoint", "--profile", str(prof), "--profile-steps", "4", *SMALL])
     result = json.loads((prof / "breakdown.json").read_text())
     assert log["profile"] == result and result["steps"] == 4 and result["kernels"] > 0
@@ -943,8 +948,8 @@ def test_recipe_flag_reaches_the_moe_layers():
     import mok_jax
     from flax import nnx
     with pytest.raises(SystemExit):
-        lm.parse_args(["--recipe", "fp8"])  # the tiny preset computes in float32
-    cfg = lm.config_from_args(lm.parse_args(["--recipe", "fp8", "--dtype", "bfloat16"]))
+        train_moe_lm.parse_args(["--recipe", "fp8"])  # the tiny preset computes in float32
+    cfg = train_moe_lm.config_from_args(train_moe_lm.parse_args(["--recipe", "fp8", "--dtype", "bfloat16"]))
     assert cfg.recipe == "fp8" and lm.Config().recipe == "native"
     block = lm.Block(cfg, rngs=nnx.Rngs(0))
     assert block.moe.recipe is mok_jax.Recipe.FP8

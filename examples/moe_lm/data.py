@@ -1,0 +1,66 @@
+"""The corpus (the standard library's Python sources, as bytes) and the batches
+drawn from it."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import zlib
+from typing import NamedTuple
+
+import numpy as np
+
+from moe_lm.config import Config
+
+
+class Corpus(NamedTuple):
+    train: np.ndarray   # [N] uint8
+    eval: np.ndarray    # [M] uint8
+    root: str
+    train_files: int
+    eval_files: int
+
+
+EVAL_FRACTION_PERCENT = 5
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def load_corpus(root: str | None = None) -> Corpus:
+    """Every ``*.py`` under ``root`` (default: the stdlib; site-packages and
+    caches skipped), sorted by relative path. A file is held out for evaluation
+    when ``crc32(relative path) % 100 < 5``: the split does not move when files
+    are added elsewhere. Files are joined with a NUL byte."""
+    root = os.path.abspath(root or stdlib_root())
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(".")]
+        for name in filenames:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
+                paths.append(rel)
+    paths.sort()
+    train, held_out = [], []
+    for rel in paths:
+        with open(os.path.join(root, rel), "rb") as f:
+            data = f.read()
+        split = held_out if zlib.crc32(rel.encode()) % 100 < EVAL_FRACTION_PERCENT else train
+        split.append(data)
+    if not train or not held_out:
+        raise SystemExit(f"corpus at {root} has too few .py files ({len(paths)}) to split")
+    join = lambda parts: np.frombuffer(b"\0".join(parts), np.uint8)  # noqa: E731
+    return Corpus(join(train), join(held_out), root, len(train), len(held_out))
+
+
+def batch_at(data: np.ndarray, step: int, cfg: Config, *, stream: int = 0) -> np.ndarray:
+    """The batch of ``step``: ``[batch, seq + 1]`` int32 windows at positions drawn
+    from ``(seed, stream, step)`` alone, so that a resumed run sees the same data."""
+    rng = np.random.default_rng([cfg.seed, stream, step])
+    starts = rng.integers(0, len(data) - cfg.seq - 1, size=cfg.batch)
+    return np.stack([data[s:s + cfg.seq + 1] for s in starts]).astype(np.int32)
+
+
+EVAL_STREAM = 1

@@ -80,13 +80,17 @@ def compilation_cache_wanted(platforms: str, jax_gpu_plugin: bool) -> bool:
 # of the examples, which several tests build alike. Caching every program (a
 # threshold of 0) made the fast set slower, 412 s against 376 s (2026-12-03, two
 # x86 cores): its many small programs almost never recur. A second copy of this
-# module, as --import-mode=importlib makes, keeps the first one's directory.
+# module, as --import-mode=importlib makes, keeps the first one's directory, and so do
+# pytest-xdist's workers (-n), which inherit the variable from the process that
+# starts them: they share one cache, which only that process removes.
 JAX_CACHE_DIR = None
+OWNS_JAX_CACHE_DIR = False
 if compilation_cache_wanted(os.environ.get("JAX_PLATFORMS", ""), jax_cuda_plugin_installed()):
     JAX_CACHE_DIR = os.environ.get("MOK_JAX_TESTS_JAX_CACHE_DIR", "")
     if not os.path.isdir(JAX_CACHE_DIR):
         JAX_CACHE_DIR = tempfile.mkdtemp(prefix="mok_jax_tests_jax_cache_")
         os.environ["MOK_JAX_TESTS_JAX_CACHE_DIR"] = JAX_CACHE_DIR
+        OWNS_JAX_CACHE_DIR = True
     os.environ["JAX_COMPILATION_CACHE_DIR"] = JAX_CACHE_DIR
     jax.config.update("jax_compilation_cache_dir", JAX_CACHE_DIR)
 
@@ -120,7 +124,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    if JAX_CACHE_DIR is not None:
+    if OWNS_JAX_CACHE_DIR:
         shutil.rmtree(JAX_CACHE_DIR, ignore_errors=True)
 
 

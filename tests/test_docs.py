@@ -187,31 +187,31 @@ def readme_commands():
 
 
 def test_ci_runs_the_readme_test_command_then_the_cuda_build_and_the_slow_tests():
-    """The README's test command is a CPU-only build and the fast set; .ci/run runs
-    that very line first, then a CUDA wheel build that fails without nvcc beside the
-    slow set (tests/test_examples.py in one process, every other file but the two
-    that test the installed build in another), then installs that wheel and runs
-    those two files, fast and slow, on it (their fast tests ran on the CPU-only
-    build already)."""
+    """The README's test command is a CPU-only build and the fast set in two
+    processes; .ci/run runs that very line first, then a CUDA wheel build that
+    fails without nvcc beside the slow set (every file but the two that test the
+    installed build, in two processes), then installs that wheel and runs those two
+    files, fast and slow, on it (their fast tests ran on the CPU-only build
+    already)."""
     test_command = next(c for c in readme_commands() if "pytest" in c)
     assert test_command.startswith("MOK_ENABLE_CUDA=OFF pip install "), test_command
-    assert test_command.endswith('pytest -q -m "not slow"'), test_command
+    assert test_command.endswith('pytest -q -m "not slow" -n 2'), test_command
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
     runs = [i for i, ln in enumerate(lines) if ln == test_command or ln.startswith(test_command + " ||")]
     cuda = [i for i, ln in enumerate(lines) if ln.startswith("MOK_ENABLE_CUDA=ON pip wheel ")]
     slow = [i for i, ln in enumerate(lines) if ln.startswith("pytest -q -m slow")]
-    examples = [i for i in slow if lines[i].startswith("pytest -q -m slow tests/test_examples.py ")]
     build_files = ("tests/test_build.py", "tests/test_platform.py")
-    rest = [i for i in slow if "--ignore=tests/test_examples.py" in lines[i]
-            and all(f"--ignore={f}" in lines[i] for f in build_files)]
+    rest = [i for i in slow if "-n 2" in lines[i]
+            and all(f"--ignore={f}" in lines[i] for f in build_files)
+            and not any(w.startswith("tests/") for w in lines[i].split())]
     install = [i for i, ln in enumerate(lines) if ln.startswith("pip install --no-deps ")]
     on_cuda = [i for i, ln in enumerate(lines)
                if ln.startswith("pytest -q ") and "-m" not in ln.split()
                and all(f in ln.split() for f in build_files)]
-    assert runs and cuda and examples and rest and install and on_cuda, lines
+    assert runs and cuda and rest and install and on_cuda, lines
     assert runs[0] < cuda[0] < min(slow) < install[0] < on_cuda[0], lines
-    assert len(slow) == 2, lines  # the two halves, nothing else run twice or left out
+    assert len(slow) == 1, lines  # the slow set once: nothing run twice or left out
 
 
 # --------------------------------------------------------------------------------------

@@ -50,6 +50,8 @@ from moe_lm.training import (TrainState, batch_sharding, init_state, make_eval_s
 
 
 def config_from_args(args) -> Config:
+    """The preset's Config with the flags given on the command line; a shorter
+    ``--steps`` shortens the warm-up to a tenth of it (at most the preset's)."""
     cfg = PRESETS[args.preset]
     overrides = {name: getattr(args, name) for name in
                  ("steps", "batch", "seq", "lr", "seed", "balance", "eval_every", "ckpt_every",
@@ -63,6 +65,8 @@ def config_from_args(args) -> Config:
 
 
 def parse_args(argv=None):
+    """The command line (``argv``, default sys.argv), with the combinations that
+    cannot run refused."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -457,6 +461,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
 
 
 def main(argv=None) -> dict:
+    """Parses ``argv`` and trains; returns the run's log."""
     return train(parse_args(argv))
 
 

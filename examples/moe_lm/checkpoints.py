@@ -46,6 +46,8 @@ def identity_differences(want: dict, got: dict) -> list[str]:
 
 
 def checkpoint_manager(directory: str):
+    """An orbax CheckpointManager over ``directory`` (created if missing) that keeps
+    the two newest checkpoints."""
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
@@ -61,6 +63,8 @@ def save_checkpoint(manager, state: TrainState) -> None:
 
 
 def restore_checkpoint(manager, step: int, like: TrainState, shardings: TrainState) -> TrainState:
+    """The state saved at ``step``, in ``shardings``, shaped like ``like``; its
+    ``copies`` (not saved) are derived from the restored masters."""
     import orbax.checkpoint as ocp
 
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -93,6 +93,7 @@ def flops_per_token(cfg: Config) -> float:
 
 
 def describe(cfg: Config) -> str:
+    """One line for the log: the model's sizes, parameter counts, dtype and batch."""
     counts = param_counts(cfg)
     return (f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
             f"E={cfg.n_experts} top-{cfg.top_k} F={cfg.expert_ffn}"

@@ -14,6 +14,9 @@ from moe_lm.config import Config
 
 
 class Corpus(NamedTuple):
+    """The corpus as `load_corpus` splits it: training and held-out bytes (files
+    joined with a NUL byte), where it was read, and how many files each holds."""
+
     train: np.ndarray   # [N] uint8
     eval: np.ndarray    # [M] uint8
     root: str
@@ -25,6 +28,7 @@ EVAL_FRACTION_PERCENT = 5
 
 
 def stdlib_root() -> str:
+    """The running Python's standard library directory: the default corpus."""
     return sysconfig.get_paths()["stdlib"]
 
 

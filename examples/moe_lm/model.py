@@ -278,4 +278,6 @@ class MoELM(nnx.Module):
 
 
 def abstract_model(cfg: Config, **moe_kwargs) -> MoELM:
+    """The model with `jax.ShapeDtypeStruct` leaves (`nnx.eval_shape`): its structure
+    and shapes, nothing allocated. ``moe_kwargs`` go to every MoE layer."""
     return nnx.eval_shape(lambda: MoELM(cfg, rngs=nnx.Rngs(cfg.seed), moe_kwargs=moe_kwargs))

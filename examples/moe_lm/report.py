@@ -10,6 +10,8 @@ from moe_lm.config import VOCAB
 
 
 def write_json(path: str, obj: dict) -> None:
+    """Writes ``obj`` to ``path`` through a temporary file and a rename, so that a
+    reader never sees half a file."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)

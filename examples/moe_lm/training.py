@@ -18,6 +18,8 @@ from moe_lm.model import MoELM, abstract_model
 
 
 class TrainState(NamedTuple):
+    """Everything a step reads and writes; a checkpoint holds all of it but ``copies``."""
+
     step: jax.Array        # [] int32
     params: nnx.State      # nnx.Param leaves (float32: the master weights)
     bias: nnx.State        # mok_jax.nn.BalanceBias leaves (empty unless balance="bias")
@@ -33,6 +35,7 @@ def _is_expert_stack(path, _) -> bool:
 
 
 def uses_weight_copies(cfg: Config) -> bool:
+    """Whether the state keeps `weight_copies`: asked for, and a 16-bit compute dtype."""
     return cfg.weight_copies and jnp.dtype(cfg.dtype) != jnp.float32
 
 
@@ -52,6 +55,9 @@ def weight_copies(params: nnx.State, dtype) -> nnx.State:
 
 
 def make_optimizer(cfg: Config):
+    """``(tx, schedule)``: AdamW (b2 0.95, weight decay on matrices only) after
+    global-norm clipping, and its learning rate per step (linear warm-up, then
+    cosine decay to ``lr * min_lr_ratio``)."""
     import optax
 
     schedule = optax.warmup_cosine_decay_schedule(
@@ -66,6 +72,8 @@ def make_optimizer(cfg: Config):
 
 
 def make_mesh(dp: int, ep: int, devices=None) -> Mesh:
+    """A ``(dp, ep)`` mesh over the first ``dp * ep`` of ``devices`` (default: all);
+    SystemExit when there are too few."""
     devices = list(jax.devices() if devices is None else devices)
     if dp < 1 or ep < 1 or dp * ep > len(devices):
         raise SystemExit(f"--dp {dp} --ep {ep} needs {dp * ep} devices; {len(devices)} visible")
@@ -113,6 +121,7 @@ def aux_totals(auxes: list[mnn.MoEAux]):
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy (nats) of ``logits [B, S, V]`` against ``targets [B, S]`` int32."""
     import optax
 
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
@@ -225,6 +234,8 @@ def make_train_step(cfg: Config, graphdef, tx, schedule, *, update_shardings=Non
 
 
 def make_eval_step(graphdef):
+    """``(params, bias, batch [B, S+1] int32) -> mean cross-entropy``, pure (jit it)."""
+
     def eval_step(params, bias, batch):
         logits, _ = nnx.merge(graphdef, params, bias)(batch[:, :-1])
         return cross_entropy(logits, batch[:, 1:])

@@ -54,7 +54,8 @@ def _run_script(name, *args, timeout=240):
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    log = train_moe_lm.main(["--steps", str(STEPS), "--eval-every", "10", "--out", str(out), *SMALL])
+    log = train_moe_lm.main(["--steps", str(STEPS), "--eval-every", "10", "--out", str(out),
+                             *SMALL])
     return out, log
 
 
@@ -430,8 +431,8 @@ def test_pgle_untimed_steps_are_the_profiled_and_recompiling_ones(tmp_path):
         calls[0] = 0
         untimed = train_moe_lm.untimed_steps()
         log = train_moe_lm.main(["--steps", "10", "--eval-every", "10", "--pgle", "--out",
-                       str(tmp_path / "run"), "--no-checkpoint", *SMALL, "--dp", "2",
-                       "--log-every", "10"])
+                                 str(tmp_path / "run"), "--no-checkpoint", *SMALL, "--dp", "2",
+                                 "--log-every", "10"])
     finally:
         jax.config.update("jax_enable_pgle", False)
         monitoring.unregister_event_duration_listener(on_event)
@@ -463,8 +464,8 @@ def test_log_lines_wait_only_for_their_own_step(tmp_path, monkeypatch):
     monkeypatch.setattr(train_moe_lm, "batch_at", dispatching)
     monkeypatch.setattr(train_moe_lm, "print", printing, raising=False)
     log = train_moe_lm.main(["--steps", str(STEPS), "--stop-after", "12", "--eval-every", "12",
-                   "--out", str(tmp_path / "run"), *SMALL, "--log-every", "3",
-                   "--ckpt-every", "12"])
+                             "--out", str(tmp_path / "run"), *SMALL, "--log-every", "3",
+                             "--ckpt-every", "12"])
     printed = {int(m.group(1)): i for i, (kind, text) in enumerate(events)
                if kind == "print" and (m := re.match(r"step (\d+): train loss", text))}
     assert sorted(printed) == [3, 6, 9, 12]
@@ -539,7 +540,7 @@ def test_a_diverged_run_stops_without_a_checkpoint(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"the train loss is (nan|inf|-inf) .*without saving"):
         train_moe_lm.main(["--steps", "8", "--eval-every", "8", "--out", str(out), *SMALL,
-                 "--lr", "1e30", "--log-every", "1", "--ckpt-every", "8"])
+                           "--lr", "1e30", "--log-every", "1", "--ckpt-every", "8"])
     assert not (out / "ckpt" / "8").exists()
 
 
@@ -618,8 +619,8 @@ def test_train_mesh_mistakes_are_messages_not_tracebacks(tmp_path, capsys):
     """--ep that does not divide the experts, and --trace-only (one device, no mesh)
     with mesh flags: a message before anything is built."""
     with pytest.raises(SystemExit, match=r"--ep 3 must divide the preset's 8 experts"):
-        train_moe_lm.main(["--ep", "3", "--dp", "1", "--batch", "3", "--out", str(tmp_path / "a"),
-                 *SMALL[4:-3], "--no-progress"])
+        train_moe_lm.main(["--ep", "3", "--dp", "1", "--batch", "3", "--out",
+                           str(tmp_path / "a"), *SMALL[4:-3], "--no-progress"])
     for flags in (["--dp", "2"], ["--ep", "2"], ["--host-devices", "4"]):
         with pytest.raises(SystemExit):
             train_moe_lm.parse_args(["--trace-only", *flags])
@@ -719,8 +720,9 @@ def test_profile_attributes_the_step_to_the_parts_of_the_model(tmp_path, monkeyp
     # this process the backend is already up, so XLA's CUDA graphs stay on: on a GPU
     # the graph-replayed kernels then count as "other".)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    log = train_moe_lm.main(["--steps", "10", "--eval-every", "10", "--out", str(tmp_path / "run"),
-                   "--no-checkpoint", "--profile", str(prof), "--profile-steps", "4", *SMALL])
+    log = train_moe_lm.main(["--steps", "10", "--eval-every", "10", "--out",
+                             str(tmp_path / "run"), "--no-checkpoint", "--profile", str(prof),
+                             "--profile-steps", "4", *SMALL])
     result = json.loads((prof / "breakdown.json").read_text())
     assert log["profile"] == result and result["steps"] == 4 and result["kernels"] > 0
     rows = {r["part"]: r for r in result["rows"]}
@@ -949,7 +951,8 @@ def test_recipe_flag_reaches_the_moe_layers():
     from flax import nnx
     with pytest.raises(SystemExit):
         train_moe_lm.parse_args(["--recipe", "fp8"])  # the tiny preset computes in float32
-    cfg = train_moe_lm.config_from_args(train_moe_lm.parse_args(["--recipe", "fp8", "--dtype", "bfloat16"]))
+    cfg = train_moe_lm.config_from_args(
+        train_moe_lm.parse_args(["--recipe", "fp8", "--dtype", "bfloat16"]))
     assert cfg.recipe == "fp8" and lm.Config().recipe == "native"
     block = lm.Block(cfg, rngs=nnx.Rngs(0))
     assert block.moe.recipe is mok_jax.Recipe.FP8

@@ -1,5 +1,5 @@
 // nanobind module mok_jax._mok: the FFI handler capsules per platform and the
-// enums Python must mirror. Python (mok_jax/_ext.py) registers the targets.
+// enums Python must mirror. Python (mok_jax/_src/ext.py) registers the targets.
 #include <nanobind/nanobind.h>
 
 #include <type_traits>

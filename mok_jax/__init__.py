@@ -12,11 +12,17 @@ Submodules reachable after ``import mok_jax``:
   access: importing flax roughly doubles the time of ``import mok_jax``
   (0.4-0.6 s on top of 0.4 s on a 2-core x86 machine), and
   users of the bare op need not pay it.
+
+The modules of the package itself are its API (``moe``, ``nn``, ``norm``,
+``recipe``, ``fp8``, ``comm``, ``reference``, ``build``); ``mok_jax._src``
+holds the internals (primitives, execution paths, expert parallelism,
+partitioning), and ``mok_jax.bench`` the benchmark and its baselines.
 """
 
 import importlib
 
-from mok_jax import _ext, reference
+from mok_jax import reference
+from mok_jax._src import ext as _ext
 from mok_jax.build import BuildInfo, build_info
 from mok_jax.fp8 import quantize_rows_fp8
 from mok_jax.moe import BACKENDS, MoEStats, capacity, moe

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import _ext, primitives
+from mok_jax._src import ext, primitives
 
 BLOCK = 128        # length of every fp8 scale block
 E4M3_MAX = 448.0   # largest finite float8_e4m3fn
@@ -40,16 +40,16 @@ def _quantize_abstract_eval(x):
 
 
 def _quantize_lowerings() -> dict:
-    rule = primitives.ffi_lowering("cpu", _ext.QUANTIZE_ROWS_FP8, lambda params: {})
+    rule = primitives.ffi_lowering("cpu", ext.QUANTIZE_ROWS_FP8, lambda params: {})
     lowerings = {"cpu": rule}
-    if _ext.QUANTIZE_ROWS_FP8 in _ext.registered_targets().get("cuda", frozenset()):
-        lowerings["cuda"] = primitives.ffi_lowering("cuda", _ext.QUANTIZE_ROWS_FP8,
+    if ext.QUANTIZE_ROWS_FP8 in ext.registered_targets().get("cuda", frozenset()):
+        lowerings["cuda"] = primitives.ffi_lowering("cuda", ext.QUANTIZE_ROWS_FP8,
                                                     lambda params: {})
     return lowerings
 
 
 quantize_rows_fp8_p = primitives.define(
-    _ext.QUANTIZE_ROWS_FP8, None, abstract_eval=_quantize_abstract_eval,
+    ext.QUANTIZE_ROWS_FP8, None, abstract_eval=_quantize_abstract_eval,
     lowerings=_quantize_lowerings())
 
 

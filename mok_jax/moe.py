@@ -2,7 +2,7 @@
 
 Validation happens here, at trace time, so that a bad call fails with a
 ValueError naming the argument before anything runs. Differentiation is a
-custom VJP over the forward and backward primitives (`mok_jax.primitives`).
+custom VJP over the forward and backward primitives (`mok_jax._src.primitives`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import ep, layer, primitives, sharding
+from mok_jax._src import ep, paths, primitives, sharding
 from mok_jax.recipe import Recipe, check_dtypes, resolve
 
 BACKENDS = ("auto", "fused", "xla")
@@ -82,7 +82,7 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
         global). None otherwise: on one device, or under ``jax.jit`` on arrays
         sharded over a mesh (explicit-axis shardings, or any sharding inside
         ``jax.set_mesh``), where the layer is partitioned by
-        `mok_jax.sharding` (experts dim along the EP axis, tokens along any).
+        `mok_jax._src.sharding` (experts dim along the EP axis, tokens along any).
       capacity_factor: None never drops. A float c keeps at most
         ``ceil(c * T * K / E)`` pairs per expert, the lowest token indices
         first; dropped pairs contribute 0 and are counted.
@@ -139,8 +139,8 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
     with jax.named_scope("mok_jax"):
         if axis_name is not None:
             operands = primitives.vary_alike(operands)
-        y, stats = layer.run(path, *operands)
-        if axis_name is not None and ep_size == 1 and isinstance(path, layer.LocalPath):
+        y, stats = paths.run(path, *operands)
+        if axis_name is not None and ep_size == 1 and isinstance(path, paths.LocalPath):
             # an EP axis of size 1: local stats are global; say so in the type
             stats = tuple(jax.lax.psum(v, axis_name) for v in stats)
     if return_stats:
@@ -255,7 +255,7 @@ def _choose_path(backend, axis_name, ep_size, cap, recipe, operands):
     if backend == "xla":
         token_axes = () if axis_name is None else (axis_name,)
         return ep.ExchangePath(ep.Config(axis_name, 1, cap, token_axes, recipe), "xla")
-    return layer.LocalPath(cap, recipe)
+    return paths.LocalPath(cap, recipe)
 
 
 def _platform() -> str:

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 import mok_jax
-from mok_jax import primitives
+from mok_jax._src import primitives
 from mok_jax.moe import check_option_values
 from mok_jax.recipe import Recipe
 from mok_jax.recipe import resolve as resolve_recipe

@@ -29,8 +29,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 
-from mok_jax import _ext, primitives, sharding
-from mok_jax.primitives import Array, Signature
+from mok_jax._src import ext, primitives, sharding
+from mok_jax._src.primitives import Array, Signature
 
 FORWARD = "mok_add_rms_norm_fwd"
 BACKWARD = "mok_add_rms_norm_bwd"
@@ -82,13 +82,13 @@ BACKWARD_SIGNATURE = Signature(
 
 
 def _cuda_forward(ctx, x, branch, scale, *, epsilon):
-    if FORWARD not in _ext.registered_targets().get("cuda", ()):  # a CPU-only build
+    if FORWARD not in ext.registered_targets().get("cuda", ()):  # a CPU-only build
         return _jnp_forward(ctx, x, branch, scale, epsilon=epsilon)
     return jax.ffi.ffi_lowering(FORWARD)(ctx, x, branch, scale, epsilon=np.float32(epsilon))
 
 
 def _cuda_backward(ctx, dn, ds, s, rstd, scale):
-    if BACKWARD not in _ext.registered_targets().get("cuda", ()):
+    if BACKWARD not in ext.registered_targets().get("cuda", ()):
         return _jnp_backward(ctx, dn, ds, s, rstd, scale)
 
     def call(dn, ds, s, rstd, scale):

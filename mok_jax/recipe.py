@@ -22,10 +22,10 @@ import enum
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import _ext
+from mok_jax._src import ext
 
 Recipe = enum.IntEnum(
-    "Recipe", {name.upper(): value for name, value in _ext.recipes().items()},
+    "Recipe", {name.upper(): value for name, value in ext.recipes().items()},
     module=__name__)
 Recipe.__doc__ = "How the expert GEMMs compute (values of the handlers' recipe attribute)."
 

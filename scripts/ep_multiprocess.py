@@ -214,7 +214,8 @@ def fault_scenario(args) -> int:
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
-    from mok_jax import comm, primitives  # pylint: disable=import-outside-toplevel
+    from mok_jax import comm  # pylint: disable=import-outside-toplevel
+    from mok_jax._src import primitives  # pylint: disable=import-outside-toplevel
 
     n = jax.device_count()
     T, K, _, H, _ = (int(v) for v in args.shape.split(","))
@@ -269,7 +270,7 @@ def parse_args(argv=None):
     parser.add_argument("--capacity-factor", type=float, default=None)
     parser.add_argument("--layers", choices=["both", "shard_map", "plain"], default="both",
                         help="which EP layers to check (plain: plain jax.jit on sharded "
-                             "arrays, partitioned by mok_jax.sharding)")
+                             "arrays, partitioned by mok_jax._src.sharding)")
     parser.add_argument("--mesh-axes", choices=["explicit", "auto"], default="explicit",
                         help="the mesh's axis type (jax.make_mesh's default is explicit)")
     parser.add_argument("--xla-dump", default=None, metavar="DIR",

@@ -92,7 +92,7 @@ def run_persistent(only=None):
 
 
 def run_virtual_ranks(T, K, E, H, F, ranks):
-    from mok_jax import ep
+    from mok_jax._src import ep
     ks = jax.random.split(jax.random.key(2), 4)
     x = jax.random.normal(ks[0], (T, H)).astype(jnp.bfloat16)
     w, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(ks[1], (T, E))), K)

@@ -84,7 +84,7 @@ def test_fused_ep_refuses_rows_that_are_not_16_byte_vectors_and_auto_stays_on_xl
     """The NVLink transport moves rows as 16-byte vectors: backend="fused" says so for
     H * itemsize % 16 != 0, and "auto" keeps XLA's exchange there (it never fails
     where "xla" works)."""
-    from mok_jax import ep
+    from mok_jax._src import ep
     with pytest.raises(ValueError, match="16-byte vectors; a row here is 20 bytes"):
         ep.transport_for("fused", "gpu", 20)
     assert ep.transport_for("auto", "gpu", 20) == "xla"

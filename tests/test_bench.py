@@ -1,4 +1,4 @@
-"""Tests for mok_jax.baselines (against oracles) and mok_jax.bench (CLI, JSON, table)."""
+"""Tests for mok_jax.bench.baselines (against oracles) and mok_jax.bench (CLI, JSON, table)."""
 
 import dataclasses
 import json
@@ -14,9 +14,10 @@ import pytest
 
 from conftest import assert_close, make_problem
 import mok_jax
-from mok_jax import baselines, bench
+from mok_jax import bench
 
 # The directory this process imported mok_jax from: site-packages after
+from mok_jax.bench import baselines
 # `pip install .`, the source tree in an in-place development build. The
 # subprocess must import the same package, and not a source tree without _mok.
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))

@@ -11,13 +11,14 @@ import warnings
 import pytest
 
 import mok_jax
-from mok_jax import _ext, comm, ep
+from mok_jax import comm
+from mok_jax._src import ep, ext
 
 
 def test_build_info_says_what_this_build_holds():
     info = mok_jax.build_info()
     assert info.version == mok_jax.__version__
-    assert info.cuda_kernels == ("cuda" in _ext.registered_platforms())
+    assert info.cuda_kernels == ("cuda" in ext.registered_platforms())
     if info.cuda_kernels:
         assert info.cuda_architectures and info.cuda_version
         assert "CUDA kernels for sm_" in info.summary()

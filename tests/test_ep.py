@@ -141,9 +141,9 @@ def test_partitioned_code_carries_no_mesh_types_under_an_explicit_mesh(which):
         shapes += [jax.ShapeDtypeStruct((T, H), jnp.float32, sharding=tok),
                    jax.ShapeDtypeStruct((T, bound * K, H), jnp.float32, sharding=res),
                    jax.ShapeDtypeStruct((T, bound * K, 2 * F), jnp.float32, sharding=res)]
-    partition = {"forward": mok_jax.sharding._forward_partition,
-                 "forward_saving": mok_jax.sharding._forward_saving_partition,
-                 "backward": mok_jax.sharding._backward_partition}[which]
+    partition = {"forward": mok_jax._src.sharding._forward_partition,
+                 "forward_saving": mok_jax._src.sharding._forward_saving_partition,
+                 "backward": mok_jax._src.sharding._backward_partition}[which]
     recipe = mok_jax.Recipe.NATIVE
     static = (3, "xla", recipe) if which == "forward" else (3, "xla", recipe, bound)
     with jax.set_mesh(mesh):
@@ -233,7 +233,7 @@ def test_experts_not_divisible_by_the_ep_axis_is_an_error():
             x, jnp.clip(ids, 0, 5), w, wgu6, wd6)
     # Under plain jit, mok_jax's partitioner refuses a padded experts dimension.
     with pytest.raises(ValueError, match=r"E % P != 0"):
-        mok_jax.sharding._layout(mesh, NamedSharding(mesh, P("ep")),
+        mok_jax._src.sharding._layout(mesh, NamedSharding(mesh, P("ep")),
                                  NamedSharding(mesh, P("ep")), num_experts=6)
 
 

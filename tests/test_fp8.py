@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mok_jax
-from mok_jax import primitives
+from mok_jax._src import primitives
 from mok_jax.reference import moe_reference
 
 from conftest import assert_bitwise, make_problem, np_stats, rel_fro

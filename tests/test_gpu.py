@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mok_jax
-from mok_jax import _ext
+from mok_jax._src import ext
 from mok_jax.reference import moe_reference
 
 from conftest import assert_bitwise
@@ -46,7 +46,7 @@ def _loss_fn(fn, ids, cot, **kw):
 
 
 def test_cuda_handlers_are_registered():
-    assert "cuda" in _ext.registered_platforms(), "built without CUDA handlers"
+    assert "cuda" in ext.registered_platforms(), "built without CUDA handlers"
 
 
 # (T, K, E, H, F): multiples of 8 take the tensor-core path; the last does not.
@@ -104,7 +104,8 @@ def test_swiglu_epilogue_gives_the_unfused_bits(unfused_swiglu, shape, skew, cap
     mok/swiglu_rule.h allows it: F % 128 == 0, 4*E*H <= T*K) and GEMM1 to f32
     followed by the SwiGLU kernel (the epilogue switched off) give the same bits: y,
     the saved gate/up residual, every gradient, and the EP pieces' expert FFN."""
-    from mok_jax import _mok, primitives as prim
+    from mok_jax import _mok
+    from mok_jax._src import primitives as prim
     T, K, E, H, F = shape
     # Else both runs would be unfused and equal whatever the epilogue does.
     assert _mok.swiglu_epilogue_shape(E, H, F, T * K)
@@ -211,7 +212,8 @@ def test_swiglu_epilogue_rounds_special_values_like_unfused(unfused_swiglu):
     saved residual (g and u) and y must have the same bits in both paths. (h's
     rounding is seen on finite rows only: a row whose h holds an infinity or a NaN is
     NaN in y through 0 * inf.)"""
-    from mok_jax import _mok, primitives as prim
+    from mok_jax import _mok
+    from mok_jax._src import primitives as prim
     T, E, H, F = 1536, 2, 128, 128
     assert _mok.swiglu_epilogue_shape(E, H, F, T)
     assert _mok.HAS_SM90A_KERNELS and jax.devices()[0].compute_capability == "9.0"
@@ -329,7 +331,7 @@ def test_routing_plan_matches_the_cpu_plan_over_many_chunks(experts, capacity_fa
     many (a thread each, or two). (x_rows cannot tell two pairs of one token apart:
     random ids can send a token twice to one expert, and a swap of those two rows
     would pass.)"""
-    from mok_jax import primitives as prim
+    from mok_jax._src import primitives as prim
     T, K, H, F = 10750, 4, 16, 16
     rng = np.random.default_rng(experts)
     ids = rng.integers(0, experts, (T, K)).astype(np.int32)
@@ -372,7 +374,7 @@ def test_expert_parallel_pieces_match_the_cpu_kernels(dtype):
     """The CUDA expert-FFN and combine kernels that expert parallelism composes,
     checked against the CPU kernels (which tests/test_ep.py ties bitwise to the
     single-device layer). 8-multiple sizes: tensor-core GEMMs for bf16."""
-    from mok_jax import primitives as prim
+    from mok_jax._src import primitives as prim
     R, E, H, F, T, K = 96, 4, 64, 32, 40, 2
     ks = jax.random.split(jax.random.key(9), 8)
     x_rows = jax.random.normal(ks[0], (R, H)).astype(dtype)

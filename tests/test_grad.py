@@ -288,7 +288,7 @@ def _np_x_rows(x, ids, E, cap):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_saves_x_rows_in_plan_order(dtype):
-    from mok_jax import primitives as prim
+    from mok_jax._src import primitives as prim
     args, cap = _x_rows_case(dtype)
     x, ids, _, wgu, _ = args
     T, K, E, H = *ids.shape, wgu.shape[0], x.shape[1]
@@ -315,7 +315,7 @@ def test_forward_saves_x_rows_in_plan_order(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_reads_the_forwards_x_rows(dtype):
-    from mok_jax import primitives as prim
+    from mok_jax._src import primitives as prim
     args, cap = _x_rows_case(dtype)
     x, ids, w, wgu, wd = args
     T, H = x.shape

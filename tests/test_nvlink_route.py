@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mok_jax import ep
-from mok_jax.primitives import NO_CAPACITY
+from mok_jax._src import ep
+from mok_jax._src.primitives import NO_CAPACITY
 from mok_jax.recipe import Recipe
-from mok_jax.transport import NvlinkTransport, XlaTransport
+from mok_jax._src.transport import NvlinkTransport, XlaTransport
 
 from conftest import np_stats
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import mok_jax
-from mok_jax import _mok, ep
+from mok_jax import _mok
+from mok_jax._src import ep
 from mok_jax.reference import moe_reference
 
 pytestmark = pytest.mark.gpu
@@ -150,7 +151,7 @@ def test_special_values_round_as_in_the_chain(persistent, experts, tile_rows):
     special_values_problem), y and the saved residual are the chain's bits, with
     both tile heights. (W_down = I: GEMM2's accumulators are h's bf16 values, so its
     rounding sees exact values, infinities and NaNs only.)"""
-    from mok_jax import primitives as prim
+    from mok_jax._src import primitives as prim
     from test_gpu import assert_special_values_reached, special_values_problem
     T, H, F = 1536, 128, 128
     x, ids, w, wgu, wd, kind = special_values_problem(T, experts, H, F)

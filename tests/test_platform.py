@@ -13,7 +13,8 @@ import pytest
 import conftest
 import mok_jax
 from conftest import compilation_cache_wanted, jax_cuda_plugin_installed, platforms_for_tests
-from mok_jax import _ext, _mok
+from mok_jax import _mok
+from mok_jax._src import ext
 
 
 def _tiny_problem():
@@ -25,23 +26,23 @@ def _tiny_problem():
 
 def test_cpu_handlers_are_registered():
     regs = _mok.registrations()
-    assert set(regs["cpu"]) == {_ext.MOE_FORWARD, _ext.MOE_BACKWARD, _ext.EXPERT_FFN_FORWARD,
-                                _ext.EXPERT_FFN_BACKWARD, _ext.COMBINE,
-                                _ext.QUANTIZE_ROWS_FP8}
-    assert "cpu" in _ext.registered_platforms()
+    assert set(regs["cpu"]) == {ext.MOE_FORWARD, ext.MOE_BACKWARD, ext.EXPERT_FFN_FORWARD,
+                                ext.EXPERT_FFN_BACKWARD, ext.COMBINE,
+                                ext.QUANTIZE_ROWS_FP8}
+    assert "cpu" in ext.registered_platforms()
 
 
 def test_dtype_enum_is_exported():
     assert int(_mok.DType.F32) == 0 and int(_mok.DType.BF16) == 1
-    assert _mok.NO_CAPACITY == mok_jax.primitives.NO_CAPACITY
+    assert _mok.NO_CAPACITY == mok_jax._src.primitives.NO_CAPACITY
 
 
 def test_lowering_names_the_ffi_targets():
     hlo = jax.jit(lambda *a: mok_jax.moe(*a)).lower(*_tiny_problem()).as_text()
-    assert f"@{_ext.MOE_FORWARD}" in hlo
+    assert f"@{ext.MOE_FORWARD}" in hlo
     grad_hlo = jax.jit(jax.grad(lambda x, *a: mok_jax.moe(x, *a).sum())).lower(
         *_tiny_problem()).as_text()
-    assert f"@{_ext.MOE_BACKWARD}" in grad_hlo
+    assert f"@{ext.MOE_BACKWARD}" in grad_hlo
 
 
 def test_a_build_without_cuda_handlers_pins_the_tests_to_the_cpu():
@@ -52,12 +53,12 @@ def test_a_build_without_cuda_handlers_pins_the_tests_to_the_cpu():
     assert platforms_for_tests(cuda_kernels=True) is None
     if mok_jax.build_info().cuda_kernels:
         assert conftest.PINNED_PLATFORMS is None
-        assert "cuda" in _ext.registered_platforms()
+        assert "cuda" in ext.registered_platforms()
     else:
         assert conftest.PINNED_PLATFORMS == "cpu"
         assert jax.config.jax_platforms == "cpu" and os.environ["JAX_PLATFORMS"] == "cpu"
         assert {d.platform for d in jax.devices()} == {"cpu"}
-        assert "cuda" not in _ext.registered_platforms()
+        assert "cuda" not in ext.registered_platforms()
 
 
 def test_the_compilation_cache_is_used_only_where_jax_runs_on_the_cpu_alone():
@@ -83,7 +84,7 @@ def test_a_build_without_cuda_handlers_on_a_gpu_says_how_to_rebuild(tmp_path):
     CUDA handlers is a RuntimeError that says how to rebuild. This session runs on
     the CPU then (conftest.py), so the call runs in a fresh process where JAX picks
     the GPU."""
-    if "cuda" in _ext.registered_platforms():
+    if "cuda" in ext.registered_platforms():
         pytest.skip("this build has its CUDA handlers (test_gpu_call_runs_with_the_cuda_handlers)")
     if not jax_cuda_plugin_installed():
         pytest.skip("JAX has no CUDA plugin here")

@@ -1,4 +1,4 @@
-"""mok_jax.primitives: the operand tables and what is derived from them, and the
+"""mok_jax._src.primitives: the operand tables and what is derived from them, and the
 ids of the NVLink transport's call sites."""
 
 import re
@@ -10,8 +10,9 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import mok_jax
-from mok_jax import comm, primitives, sharding
-from mok_jax.primitives import Array, Signature
+from mok_jax import comm
+from mok_jax._src import primitives, sharding
+from mok_jax._src.primitives import Array, Signature
 
 CPUS = jax.devices("cpu")
 

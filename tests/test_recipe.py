@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import mok_jax
-from mok_jax import _ext, primitives
+from mok_jax._src import ext, primitives
 from mok_jax.recipe import resolve
 from mok_jax.reference import moe_reference
 
@@ -18,7 +18,7 @@ from conftest import assert_bitwise, make_problem
 
 
 def test_recipes_are_the_extensions_values():
-    assert {r.name.lower(): int(r) for r in mok_jax.Recipe} == _ext.recipes()
+    assert {r.name.lower(): int(r) for r in mok_jax.Recipe} == ext.recipes()
     assert resolve(None) is mok_jax.Recipe.NATIVE
     assert resolve("native") is resolve(mok_jax.Recipe.NATIVE) is mok_jax.Recipe.NATIVE
 

@@ -1,11 +1,11 @@
-"""Argument checks of mok_jax.ep.moe_on_virtual_ranks (its results are checked
+"""Argument checks of mok_jax._src.ep.moe_on_virtual_ranks (its results are checked
 on a GPU in tests/test_persistent_gpu.py)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from mok_jax import ep
+from mok_jax._src import ep
 
 
 def _args(T=16, K=2, E=8, H=8, F=8, dtype=jnp.bfloat16):

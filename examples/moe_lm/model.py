@@ -10,7 +10,7 @@ from flax import nnx
 
 import mok_jax
 from mok_jax import nn as mnn
-from mok_jax.primitives import vary_alike
+from mok_jax._src.primitives import vary_alike
 
 from moe_lm.config import VOCAB, Config
 

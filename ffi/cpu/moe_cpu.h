@@ -34,7 +34,7 @@ std::string moe_backward(const MoeBackwardArgs& args, const void* x_rows);
 namespace mok::cpu {
 
 // The pieces of the layer that expert parallelism composes with collectives
-// (mok_jax/ep.py). The single-device launchers above use the same code, so the
+// (mok_jax/_src/ep.py). The single-device launchers above use the same code, so the
 // results are bitwise equal whatever the EP size.
 
 // Expert side, forward: rows already gathered and grouped by local expert

@@ -3,7 +3,7 @@
 // communicator by (handle attribute, CUDA ordinal), check every shape against
 // the window, and enqueue barrier -> copy -> barrier on XLA's stream
 // (ffi/comm/ep_kernels.cuh). The routes come from mok_jax's plan
-// (mok_jax/transport.py, NvlinkTransport.route).
+// (mok_jax/_src/transport.py, NvlinkTransport.route).
 #include <cuda_runtime.h>
 
 #include <cstdint>

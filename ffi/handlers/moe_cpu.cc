@@ -74,7 +74,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MokMoeBackwardCpu, mok::MoeBackwardCpu,
     mok::signatures::moe_backward(xla::ffi::Ffi::Bind()));
 
-// --- pieces for expert parallelism (mok_jax/ep.py) ----------------------------
+// --- pieces for expert parallelism (mok_jax/_src/ep.py) -----------------------
 
 namespace mok {
 namespace {

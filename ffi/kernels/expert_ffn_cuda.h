@@ -1,6 +1,6 @@
 // The expert FFN on CUDA: the one implementation of the SwiGLU experts over rows
 // grouped by expert, forward and backward. The one-device layer (moe_cuda.cu:
-// routing plan, gather, this, combine) and the EP pieces (mok_jax/ep.py: rows
+// routing plan, gather, this, combine) and the EP pieces (mok_jax/_src/ep.py: rows
 // already grouped by a transport) both run it, so one device and EP execute the
 // same expert code. Same operands and numerics as ffi/cpu/moe_cpu.h.
 #pragma once

@@ -83,7 +83,7 @@ def nvlink_fns(ep_size: int, experts: int) -> dict[str, Callable]:
     - "nvlink_pull_prerouted": (x, entries, pull_dest, push_dest) -> the same rows
       from a route made before: the ep_dispatch_p primitive alone.
     """
-    from mok_jax import ep, primitives, transport  # pylint: disable=import-outside-toplevel
+    from mok_jax._src import ep, primitives, transport  # pylint: disable=import-outside-toplevel
     e_local = experts // ep_size
     cfg = ep.Config("ep", ep_size, primitives.NO_CAPACITY, ("ep",), Recipe.NATIVE)
     tr = transport.NvlinkTransport()

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from mok_jax import baselines
+from mok_jax.bench import baselines
 from mok_jax.bench import pipelines
 from mok_jax.bench.pipelines import (MOK_IMPLS, PERSISTENT_MODES, MoEFn, persistent_kernels,
                                      platform_skip, with_recipe)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from mok_jax import baselines
+from mok_jax.bench import baselines
 from mok_jax.bench.shapes import Shape
 
 
@@ -41,7 +41,7 @@ IMPL_ABOUT = {
                       "they can run (one launch per pass after the routing plan; moe "
                       "picks the forward's for few rows per expert only and the chain's "
                       "backward; same bits; not in the default list)",
-    **{name: f"mok_jax.ep.moe_on_virtual_ranks(ranks={p}): the persistent kernels as "
+    **{name: f"mok_jax._src.ep.moe_on_virtual_ranks(ranks={p}): the persistent kernels as "
              f"{p} EP ranks in one launch per pass on one GPU, each with its own windows "
              "(T and E divisible by the ranks; the same bits as moe; compare with "
              "moe_persistent; not in the default list)"
@@ -113,7 +113,7 @@ def resolve_impl(name: str) -> tuple[MoEFn | None, str | None]:
             return None, f"mok_jax.moe not importable: {type(err).__name__}: {err}"
         return (functools.partial(moe, backend="xla") if name == "moe_xla" else moe), None
     if name in VIRTUAL_RANKS:
-        from mok_jax import ep  # pylint: disable=import-outside-toplevel
+        from mok_jax._src import ep  # pylint: disable=import-outside-toplevel
         return functools.partial(ep.moe_on_virtual_ranks, ranks=VIRTUAL_RANKS[name]), None
     if name == "ragged_dot":
         return baselines.ragged_dot_moe, None

@@ -25,7 +25,7 @@ The primitives (all lowered to XLA FFI custom calls; targets in `_ext`):
   then token, then k), saved for the backward (zero rows when ``save_gate_up`` is
   False; rows past the kept ones are undefined).
 * ``expert_ffn_fwd_p`` / ``expert_ffn_bwd_p`` / ``combine_p``: the pieces expert
-  parallelism composes with a transport (`mok_jax.ep`).
+  parallelism composes with a transport (`mok_jax._src.ep`).
 * ``ep_dispatch_p`` / ``ep_combine_p``: the NVLink transport (CUDA only).
 
 Shapes and dtypes are checked by `mok_jax.moe`; the handlers check them again and
@@ -46,7 +46,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mok_jax import _ext
+from mok_jax._src import ext
 
 NO_CAPACITY = -1
 
@@ -272,7 +272,7 @@ def ffi_lowering(platform: str, target: str, attrs: Callable[[dict], dict]):
     rule = jax.ffi.ffi_lowering(target)
 
     def lower(ctx, *operands, **params):
-        _ext.require_target(platform, target)
+        ext.require_target(platform, target)
         return rule(ctx, *operands, **attrs(params))
 
     return lower
@@ -356,18 +356,18 @@ def _forward_sizes(sizes, params):
 
 
 moe_fwd_p = define(
-    _ext.MOE_FORWARD, MOE_FORWARD, sizes=_forward_sizes,
-    lowerings=_on_both(_ext.MOE_FORWARD, lambda params: {
+    ext.MOE_FORWARD, MOE_FORWARD, sizes=_forward_sizes,
+    lowerings=_on_both(ext.MOE_FORWARD, lambda params: {
         **_recipe_attrs(params), "capacity": np.int64(params["capacity"]),
         "save_gate_up": bool(params["save_gate_up"])}))
 
 moe_bwd_p = define(
-    _ext.MOE_BACKWARD, MOE_BACKWARD,
-    lowerings=_on_both(_ext.MOE_BACKWARD, lambda params: {
+    ext.MOE_BACKWARD, MOE_BACKWARD,
+    lowerings=_on_both(ext.MOE_BACKWARD, lambda params: {
         **_recipe_attrs(params), "capacity": np.int64(params["capacity"])}))
 
 
-# --- pieces for expert parallelism (mok_jax/ep.py) -------------------------------------
+# --- pieces for expert parallelism (mok_jax/_src/ep.py) --------------------------------
 
 EXPERT_WEIGHTS = MOE_OPERANDS[3:]
 
@@ -388,21 +388,21 @@ COMBINE = Signature(
     (Array("out", "t h", "rows"),))
 
 expert_ffn_fwd_p = define(
-    _ext.EXPERT_FFN_FORWARD, EXPERT_FFN_FORWARD,
+    ext.EXPERT_FFN_FORWARD, EXPERT_FFN_FORWARD,
     sizes=lambda sizes, params: {"q": sizes["r"] if params["save_gate_up"] else 0},
-    lowerings=_on_both(_ext.EXPERT_FFN_FORWARD, lambda params: {
+    lowerings=_on_both(ext.EXPERT_FFN_FORWARD, lambda params: {
         **_recipe_attrs(params), "save_gate_up": bool(params["save_gate_up"])}))
 
 expert_ffn_bwd_p = define(
-    _ext.EXPERT_FFN_BACKWARD, EXPERT_FFN_BACKWARD,
-    lowerings=_on_both(_ext.EXPERT_FFN_BACKWARD, _recipe_attrs))
+    ext.EXPERT_FFN_BACKWARD, EXPERT_FFN_BACKWARD,
+    lowerings=_on_both(ext.EXPERT_FFN_BACKWARD, _recipe_attrs))
 
 combine_p = define(
-    _ext.COMBINE, COMBINE,
-    lowerings=_on_both(_ext.COMBINE, lambda params: {"weighted": bool(params["weighted"])}))
+    ext.COMBINE, COMBINE,
+    lowerings=_on_both(ext.COMBINE, lambda params: {"weighted": bool(params["weighted"])}))
 
 
-# --- the fused EP transport (backend="fused" under EP; mok_jax/transport.py) ------------
+# --- the fused EP transport (backend="fused" under EP; mok_jax/_src/transport.py) -------
 #
 # ep_dispatch_p: (values [T, H], pair_values [T, K] or [0], entries [P*T] s32,
 #   dest [P*T, K] s32) -> (rows [R, H], row_values [R] or [0]); params axis_name,

@@ -1,6 +1,6 @@
 """How expert parallelism moves rows between ranks: the exchange behind one interface.
 
-The EP layer (`mok_jax.ep`) plans globally (every rank knows every rank's kept
+The EP layer (`mok_jax._src.ep`) plans globally (every rank knows every rank's kept
 pairs per expert) and then asks a transport for two moves, forward and backward:
 
 * ``dispatch_tokens``: each kept pair's token row (of x, or dy) goes to the rank
@@ -30,7 +30,7 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from mok_jax import primitives
+from mok_jax._src import primitives
 
 _I32 = jnp.int32
 

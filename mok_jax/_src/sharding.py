@@ -9,7 +9,7 @@ the operands' shardings; we read the layout from them:
 * the EP axis: the (single) mesh axis sharding the experts (dim 0 of
   w_gate_up and w_down). Tokens are also split along it if they were not.
 
-Each device then runs the expert-parallel layer of `mok_jax.ep` on its shard:
+Each device then runs the expert-parallel layer of `mok_jax._src.ep` on its shard:
 the routing plan is global over all token axes (capacity and statistics are
 those of the single-device call on the global arrays), rows move only along
 the EP axis, and replicated experts (data-parallel axes) sum their weight
@@ -50,12 +50,12 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 
-from mok_jax import ep, layer, primitives
-from mok_jax.primitives import MOE_GRADIENTS, MOE_OPERANDS, Array, Signature
+from mok_jax._src import ep, paths, primitives
+from mok_jax._src.primitives import MOE_GRADIENTS, MOE_OPERANDS, Array, Signature
 from mok_jax.recipe import Recipe
 
 # The partitioned functions, on the op's operand table (factors as in
-# `mok_jax.primitives`; s: the statistics packed into one [E + 2] array; r: A*K
+# `mok_jax._src.primitives`; s: the statistics packed into one [E + 2] array; r: A*K
 # residual rows per token, each device's [T_local * A * K] rows).
 _Y = Array("y", "t h", "x")
 _PACKED_STATS = Array("stats", "s", "int32")
@@ -243,7 +243,7 @@ def _runs_local(cfg, cap, backend) -> bool:
 def _local_forward(cfg, operands, *, save):
     """The single-device forward on this device's tokens; global statistics. The
     residuals (``[T_local*K or 0, C]`` each): gate_up and x_rows."""
-    y, gate_up, x_rows, stats = layer.forward_one_call(operands, capacity=cfg.capacity,
+    y, gate_up, x_rows, stats = paths.forward_one_call(operands, capacity=cfg.capacity,
                                                        recipe=cfg.recipe, save=save)
     if cfg.token_axes:
         stats = [jax.lax.psum(v, cfg.token_axes) for v in stats]
@@ -251,7 +251,7 @@ def _local_forward(cfg, operands, *, save):
 
 
 def _local_backward(cfg, operands, gate_up, x_rows, dy):
-    dx, d_weights, d_w_gate_up, d_w_down = layer.backward_one_call(
+    dx, d_weights, d_w_gate_up, d_w_down = paths.backward_one_call(
         operands, gate_up, x_rows, dy, capacity=cfg.capacity, recipe=cfg.recipe)
     data_axes = tuple(a for a in cfg.token_axes if a != cfg.axis_name)
     if data_axes:
@@ -275,7 +275,7 @@ def _to_residual(rows, T, r):
 def _stats_only(recipe, cap, operands):
     """What the partitioned forward computes on one device (the shapes that matter to
     the partitioner: y and the packed statistics)."""
-    y, _, _, stats = layer.forward_one_call(operands, capacity=cap, recipe=recipe, save=False)
+    y, _, _, stats = paths.forward_one_call(operands, capacity=cap, recipe=recipe, save=False)
     return y, _pack_stats(stats)
 
 
@@ -382,9 +382,9 @@ def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate
               backend, recipe, bound):
     del backend, bound, x_rows, gate_up
     operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
-    _, gate_up, x_rows, _ = layer.forward_one_call(operands, capacity=cap, recipe=recipe,
+    _, gate_up, x_rows, _ = paths.forward_one_call(operands, capacity=cap, recipe=recipe,
                                                    save=True)
-    return layer.backward_one_call(operands, gate_up, x_rows, dy, capacity=cap, recipe=recipe)
+    return paths.backward_one_call(operands, gate_up, x_rows, dy, capacity=cap, recipe=recipe)
 
 
 def _backward_infer(cap, backend, recipe, bound, mesh, arg_shapes, result_shape):
@@ -430,7 +430,7 @@ _backward.def_partition(
 
 @dataclasses.dataclass(frozen=True)
 class PartitionedPath:
-    """`moe` on global (possibly sharded) arrays, for `mok_jax.layer.run`."""
+    """`moe` on global (possibly sharded) arrays, for `mok_jax._src.paths.run`."""
 
     capacity: int
     recipe: Recipe

@@ -7,8 +7,8 @@ A path is a hashable description of how one call runs, with two methods:
 * ``backward(residuals, dy)`` -> ``(dx, d_expert_weights, d_w_gate_up, d_w_down)``.
 
 `run` wraps any path in the one custom VJP of the library. The paths:
-`LocalPath` (one FFI call per pass on one device), `mok_jax.ep.ExchangePath` (the
-EP layer over a transport, inside shard_map) and `mok_jax.sharding.PartitionedPath`
+`LocalPath` (one FFI call per pass on one device), `mok_jax._src.ep.ExchangePath` (the
+EP layer over a transport, inside shard_map) and `mok_jax._src.sharding.PartitionedPath`
 (plain jit on sharded arrays). `mok_jax.moe` chooses one.
 """
 
@@ -20,7 +20,7 @@ import functools
 import jax
 import numpy as np
 
-from mok_jax import primitives
+from mok_jax._src import primitives
 from mok_jax.recipe import Recipe
 
 

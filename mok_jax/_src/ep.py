@@ -6,7 +6,7 @@ Inside ``jax.shard_map`` over an EP axis of size P, rank r holds tokens
 
 1. every rank all-gathers the expert ids and computes the same global plan
    (each expert's rows in global token order, capacity applied globally);
-2. a transport (`mok_jax.transport`) dispatches the x rows of the kept pairs to
+2. a transport (`mok_jax._src.transport`) dispatches the x rows of the kept pairs to
    the experts' ranks, straight into each rank's expert-grouped order;
 3. the receiving rank runs the expert FFN (the ``mok_expert_ffn_fwd`` FFI kernel);
 4. the transport brings the output rows back and the source rank combines over k
@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax import _ext, comm, layer, primitives
+from mok_jax import comm
+from mok_jax._src import ext, paths, primitives
 from mok_jax.recipe import Recipe
-from mok_jax.transport import TRANSPORTS, Transport
+from mok_jax._src.transport import TRANSPORTS, Transport
 
 _I32 = jnp.int32
 
@@ -157,11 +158,11 @@ class Residuals(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ExchangePath:
-    """The EP layer over one transport: `mok_jax.layer`'s path for shard_map EP
+    """The EP layer over one transport: `mok_jax._src.paths`'s path for shard_map EP
     (and, per device, for plain jit on a mesh).
 
     rows: the expert-grouped buffers' row count (None: ``P * T * K``, every pair of
-    the exchange group). `mok_jax.sharding` asks for more when the buffers must have
+    the exchange group). `mok_jax._src.sharding` asks for more when the buffers must have
     a shape fixed before the partitioner chose P; rows past the kept ones are never
     read.
     """
@@ -222,7 +223,7 @@ MAX_VIRTUAL_RANKS = 8
 @dataclasses.dataclass(frozen=True)
 class VirtualRanksPath:
     """The layer as `ranks` EP ranks in one persistent launch per pass on one GPU
-    (``mok_moe_fwd_ranks``, ``mok_moe_bwd_ranks``): a path of ``layer.run``."""
+    (``mok_moe_fwd_ranks``, ``mok_moe_bwd_ranks``): a path of ``paths.run``."""
 
     ranks: int
     capacity: int
@@ -238,7 +239,7 @@ class VirtualRanksPath:
                 jax.ShapeDtypeStruct((E,), _I32), jax.ShapeDtypeStruct((), _I32),
                 jax.ShapeDtypeStruct((), _I32))
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
-        y, gate_up, x_rows, *stats = jax.ffi.ffi_call(_ext.MOE_FORWARD_RANKS, outs)(
+        y, gate_up, x_rows, *stats = jax.ffi.ffi_call(ext.MOE_FORWARD_RANKS, outs)(
             *operands, ranks=np.int64(self.ranks), capacity=np.int64(self.capacity),
             save_gate_up=save)
         return y, tuple(stats), (operands, gate_up, x_rows)
@@ -250,7 +251,7 @@ class VirtualRanksPath:
                 jax.ShapeDtypeStruct(expert_weights.shape, expert_weights.dtype),
                 jax.ShapeDtypeStruct(w_gate_up.shape, w_gate_up.dtype),
                 jax.ShapeDtypeStruct(w_down.shape, w_down.dtype))
-        return tuple(jax.ffi.ffi_call(_ext.MOE_BACKWARD_RANKS, outs)(
+        return tuple(jax.ffi.ffi_call(ext.MOE_BACKWARD_RANKS, outs)(
             *operands, gate_up, x_rows, dy.astype(x.dtype), ranks=np.int64(self.ranks),
             capacity=np.int64(self.capacity)))
 
@@ -287,12 +288,12 @@ def moe_on_virtual_ranks(x, expert_ids, expert_weights, w_gate_up, w_down, *,
     for name, a in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         if a.dtype != jnp.bfloat16:
             raise TypeError(f"moe_on_virtual_ranks takes bfloat16 {name}, got {a.dtype}")
-    _ext.require_target("cuda", _ext.MOE_FORWARD_RANKS)
-    _ext.require_target("cuda", _ext.MOE_BACKWARD_RANKS)
+    ext.require_target("cuda", ext.MOE_FORWARD_RANKS)
+    ext.require_target("cuda", ext.MOE_BACKWARD_RANKS)
     if jax.default_backend() != "gpu":
         raise RuntimeError("moe_on_virtual_ranks runs on a CUDA GPU only (JAX's default "
                            f"backend here: {jax.default_backend()})")
     path = VirtualRanksPath(
         ranks=int(ranks), capacity=primitives.NO_CAPACITY if capacity is None else int(capacity))
-    y, _ = layer.run(path, x, expert_ids.astype(_I32), expert_weights, w_gate_up, w_down)
+    y, _ = paths.run(path, x, expert_ids.astype(_I32), expert_weights, w_gate_up, w_down)
     return y

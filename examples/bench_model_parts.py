@@ -11,7 +11,7 @@ as the example's code (`current`); the script prints one layer's forward+backwar
 median time per candidate next to `current`'s, measured in the same process, and
 the largest relative error of its outputs and gradients against it.
 
-Router candidates against `mok_jax.nn.router_logits` (bf16 products of the
+Router candidates against `mok_jax.router.router_logits` (bf16 products of the
 tokens with the kernel's exact three-term bf16 split): XLA's f32 dot with
 `Precision.HIGHEST` (`highest`, the layer's form before d323f28) and
 `jax.lax.DotAlgorithmPreset` algorithms (BF16_BF16_F32_X6 keeps f32 accuracy in
@@ -50,7 +50,7 @@ import mok_jax.nn as mnn  # noqa: E402
 from mok_jax.bench.measure import error_string, rel_fro, time_step  # noqa: E402
 
 ROUTER = {
-    "current": None,  # mok_jax.nn.router_logits, router_dot="auto"
+    "current": None,  # mok_jax.router.router_logits, router_dot="auto"
     "highest": jax.lax.Precision.HIGHEST,
     "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
     "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,

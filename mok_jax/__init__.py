@@ -13,8 +13,8 @@ Submodules reachable after ``import mok_jax``:
   (0.4-0.6 s on top of 0.4 s on a 2-core x86 machine), and
   users of the bare op need not pay it.
 
-The modules of the package itself are its API (``moe``, ``nn``, ``norm``,
-``recipe``, ``fp8``, ``comm``, ``reference``, ``build``); ``mok_jax._src``
+The modules of the package itself are its API (``moe``, ``nn``, ``router``,
+``norm``, ``recipe``, ``fp8``, ``comm``, ``reference``, ``build``); ``mok_jax._src``
 holds the internals (primitives, execution paths, expert parallelism,
 partitioning), and ``mok_jax.bench`` the benchmark and its baselines.
 """

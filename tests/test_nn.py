@@ -15,6 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import mok_jax
 import mok_jax.nn as mnn
+from mok_jax import router
 from mok_jax.reference import moe_reference
 
 from conftest import BF16, assert_bitwise, assert_close
@@ -211,7 +212,7 @@ def check_router_logits_accuracy(T=512, H=1024, E=32, seed=0):
     dx_want = g64 @ w64.T
     # Jitted, as in a model (eagerly every op would compile alone, and XLA's
     # folding of f32 -> bf16 -> f32 round trips would never see the split).
-    terms = jax.jit(lambda k: sum(t.astype(jnp.float32) for t in mnn._bf16_terms(k, 3)[::-1]))(w)
+    terms = jax.jit(lambda k: sum(t.astype(jnp.float32) for t in router._bf16_terms(k, 3)[::-1]))(w)
     assert_bitwise(terms, w, "the kernel's three bf16 terms sum to it")
     for router_dot in mnn.ROUTER_DOTS:
         logits, dx, dw = jax.jit(lambda a, b, c, d=router_dot: (
@@ -280,7 +281,7 @@ def test_top_k_matches_lax_top_k_with_ties():
     s = jax.random.normal(jax.random.key(0), (300, 16))
     s = s.at[:, 3].set(s[:, 5]).at[:7].set(0.0)  # ties inside rows and whole tied rows
     values, ids = jax.lax.top_k(s, 4)
-    got_ids, got_values = mnn._top_k(s, s, 4)
+    got_ids, got_values = router.top_k(s, s, 4)
     np.testing.assert_array_equal(got_ids, ids)
     assert_bitwise(got_values, values, "top-k values")
 

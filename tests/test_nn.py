@@ -654,8 +654,9 @@ def test_bf16_gradients_inside_shard_map_match_jit(dp, ep):
 
     got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P(("dp", "ep"))),
                                 out_specs=specs, check_vma=True))(state, x)
-    np.testing.assert_allclose(got["router"]["kernel"][...], want.router.kernel[...],
-                               rtol=1e-5, atol=1e-7)
+    # f32: the partial sums over each device's tokens, then psum, against one sum.
+    assert_close(got["router"]["kernel"][...], want.router.kernel[...], np.float32,
+                 what="d router kernel")
     for name in ("w_gate_up", "w_down"):
         assert_close(got[name][...], getattr(want, name)[...], BF16, what=f"d {name}")
 

@@ -103,6 +103,17 @@ if compilation_cache_wanted(os.environ.get("JAX_PLATFORMS", ""), jax_cuda_plugin
     if _CPU_OPT_LEVEL_FLAG not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += f" {_CPU_OPT_LEVEL_FLAG}=0"
 
+def env_without_host_devices() -> dict:
+    """This process's environment for a script that chooses its own device count:
+    XLA_FLAGS without conftest's 8 host devices (its other flags kept)."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_HOST_DEVICES_FLAG)]
+    env["XLA_FLAGS"] = " ".join(flags)
+    if not env["XLA_FLAGS"]:
+        del env["XLA_FLAGS"]
+    return env
+
+
 # The reference's f32 matmuls must be true f32 on GPUs too (XLA may otherwise use
 # TF32 there), or the contract's 1e-5 f32 tolerance would measure the oracle.
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -21,7 +21,7 @@ import sys
 import pytest
 
 import mok_jax
-from conftest import PRIVATE_DOC_REF
+from conftest import PRIVATE_DOC_REF, env_without_host_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT)
@@ -95,13 +95,8 @@ def _script(relpath: str, blocks) -> str:
 
 
 def _env():
-    env = dict(os.environ)
     # Not this process's 8 host devices: a document that wants them says so.
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags)
-    if not env["XLA_FLAGS"]:
-        del env["XLA_FLAGS"]
+    env = env_without_host_devices()
     env["JAX_PLATFORMS"] = "cpu"
     # The mok_jax this session imports (the installed package, or the source tree
     # with its built extension under PYTHONPATH=.) comes first.

@@ -14,12 +14,13 @@ import jax
 import pytest
 
 import mok_jax
+from conftest import env_without_host_devices
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "ep_multiprocess.py")
 
 
 def _run(*argv, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8
+    env = env_without_host_devices()  # each process sets its own device count
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process may hold the GPUs too
     # The mok_jax this process imported (installed, or the source tree of a dev build)
     # comes first: PYTHONPATH precedes site-packages.

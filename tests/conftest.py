@@ -13,16 +13,16 @@ tests start as well:
   are then skipped by marker and the CPU tests run on the CPU.
 * Where JAX can only run on the CPU here (the platform pinned to the CPU, or no
   JAX CUDA plugin installed), XLA's CPU backend at LLVM optimization level 0
-  (--xla_backend_optimization_level=0) and a persistent JAX compilation cache in a fresh
-  directory of this pytest run (removed at its end): a program that a test, an
+  (--xla_backend_optimization_level=0) and a persistent JAX compilation cache in
+  a fresh directory of this pytest run (removed at its end): a program that a test, an
   example run in-process or a script the tests start has compiled is loaded, not
   compiled again, by the next one that builds the same program (the key is the
   program's text, the compile options, XLA_FLAGS, the devices and jaxlib's
   version). Nothing from an earlier run or another build is reused. Not on GPUs:
   there the cache compresses every executable it writes with zlib, and a GPU
   test's executable can hold a gigabyte of constants (minutes to compress).
-  Compiling dominates the CPU tests' time, and LLVM's optimizations are most of
-  it: level 0 compiles a training step of the examples in two thirds of the time.
+  Compiling dominates the CPU tests' time, and at level 0 XLA compiles a
+  training step of the examples in two thirds of the time.
   The programs compute the same functions (XLA does not enable fast-math either
   way); mok_jax's CPU kernels are compiled C++, which no XLA flag reaches.
 """
@@ -102,6 +102,7 @@ if compilation_cache_wanted(os.environ.get("JAX_PLATFORMS", ""), jax_cuda_plugin
     # Read when JAX starts its first backend, which nothing above has done.
     if _CPU_OPT_LEVEL_FLAG not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += f" {_CPU_OPT_LEVEL_FLAG}=0"
+
 
 def env_without_host_devices() -> dict:
     """This process's environment for a script that chooses its own device count:

@@ -12,7 +12,8 @@ import pytest
 
 import conftest
 import mok_jax
-from conftest import compilation_cache_wanted, jax_cuda_plugin_installed, platforms_for_tests
+from conftest import (compilation_cache_wanted, env_without_host_devices,
+                      jax_cuda_plugin_installed, platforms_for_tests)
 from mok_jax import _mok
 from mok_jax._src import ext
 
@@ -69,6 +70,17 @@ def test_the_compilation_cache_is_used_only_where_jax_runs_on_the_cpu_alone():
     wanted = compilation_cache_wanted(os.environ.get("JAX_PLATFORMS", ""),
                                       jax_cuda_plugin_installed())
     assert (conftest.JAX_CACHE_DIR is not None) == wanted
+    # and XLA's CPU backend at optimization level 0 there, never on a GPU machine
+    level = "--xla_backend_optimization_level"
+    assert (level in os.environ.get("XLA_FLAGS", "")) == wanted
+
+
+def test_scripts_get_every_xla_flag_but_the_host_device_count(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                       "--xla_backend_optimization_level=0")
+    assert env_without_host_devices()["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert "XLA_FLAGS" not in env_without_host_devices()
 
 
 @pytest.mark.gpu

@@ -104,14 +104,22 @@ if compilation_cache_wanted(os.environ.get("JAX_PLATFORMS", ""), jax_cuda_plugin
         os.environ["XLA_FLAGS"] += f" {_CPU_OPT_LEVEL_FLAG}=0"
 
 
-def env_without_host_devices() -> dict:
-    """This process's environment for a script that chooses its own device count:
-    XLA_FLAGS without conftest's 8 host devices (its other flags kept)."""
+def script_env(*, host_devices: bool = True) -> dict:
+    """This process's environment for a script a test starts. The mok_jax this
+    process imported (the installed package, or the source tree of a development
+    build) comes first on PYTHONPATH, which precedes site-packages. With
+    host_devices=False, for a script that chooses its own device count: XLA_FLAGS
+    without conftest's 8 host devices (its other flags kept)."""
+    import mok_jax  # here: conftest itself loads without a built mok_jax
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_HOST_DEVICES_FLAG)]
-    env["XLA_FLAGS"] = " ".join(flags)
-    if not env["XLA_FLAGS"]:
-        del env["XLA_FLAGS"]
+    if not host_devices:
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith(_HOST_DEVICES_FLAG)]
+        env["XLA_FLAGS"] = " ".join(flags)
+        if not env["XLA_FLAGS"]:
+            del env["XLA_FLAGS"]
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return env
 
 

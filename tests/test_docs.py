@@ -20,8 +20,7 @@ import sys
 
 import pytest
 
-import mok_jax
-from conftest import PRIVATE_DOC_REF, env_without_host_devices
+from conftest import PRIVATE_DOC_REF, script_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT)
@@ -96,12 +95,8 @@ def _script(relpath: str, blocks) -> str:
 
 def _env():
     # Not this process's 8 host devices: a document that wants them says so.
-    env = env_without_host_devices()
+    env = script_env(host_devices=False)
     env["JAX_PLATFORMS"] = "cpu"
-    # The mok_jax this session imports (the installed package, or the source tree
-    # with its built extension under PYTHONPATH=.) comes first.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return env
 
 

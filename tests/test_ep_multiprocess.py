@@ -13,20 +13,14 @@ import sys
 import jax
 import pytest
 
-import mok_jax
-from conftest import env_without_host_devices
+from conftest import script_env
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "ep_multiprocess.py")
 
 
 def _run(*argv, timeout=600):
-    env = env_without_host_devices()  # each process sets its own device count
+    env = script_env(host_devices=False)  # each process sets its own device count
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process may hold the GPUs too
-    # The mok_jax this process imported (installed, or the source tree of a dev build)
-    # comes first: PYTHONPATH precedes site-packages.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (package_root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
                           timeout=timeout, env=env, check=False)
     return proc.returncode, proc.stdout + proc.stderr

@@ -16,16 +16,14 @@ import sys
 
 import pytest
 
-import mok_jax
+from conftest import script_env
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "ep_sizes.py")
 MESHES = ("ep16", "ep72", "dp2ep36")
 
 
 def _run(meshes, *argv):
-    env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env = script_env()
     proc = subprocess.run([sys.executable, SCRIPT, "--meshes", ",".join(meshes), *argv],
                           capture_output=True, text=True, timeout=900, env=env, check=False)
     return proc.returncode, proc.stdout + proc.stderr

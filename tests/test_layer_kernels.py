@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-import mok_jax
+from conftest import script_env
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "layer_kernels.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
@@ -18,9 +18,7 @@ import layer_kernels  # noqa: E402
 
 
 def _run(*argv):
-    env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env = script_env()
     proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
                           timeout=600, env=env, check=False)
     return proc.returncode, proc.stdout + proc.stderr

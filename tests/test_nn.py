@@ -18,7 +18,7 @@ import mok_jax.nn as mnn
 from mok_jax import router
 from mok_jax.reference import moe_reference
 
-from conftest import BF16, assert_bitwise, assert_close
+from conftest import BF16, assert_bitwise, assert_close, script_env
 
 H, F, E, K = 16, 24, 8, 2
 
@@ -786,9 +786,8 @@ def test_import_mok_jax_exposes_nn_and_reference_lazily():
             raise AssertionError("mok_jax.no_such_thing did not raise")
         print("ok")
     """)
-    env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env = script_env()
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, timeout=120, cwd=os.path.dirname(package_root))
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -12,8 +12,8 @@ import pytest
 
 import conftest
 import mok_jax
-from conftest import (compilation_cache_wanted, env_without_host_devices,
-                      jax_cuda_plugin_installed, platforms_for_tests)
+from conftest import (compilation_cache_wanted, jax_cuda_plugin_installed, platforms_for_tests,
+                      script_env)
 from mok_jax import _mok
 from mok_jax._src import ext
 
@@ -75,12 +75,18 @@ def test_the_compilation_cache_is_used_only_where_jax_runs_on_the_cpu_alone():
     assert (level in os.environ.get("XLA_FLAGS", "")) == wanted
 
 
-def test_scripts_get_every_xla_flag_but_the_host_device_count(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                       "--xla_backend_optimization_level=0")
-    assert env_without_host_devices()["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+def test_scripts_get_this_mok_jax_first_and_every_xla_flag_but_the_host_device_count(
+        monkeypatch):
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert script_env()["XLA_FLAGS"] == flags
+    env = script_env(host_devices=False)
+    assert env["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+    assert env["PYTHONPATH"] == os.pathsep.join((package_root, "/elsewhere"))
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    assert "XLA_FLAGS" not in env_without_host_devices()
+    assert "XLA_FLAGS" not in script_env(host_devices=False)
 
 
 @pytest.mark.gpu

@@ -520,60 +520,25 @@ __device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& 
   if (n0 + 192 < H) staged_pass<24>(buf, pair, tile, y, 192, H - n0 - 192);
 }
 
-// Four warps per token, each on every fourth 8-column chunk of 256 lanes' worth;
-// per column, k ascending, f32 sum rounded once (combine_rows' arithmetic). A
-// batch of eight pairs loads its pairs and weights first, then all eight rows,
-// before any is summed, so a token waits for two load latencies per batch, not
-// one or two per row.
-// Rank `rank`'s combine task: its tokens' rows from its receive window (one rank:
-// from the row-ordered expert-output rows, by pair_row), y into its y window.
+// Rank `rank`'s combine task: y for two of its tokens, four warps each, each warp
+// on every fourth 8-column chunk of 256 lanes' worth; per column the token's K rows
+// times their weights, k ascending, summed in f32 and rounded once (combine_rows'
+// arithmetic, sum_pair_rows). Its rows: one rank's from the row-ordered
+// expert-output rows by pair_row, P ranks' from the rank's receive window at the
+// pairs' places; y into the rank's y window.
 template <typename W>
 __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, int64_t task) {
-  constexpr int kBatch = 8;
   const int ctid = threadIdx.x - kProducerThreads;
   const int warp = ctid >> 5, lane = ctid & 31;
-  const W* weights = static_cast<const W*>(p.weights);
   const int64_t H = p.hidden;
   const int64_t local = task * kCombineTokens + warp / kCombineWarps;  // of the rank's tokens
   if (local >= p.rank_tokens) return;
   const int64_t t = int64_t(rank) * p.rank_tokens + local;
-  // Its K rows, k ascending: one rank's by their rows, P ranks' at the pairs' places.
   const Elem* rows = win.recv[rank] + local * p.top_k * H;
   constexpr int64_t kStep = kCombineWarps * 32 * 8;
   for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
-    float acc[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    for (int64_t k0 = 0; k0 < p.top_k; k0 += kBatch) {
-      // The pairs and weights in separate loads ahead of the rows': ptxas does not
-      // move a load above the rows' strong loads, so with each pair's loads next to
-      // its row's the eight pairs' loads would wait for one another.
-      int32_t r[kBatch];
-      float wk[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int64_t k = k0 + j;
-        r[j] = k < p.top_k ? p.pair_row[t * p.top_k + k] : -1;  // past K: not read
-        wk[j] = k < p.top_k ? to_float(weights[t * p.top_k + k]) : 0.0f;
-      }
-      uint4 v[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const Elem* row = p.ranks == 1 ? win.recv[0] + int64_t(r[j]) * H : rows + (k0 + j) * H;
-        v[j] = r[j] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (r[j] < 0) continue;  // unrouted or dropped: adds nothing (not even a zero)
-        const bf16* e = reinterpret_cast<const bf16*>(&v[j]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += wk[j] * to_float(e[i]);
-      }
-    }
-    uint4 o;
-    bf16* oe = reinterpret_cast<bf16*>(&o);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) oe[i] = float_to_bf16(acc[i]);
+    const uint4 o = sum_pair_rows(p.pair_row, static_cast<const W*>(p.weights), t, p.top_k,
+                                  p.ranks == 1, win.recv[0], rows, H, c);
     *reinterpret_cast<uint4*>(win.y[rank] + local * H + c) = o;
   }
 }

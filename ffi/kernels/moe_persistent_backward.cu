@@ -377,7 +377,6 @@ __device__ void swiglu_task(const Params& p, const Windows& win, const RowBlock&
 // nothing and gets d expert_weights = 0.
 template <typename W>
 __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, int64_t task) {
-  constexpr int kBatch = 8;
   const int ctid = threadIdx.x - kProducerThreads;
   const int warp = ctid >> 5, lane = ctid & 31;
   const int64_t H = p.hidden, K = p.top_k;
@@ -393,32 +392,8 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
   }
   constexpr int64_t kStep = kCombineWarps * 32 * 8;
   for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
-    float acc[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    for (int64_t k0 = 0; k0 < K; k0 += kBatch) {
-      // The batch's pairs first, all in flight at once (the forward's combine_task).
-      int32_t r[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) r[j] = k0 + j < K ? p.pair_row[t * K + k0 + j] : -1;
-      uint4 v[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const Elem* row = p.ranks == 1 ? win.recv[0] + int64_t(r[j]) * H : rows + (k0 + j) * H;
-        v[j] = r[j] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (r[j] < 0) continue;
-        const bf16* e = reinterpret_cast<const bf16*>(&v[j]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += to_float(e[i]);
-      }
-    }
-    uint4 o;
-    bf16* oe = reinterpret_cast<bf16*>(&o);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) oe[i] = float_to_bf16(acc[i]);
+    const uint4 o = sum_pair_rows<void>(p.pair_row, nullptr, t, K, p.ranks == 1, win.recv[0],
+                                        rows, H, c);
     *reinterpret_cast<uint4*>(win.dx[rank] + local * H + c) = o;
   }
 }

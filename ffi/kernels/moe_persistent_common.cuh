@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cute/arch/copy_sm80.hpp"
 #include "cute/atom/mma_atom.hpp"
@@ -453,6 +454,61 @@ __device__ __forceinline__ RankPlace pair_place(const cutlass::FastDivmod& by_ra
   const int32_t k = pair - t * static_cast<int32_t>(top_k);
   const RankPlace q = token_place(by_rank_tokens, t);
   return {q.rank, q.local * top_k + k};
+}
+
+// The combines' sum (both kernels): 8 columns [c, c + 8) of token t's K rows,
+// k ascending, in f32, rounded once; an unrouted or dropped pair (pair_row < 0)
+// adds nothing (not even a zero). One rank: pair (t, k)'s row is row pair_row of
+// `by_row`; P ranks: row k of `by_k` (the token's rows at its pairs' places).
+// Weighted (W not void): each row times its pair's weight, weights[t K + k]. A
+// batch of kBatch pairs loads its pairs and weights first, then all its rows,
+// before any is summed: ptxas does not move a load above the rows' strong
+// (`ld.global.cg`) loads, so with each pair's loads next to its row's the batch's
+// pairs would wait for one another, and a token for one or two load latencies per
+// row instead of two per batch.
+template <class W, int kBatch = 8>
+__device__ __forceinline__ uint4 sum_pair_rows(const int32_t* pair_row, const W* weights,
+                                               int64_t t, int64_t K, bool one_rank,
+                                               const Elem* by_row, const Elem* by_k,
+                                               int64_t H, int64_t c) {
+  constexpr bool kWeighted = !std::is_void_v<W>;
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+  for (int64_t k0 = 0; k0 < K; k0 += kBatch) {
+    int32_t r[kBatch];
+    float wk[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int64_t k = k0 + j;
+      r[j] = k < K ? pair_row[t * K + k] : -1;  // past K: not read
+      if constexpr (kWeighted) wk[j] = k < K ? to_float(weights[t * K + k]) : 0.0f;
+    }
+    uint4 v[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const Elem* row = one_rank ? by_row + int64_t(r[j]) * H : by_k + (k0 + j) * H;
+      v[j] = r[j] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (r[j] < 0) continue;
+      const bf16* e = reinterpret_cast<const bf16*>(&v[j]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if constexpr (kWeighted) {
+          acc[i] += wk[j] * to_float(e[i]);
+        } else {
+          acc[i] += to_float(e[i]);
+        }
+      }
+    }
+  }
+  uint4 o;
+  bf16* oe = reinterpret_cast<bf16*>(&o);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) oe[i] = float_to_bf16(acc[i]);
+  return o;
 }
 
 }  // namespace mok::cuda::persistent

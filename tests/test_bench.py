@@ -330,6 +330,18 @@ def test_torch_queued_timing_synchronizes_once_per_batch():
     assert len(times) == 2 and all(20.0 <= t < 40.0 for t in times), times
 
 
+def test_torch_kernel_table_sums_per_name_and_per_call():
+    from mok_jax.bench import _torch_moe  # pylint: disable=import-outside-toplevel
+    # Two calls: gemm launched twice a call (300 + 100 and 300 + 100 us), copy once.
+    events = [("gemm", 300.0), ("gemm", 100.0), ("copy", 50.0),
+              ("gemm", 300.0), ("gemm", 100.0), ("copy", 70.0)]
+    total, rows = _torch_moe.kernel_table(events, calls=2)
+    assert [r["name"] for r in rows] == ["gemm", "copy"]  # most time first
+    assert [r["ms"] for r in rows] == pytest.approx([0.4, 0.06])
+    assert [r["launches"] for r in rows] == [2.0, 1.0]
+    assert total == pytest.approx(0.46)
+
+
 def test_queue_adds_queued_times_and_their_speedups(capsys):
     result = bench.main(["--quick", "--shapes", "ep", "--impls", "ragged_dot,dense_onehot",
                          "--passes", "fwd", "--repeats", "2", "--warmup", "0",

@@ -20,7 +20,11 @@ mok_jax. For each shape it times, bf16 on one CUDA GPU:
   its backward).
 
 Prints one JSON document (and writes it to --json): {"records": [...]} with
-shape, impl, pass, median_ms, min_ms, times_ms, or status/error.
+shape, impl, pass, median_ms, min_ms, times_ms, or status/error. With
+``--kernels N`` each record also holds the CUDA kernels of N more calls traced
+by ``torch.profiler``: ``kernel_ms`` (their time per call, summed) and
+``kernels`` (each kernel name's ms and launches per call, most time first): the
+counterpart of scripts/layer_kernels.py for the baselines.
 """
 
 import argparse
@@ -84,9 +88,37 @@ def _time_queued(torch, fn, queue, repeats):
     return times
 
 
-def bench_shape(torch, shape, passes, warmup, repeats, skip=frozenset(), queue=0):
+def kernel_table(events, calls):
+    """(kernel ms per call, rows) from (name, device us) events of `calls` calls:
+    rows {"name", "ms", "launches"} per kernel name, per call, most time first."""
+    by_name = {}
+    for name, us in events:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    rows = [{"name": name, "ms": us / 1e3 / calls, "launches": n / calls}
+            for name, (us, n) in by_name.items()]
+    rows.sort(key=lambda r: -r["ms"])
+    return sum(r["ms"] for r in rows), rows
+
+
+def _trace_kernels(torch, fn, calls):
+    """kernel_table of `calls` calls of fn under torch.profiler (CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return kernel_table(((e.name, e.device_time) for e in prof.events()
+                         if e.device_type == cuda), calls)
+
+
+def bench_shape(torch, shape, passes, warmup, repeats, skip=frozenset(), queue=0, kernels=0):
     """Records of every baseline and pass on `shape`; (impl, pass) pairs in `skip`
-    are recorded as skipped, not run."""
+    are recorded as skipped, not run. kernels > 0: each record also gets the
+    kernel table of that many traced calls (kernel_ms, kernels)."""
     T, K, E, H, F = shape
     dev, bf16 = "cuda", torch.bfloat16
     src_token, row_weight, offs, row_token, rows = _routing(torch, T, K, E, H, F, dev)
@@ -170,6 +202,9 @@ def bench_shape(torch, shape, passes, warmup, repeats, skip=frozenset(), queue=0
                 with torch.no_grad() if pass_name == "fwd" else _null():
                     times = _time(torch, fn, warmup, repeats)
                     queued = _time_queued(torch, fn, queue, repeats) if queue else None
+                    if kernels:
+                        kernel_ms, table = _trace_kernels(torch, fn, kernels)
+                        rec.update(kernel_ms=kernel_ms, kernels=table)
                 rec.update(median_ms=statistics.median(times), min_ms=min(times),
                            times_ms=times, queued_times_ms=queued)
             except NotImplementedError as err:
@@ -197,6 +232,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--queue", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also trace N calls of each and record their kernels")
     parser.add_argument("--skip", action="append", default=[],
                         help="IMPL/PASS/T,K,E,H,F not to run (repeatable)")
     args = parser.parse_args(argv)
@@ -214,7 +251,8 @@ def main(argv=None):
             shape = tuple(int(v) for v in text.split(","))
             result["records"] += bench_shape(torch, shape, args.passes.split(","),
                                              args.warmup, args.repeats,
-                                             frozenset(skips.get(shape, ())), args.queue)
+                                             frozenset(skips.get(shape, ())), args.queue,
+                                             args.kernels)
     except Exception as err:  # pylint: disable=broad-except
         result["error"] = f"{type(err).__name__}: {err}"
     text = json.dumps(result)

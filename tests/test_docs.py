@@ -179,7 +179,8 @@ def readme_commands():
 def test_ci_runs_the_readme_test_command_and_the_slow_tests_beside_the_cuda_build():
     """The README's test command is a CPU-only build and the fast set in two
     processes; .ci/run starts a CUDA wheel build that fails without nvcc in the
-    background (at a lower priority), runs that very line, then the slow set (every
+    background (at a lower priority, as its own process group, which an EXIT trap
+    ends should a step fail before the wait), runs that very line, then the slow set (every
     file but the two that test the installed build, in two processes), then
     installs the wheel and runs those two files, fast and slow, on it (their fast
     tests ran on the CPU-only build already)."""
@@ -190,7 +191,9 @@ def test_ci_runs_the_readme_test_command_and_the_slow_tests_beside_the_cuda_buil
         lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
     runs = [i for i, ln in enumerate(lines) if ln == test_command or ln.startswith(test_command + " ||")]
     cuda = [i for i, ln in enumerate(lines)
-            if ln.startswith("MOK_ENABLE_CUDA=ON nice -n 10 pip wheel ")]
+            if ln.startswith("setsid -w nice -n 10 env MOK_ENABLE_CUDA=ON pip wheel ")]
+    end_build = """trap 'kill -- -"$cuda" 2> /dev/null || true' EXIT"""
+    trap = [i for i, ln in enumerate(lines) if ln == end_build]
     slow = [i for i, ln in enumerate(lines) if ln.startswith("pytest -q -m slow")]
     build_files = ("tests/test_build.py", "tests/test_platform.py")
     rest = [i for i in slow if "-n 2" in lines[i]
@@ -200,8 +203,8 @@ def test_ci_runs_the_readme_test_command_and_the_slow_tests_beside_the_cuda_buil
     on_cuda = [i for i, ln in enumerate(lines)
                if ln.startswith("pytest -q ") and "-m" not in ln.split()
                and all(f in ln.split() for f in build_files)]
-    assert runs and cuda and rest and install and on_cuda, lines
-    assert cuda[0] < runs[0] < min(slow) < install[0] < on_cuda[0], lines
+    assert runs and cuda and trap and rest and install and on_cuda, lines
+    assert cuda[0] < trap[0] < runs[0] < min(slow) < install[0] < on_cuda[0], lines
     assert len(slow) == 1, lines  # the slow set once: nothing run twice or left out
 
 

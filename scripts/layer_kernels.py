@@ -2,6 +2,7 @@
 
     python scripts/layer_kernels.py --shape preset=32768,4,32,1024,1024 [--dtype bf16]
     python scripts/layer_kernels.py --shapes small-experts --calls 10
+    python scripts/layer_kernels.py --shapes small-experts --passes fwdbwd --torch
 
 Each pass is jitted, run a few times, then traced over `--calls` calls with
 ``jax.profiler``. Printed per pass: the kernels' summed time per call, each
@@ -10,6 +11,9 @@ order of the last call (where a layer's time goes, kernel by kernel: such a list
 singled out GEMM1's SwiGLU epilogue before cd66041; docs/ledger.md, 2026-12-01).
 CUTLASS's GEMM kernels get short labels (schedule, SwiGLU epilogue, output type)
 and a number; the legend at the end maps the numbers to the kernels' full names.
+`--torch` adds the kernels of the bench's torch baselines (the eager layer and the
+grouped GEMMs alone, `--calls` calls each, by `torch.profiler` in a subprocess run
+first) after each pass: where each side's time goes, in one run.
 On a CPU the runtime's thunks stand in for kernels: each of the layer's FFI calls
 is one.
 
@@ -97,6 +101,19 @@ def profile_pass(inputs: dict, pass_name: str, *, calls: int, warmup: int, trace
     return step_profile.device_ops(trace_dir, module="")
 
 
+def torch_table(record: dict) -> str:
+    """The text for one torch baseline record of bench.torch_records(..., kernels=N)."""
+    impl = record["impl"]
+    if "kernels" not in record:
+        return f"{impl}: {record['status']} ({record.get('error')})"
+    rows = record["kernels"]
+    lines = [f"{impl}: kernels {record['kernel_ms']:.3f} ms per call "
+             f"({sum(r['launches'] for r in rows):g} launches)",
+             "| ms per call | launches per call | kernel |", "| --- | --- | --- |"]
+    lines += [f"| {r['ms']:.3f} | {r['launches']:g} | {label(r['name'])} |" for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", action="append", type=bench.custom_shape, default=[],
@@ -118,6 +135,10 @@ def main(argv=None) -> int:
                         help="when each pass runs as its persistent kernel: never (the "
                              "kernel chains), where mok_jax picks it (default: the "
                              "forward's at few rows per expert), or wherever it can")
+    parser.add_argument("--torch", action="store_true",
+                        help="also the kernels of the bench's torch baselines (the eager "
+                             "layer and the grouped GEMMs alone, bf16, the bench's routing; "
+                             "a GPU), traced as many calls in a subprocess first")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes if s not in bench.FULL_SHAPES]
     if unknown:
@@ -132,6 +153,16 @@ def main(argv=None) -> int:
     shapes = args.shape + [bench.FULL_SHAPES[s] for s in args.shapes]
     if not shapes:
         parser.error("give --shape T,K,E,H,F or --shapes NAME[,NAME]")
+    if args.torch and (args.dtype != "bf16" or args.load_max is not None
+                       or args.recipe != "native"):
+        parser.error("--torch: the baselines run bf16, the native recipe and the bench's routing")
+    baselines = collections.defaultdict(list)
+    if args.torch:  # before JAX initialises the GPU and reserves its memory
+        backend, _ = bench.cli.detect_platform(isolated=True)
+        for record in bench.torch_baselines.torch_records(shapes, passes, warmup=args.warmup,
+                                                          repeats=1, backend=backend,
+                                                          kernels=args.calls):
+            baselines[(record["shape"], record["pass"])].append(record)
     legend = {}
     skewed = {}  # routing per shape with --load-max, made (and refused) before any run
     if args.load_max is not None:
@@ -158,6 +189,9 @@ def main(argv=None) -> int:
                   f"H {shape.hidden}, F {shape.ffn}){routing}, {args.dtype}, recipe "
                   f"{args.recipe}, persistent kernels {args.persistent}, {pass_name} on "
                   f"{jax.devices()[0].device_kind}\n{text}\n", flush=True)
+            for record in baselines.get((shape.name, pass_name), ()):
+                print(f"### {shape.name}, {pass_name}: torch {record.get('torch_version')}, "
+                      f"{torch_table(record)}\n", flush=True)
     for name, kernel in legend.items():
         if name != kernel:
             print(f"{name} = {kernel}")

@@ -922,6 +922,30 @@ def test_recipe_list_rejects_unknown_or_repeated_names(recipes):
         bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe", "--recipe", recipes])
 
 
+def test_torch_records_ask_for_kernels_and_keep_them(monkeypatch):
+    """kernels=N reaches the subprocess as --kernels N; a measured record keeps the
+    kernel table it sent back, one without it gets none."""
+    seen = {}
+    table = [{"name": "gemm", "ms": 0.4, "launches": 2.0}]
+
+    def fake_run(cmd, *a, **kw):
+        seen["cmd"] = cmd
+        shape = [64, 8, 32, 448, 128]
+        recs = [{"shape": shape, "impl": i, "pass": "fwd", "status": "ok", "error": None,
+                 "times_ms": [1.0]} for i in bench.torch_baselines.TORCH_IMPLS]
+        recs[0].update(kernel_ms=0.4, kernels=table)
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"records": recs}) + "\n", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    records = bench.torch_baselines.torch_records([bench.QUICK_SHAPES["ep"]], ["fwd"],
+                                                  warmup=0, repeats=1, kernels=7)
+    assert seen["cmd"][seen["cmd"].index("--kernels") + 1] == "7"
+    first, *rest = records
+    assert first["impl"] == bench.torch_baselines.TORCH_IMPLS[0]
+    assert first["kernel_ms"] == 0.4 and first["kernels"] == table
+    assert all("kernels" not in r for r in rest)
+
+
 def test_recipe_fp8_needs_bf16():
     with pytest.raises(SystemExit):
         bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe", "--recipe", "fp8",

@@ -57,6 +57,21 @@ def test_cutlass_kernels_get_short_stable_labels():
     assert layer_kernels.label("gather_rows_kernel<bf16, 8>") == "gather_rows_kernel<bf16, 8>"
 
 
+def test_torch_baselines_print_their_kernels_or_why_not():
+    gemm = "void cutlass::device_kernel<GemmUniversal<...Cooperative...>>(Params)"
+    record = {"impl": "torch_grouped_mm", "status": "ok", "kernel_ms": 0.5,
+              "kernels": [{"name": gemm, "ms": 0.45, "launches": 6.0},
+                          {"name": "prepare_grouped_gemm_data", "ms": 0.05, "launches": 6.0}]}
+    lines = layer_kernels.torch_table(record).split("\n")
+    assert lines[0] == "torch_grouped_mm: kernels 0.500 ms per call (12 launches)"
+    assert lines[3] == f"| 0.450 | 6 | {layer_kernels.label(gemm)} |"
+    assert lines[4] == "| 0.050 | 6 | prepare_grouped_gemm_data |"
+    skipped = {"impl": "torch_pipeline", "status": "skipped", "error": "needs a GPU"}
+    assert layer_kernels.torch_table(skipped) == "torch_pipeline: skipped (needs a GPU)"
+    code, out = _run("--shape", "tiny=64,2,4,32,16", "--torch", "--dtype", "f32")
+    assert code == 2 and "--torch" in out
+
+
 @pytest.mark.slow
 def test_load_max_gives_expert_0_that_multiple_of_the_mean_load():
     from mok_jax import bench

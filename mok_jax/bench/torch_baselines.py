@@ -31,9 +31,11 @@ TORCH_ABOUT = {
 def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int,
                   repeats: int, timeout_s: float = 1800,
                   backend: str | None = None, skip: Sequence[str] = (),
-                  queue: int = 0) -> list[dict]:
+                  queue: int = 0, kernels: int = 0) -> list[dict]:
     """PyTorch baselines (_torch_moe.py beside this file) timed in a subprocess; the
     measurements `skip` names (--skip entries) are recorded as skipped, not run.
+    kernels > 0: each measured record also holds the kernels of that many traced
+    calls (`kernel_ms`, `kernels`: _torch_moe.kernel_table's rows).
 
     Call this before JAX touches the GPU: JAX reserves most of its memory.
     Returns bench records (status "unavailable" when torch or CUDA is missing).
@@ -52,7 +54,7 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
         return records
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_moe.py")
     cmd = [sys.executable, script, "--passes", ",".join(passes), "--warmup", str(warmup),
-           "--repeats", str(repeats), "--queue", str(queue)]
+           "--repeats", str(repeats), "--queue", str(queue), "--kernels", str(kernels)]
     for shape in shapes:
         dims = ",".join(str(v) for v in (shape.tokens, shape.top_k, shape.experts,
                                          shape.hidden, shape.ffn))
@@ -82,6 +84,8 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
                 elif got.get("times_ms"):
                     record["queue"] = queue
                     finish_record(record, got["times_ms"], None, got.get("queued_times_ms"))
+                    if "kernels" in got:
+                        record.update(kernel_ms=got["kernel_ms"], kernels=got["kernels"])
                 else:
                     record.update(status=got.get("status", "unavailable"),
                                   error=got.get("error", result.get("error")))

@@ -15,21 +15,14 @@ import pytest
 from conftest import assert_close, make_problem
 import mok_jax
 from mok_jax import bench
+from mok_jax.bench import baselines
+from mok_jax.reference import moe_reference
 
 # The directory this process imported mok_jax from: site-packages after
-from mok_jax.bench import baselines
 # `pip install .`, the source tree in an in-place development build. The
 # subprocess must import the same package, and not a source tree without _mok.
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
 PIPELINES = [baselines.ragged_dot_moe, baselines.dense_onehot_moe]
-
-
-def _mok_moe_available() -> bool:
-    try:
-        import mok_jax  # pylint: disable=import-outside-toplevel
-        return callable(mok_jax.moe)
-    except Exception:  # pylint: disable=broad-except
-        return False
 
 
 def _problem(t=40, k=3, e=6, h=32, f=16, dtype=jnp.float32, seed=0):
@@ -68,9 +61,8 @@ def test_baseline_matches_float64_oracle(pipeline, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("pipeline", PIPELINES, ids=lambda p: p.__name__)
 def test_baseline_matches_moe_reference(pipeline, dtype):
-    reference = pytest.importorskip("mok_jax.reference")
     args = _problem(t=33, k=4, e=8, h=24, f=40, dtype=dtype, seed=1)
-    expected = reference.moe_reference(**args)
+    expected = moe_reference(**args)
     assert_close(jax.jit(pipeline)(**args), expected, dtype, what=pipeline.__name__)
 
 
@@ -121,6 +113,8 @@ def test_tokamax_available_reports_reason():
         assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
     elif not ok:
         assert record["status"] == "unavailable" and "tokamax" in record["error"]
+    else:
+        assert record["status"] == "ok" and record["median_ms"] > 0, record
 
 
 @pytest.mark.parametrize("impl", ["moe_chain", "moe_persistent"])
@@ -129,6 +123,8 @@ def test_persistent_rows_need_a_gpu_and_restore_the_mode(impl):
                                      warmup=0, repeats=1)
     if jax.default_backend() == "cpu":  # the switch is a CUDA kernel's: not attempted
         assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
+    else:
+        assert record["status"] == "ok" and record["median_ms"] > 0, record
     from mok_jax import _mok
     if hasattr(_mok, "set_persistent_kernels"):  # the default mode is back
         assert _mok.set_persistent_kernels(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
@@ -146,6 +142,8 @@ def test_virtual_rank_rows_are_gpu_measurements_of_both_passes():
                                              warmup=0, repeats=1)
             if jax.default_backend() == "cpu":
                 assert record["status"] == "skipped" and "CUDA GPU" in record["error"]
+            else:
+                assert record["status"] == "ok" and record["median_ms"] > 0, record
 
 
 def test_gemm_flops():
@@ -212,9 +210,7 @@ def test_quick_run_writes_json(tmp_path):
     assert set(keys) == {(s, i, p) for s in bench.DEFAULT_SHAPES for i in bench.pipelines.IMPLS
                          for p in bench.pipelines.PASSES}
 
-    must_run = {"ragged_dot", "dense_onehot"}
-    if _mok_moe_available():
-        must_run.add(bench.pipelines.MOK)
+    must_run = {"ragged_dot", "dense_onehot", bench.pipelines.MOK}
     backend = jax.default_backend()
     if baselines.tokamax_available()[0] and not bench.pipelines.platform_skip("tokamax", backend):
         must_run.add("tokamax")
@@ -374,6 +370,7 @@ def test_check_reports_relative_errors():
                          "--repeats", "1", "--warmup", "0", "--check", "--dtype", "f32"])
     for r in result["records"]:
         assert r["status"] == "ok" and r["check_error"] is None, r
+        assert r["check_reference"] == "mok_jax.reference.moe_reference", r
         assert set(r["rel_err"]) == set(bench.measure.OUTPUT_NAMES[r["pass"]])
         assert max(r["rel_err"].values()) < 1e-5, r["rel_err"]
 
@@ -670,8 +667,7 @@ def test_custom_shape_is_benchmarked(tmp_path):
     for r in records:
         assert (r["T"], r["K"], r["E"], r["H"], r["F"]) == (24, 2, 4, 16, 8)
         assert r["gemm_flops"] == 6 * 24 * 2 * 16 * 8
-        if r["impl"] == "ragged_dot" or _mok_moe_available():
-            assert r["status"] == "ok" and r["median_ms"] > 0, r
+        assert r["status"] == "ok" and r["median_ms"] > 0, r
     assert result["settings"]["custom_shapes"] == [
         {"name": "mine", "tokens": 24, "top_k": 2, "experts": 4, "hidden": 16, "ffn": 8}]
 

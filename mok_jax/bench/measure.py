@@ -17,6 +17,7 @@ from mok_jax.bench import pipelines
 from mok_jax.bench.pipelines import (MOK_IMPLS, PERSISTENT_MODES, MoEFn, persistent_kernels,
                                      platform_skip, with_recipe)
 from mok_jax.bench.shapes import Shape
+from mok_jax.reference import moe_reference
 
 
 def build_step(fn: MoEFn, pass_name: str) -> tuple[Callable, tuple[str, ...]]:
@@ -85,18 +86,11 @@ OUTPUT_NAMES = {"fwd": ("y",),
 
 def reference_outputs(pass_name: str, inputs: dict
                       ) -> tuple[str, list[jax.Array] | None, str | None]:
-    """(oracle name, its flat outputs for `pass_name`, error) for --check.
-
-    The oracle is mok_jax.reference.moe_reference when importable, else the dense
-    one-hot baseline (both run every expert on every token).
-    """
+    """(oracle name, its flat outputs for `pass_name`, error) for --check: the
+    oracle is mok_jax.reference.moe_reference (every expert on every token)."""
+    name = "mok_jax.reference.moe_reference"
     try:
-        from mok_jax import reference  # pylint: disable=import-outside-toplevel
-        name, fn = "mok_jax.reference.moe_reference", reference.moe_reference
-    except Exception:  # pylint: disable=broad-except
-        name, fn = "baselines.dense_onehot_moe", baselines.dense_onehot_moe
-    try:
-        step, names = build_step(fn, pass_name)
+        step, names = build_step(moe_reference, pass_name)
         out = jax.block_until_ready(step(*[inputs[n] for n in names]))
     except Exception as err:  # pylint: disable=broad-except
         return name, None, error_string(err)

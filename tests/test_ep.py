@@ -284,6 +284,27 @@ def test_tokens_not_dividing_their_mesh_axes_give_the_single_device_results(
     assert int(s.dropped) == int(s1.dropped) and int(s.invalid) == int(s1.invalid)
 
 
+@pytest.mark.parametrize("tokens, routing", [(6, "random"), (30, "the last device's experts")])
+def test_padded_token_split_keeps_the_ep_residuals(tokens, routing):
+    """Experts split over 4 devices, tokens left replicated and T not a multiple of
+    4: XLA pads the tokens for the exchange, and the padded part of the last shard
+    (all of it at T = 6) is cut from everything typed as split like the tokens. The
+    last device's experts' saved rows must not go with it (at T = 30 they receive
+    90 rows, more than the 72 of the shard that survive): y, the gradients and the
+    statistics are the single-device call's."""
+    mesh = jax.make_mesh((4,), ("ep",), devices=CPUS[:4])  # Explicit axes
+    x, ids, w, wgu, wd = (a[:tokens] if i < 3 else a
+                          for i, a in enumerate(problem(jnp.float32, seed=5)))
+    if routing != "random":  # every pair to expert 6 or 7, the last device's
+        ids = jnp.broadcast_to(jnp.array([E - 1, E - 2, E - 1], jnp.int32), ids.shape)
+    y1, s1, g1 = single_device(x, ids, w, wgu, wd, None)
+    with jax.set_mesh(mesh):
+        y, s, g, _ = jit_on_mesh(mesh, P(), P("ep"), x, ids, w, wgu, wd, None)
+    assert_same_results((y, *g), (y1, *g1))
+    np.testing.assert_array_equal(s.tokens_per_expert, s1.tokens_per_expert)
+    assert int(s.invalid) == int(s1.invalid)
+
+
 def test_unknown_axis_name_is_an_error():
     x, ids, w, wgu, wd = problem(jnp.float32)
     mesh = jax.make_mesh((2,), ("ep",), devices=CPUS[:2])

@@ -37,6 +37,12 @@ places the experts, so each device's buffers hold ``T_local * A * K`` rows, A
 an upper bound on the EP axis size (the size of the axis splitting the experts
 when the types say it, else the largest mesh axis): exact for EP over one axis,
 A / P times the rows otherwise (rows past the kept ones are never touched).
+The residuals are typed as split like the tokens, so where XLA pads the token
+dim it also cuts the padded part of the last shard's residual buffers, rows
+that the EP layer filled with other tokens' rows (its experts' rows, wherever
+their tokens are): with an uneven token split the EP layer saves nothing and
+its backward runs the forward again. The single-device layer's residuals are
+its own tokens' rows, valid ones first, and survive the cut.
 """
 
 from __future__ import annotations
@@ -362,6 +368,10 @@ def _forward_saving_partition(cap, backend, recipe, bound, mesh, arg_shapes, res
             return (y, _pack_stats(stats, pad), _to_residual(x_rows, T, r),
                     _to_residual(gate_up, T, r))
         path = ep.ExchangePath(cfg, transport, rows=T * r)
+        if pad:  # XLA would cut the last shard's rows (see top): nothing saved
+            y, stats, _ = path.forward(*operands, save=False)
+            return (y, _pack_stats(stats, pad), jax.lax.empty((T, r, x.shape[1]), x.dtype),
+                    jax.lax.empty((T, r, w_gate_up.shape[2]), x.dtype))
         y, stats, res = path.forward(*operands, save=True)
         return (y, _pack_stats(stats, pad), res.x_rows.reshape(T, r, -1),
                 res.gate_up.reshape(T, r, -1))
@@ -403,13 +413,16 @@ def _backward_partition(cap, backend, recipe, bound, mesh, arg_shapes, result_sh
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up):
         T = x.shape[0]
-        expert_ids, _ = _without_padding(mesh, cfg, num_tokens, expert_ids)  # as the forward's
+        expert_ids, pad = _without_padding(mesh, cfg, num_tokens, expert_ids)  # as the forward's
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if local:
             K = expert_ids.shape[1]
             return _local_backward(cfg, operands, gate_up.reshape(T * r, -1)[:T * K],
                                    x_rows.reshape(T * r, -1)[:T * K], dy)
         path = ep.ExchangePath(cfg, transport, rows=T * r)
+        if pad:  # the forward saved nothing (see top): run it again
+            _, _, res = path.forward(*operands, save=True)
+            return path.backward(res, dy)
         p, route = path.routing(expert_ids, w_gate_up.shape[0])  # the plan, again (cheap)
         res = ep.Residuals(p, route, x_rows.reshape(T * r, -1), gate_up.reshape(T * r, -1),
                            expert_weights, w_gate_up, w_down)

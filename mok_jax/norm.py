@@ -50,8 +50,14 @@ def kernel_takes(dtype, dim: int) -> bool:
 # --- the math in jnp (the CPU lowering, and rows the kernels do not take) -------------
 
 def _forward_math(x, branch, scale, *, epsilon):
-    s = x + branch
-    sf = s.astype(jnp.float32)
+    # n is the norm of the rounded s: the rounding as a reduce_precision in f32, which
+    # XLA keeps, where it may fold a bf16 add's f32 -> bf16 -> f32 round trip into
+    # the identity (excess precision) and normalise the unrounded sum.
+    sf = x.astype(jnp.float32) + branch.astype(jnp.float32)
+    if x.dtype != jnp.float32:
+        info = jnp.finfo(x.dtype)
+        sf = jax.lax.reduce_precision(sf, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    s = sf.astype(x.dtype)
     rstd = jax.lax.rsqrt(jnp.mean(sf * sf, axis=-1) + epsilon)
     n = (sf * (rstd[..., None] * scale)).astype(x.dtype)
     return s, n, rstd

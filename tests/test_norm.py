@@ -78,6 +78,17 @@ def test_values_and_gradients_match_nnx_rmsnorm(dtype, shape):
     _close(dscale, dscale_ref, 1e-5 if dtype == jnp.float32 else 1e-2, "dscale")
 
 
+@pytest.mark.parametrize("dim", [16, 12])  # the kernels' width on a GPU, and the jnp form's
+def test_n_is_the_norm_of_the_rounded_sum(dim):
+    """n normalises the s the op returns (rounded to bf16), not the f32 sum before
+    the rounding, eagerly and under jit: the op on (s, 0) gives n's bits again."""
+    x, branch, scale, _, _ = _operands((64, dim), jnp.bfloat16)
+    for fn in (mok_jax.add_rms_norm, jax.jit(mok_jax.add_rms_norm)):
+        s, n = fn(x, branch, scale)
+        assert_bitwise(fn(s, jnp.zeros_like(s), scale)[1], n, "n of s")
+        assert_bitwise(jax.jit(mok_jax.add_rms_norm)(x, branch, scale)[1], n, "jit")
+
+
 def test_bad_operands_raise():
     x = jnp.ones((4, 16), jnp.float32)
     scale = jnp.ones((16,), jnp.float32)

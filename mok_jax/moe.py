@@ -47,7 +47,10 @@ def capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
     """
     if capacity_factor is None:
         return None
+    check_capacity_factor("mok_jax.capacity", capacity_factor)
     pairs = num_tokens * top_k
+    if capacity_factor >= num_experts:  # keeps every pair (an int past a float's range too)
+        return pairs
     limit = capacity_factor * num_tokens * top_k / num_experts
     if not math.isfinite(limit) or limit >= pairs:
         return pairs
@@ -276,10 +279,18 @@ def check_option_values(where: str, *, capacity_factor, backend) -> None:
     `moe` refuses; shared with layers that take these options (`mok_jax.nn.MoE`)."""
     if backend not in BACKENDS:
         raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
+    check_capacity_factor(where, capacity_factor)
+
+
+def check_capacity_factor(where: str, capacity_factor) -> None:
+    """ValueError (prefixed with `where`) unless `capacity_factor` is None or a
+    positive finite real number (an int is finite at any size)."""
     if capacity_factor is not None and (
             isinstance(capacity_factor, (bool, np.bool_))
             or not isinstance(capacity_factor, (int, float, np.integer, np.floating))
-            or not math.isfinite(capacity_factor) or capacity_factor <= 0):
+            or not (isinstance(capacity_factor, (int, np.integer))
+                    or math.isfinite(capacity_factor))
+            or capacity_factor <= 0):
         raise ValueError(f"{where}: capacity_factor must be None (never drop) or a positive "
                          f"finite number, got {capacity_factor!r}")
 

@@ -161,16 +161,30 @@ def test_zero_weights_give_zero():
 @pytest.mark.parametrize(
     "c,T,K,E",
     [(1.0, 16, 2, 4), (0.5, 7, 2, 3), (1.25, 10, 3, 4), (2.0, 1, 1, 8), (1e-6, 64, 8, 16),
-     (0.75, 37, 3, 5), (9.0, 4, 2, 4), (1e308, 16, 2, 4)],
+     (0.75, 37, 3, 5), (9.0, 4, 2, 4), (1e308, 16, 2, 4), (10**400, 16, 2, 4)],
 )
 def test_capacity_formula(c, T, K, E):
     """ceil(c*T*K/E), clamped at T*K pairs (more can never reach one expert): the
-    last two cases are past it, the last one's product past the largest float."""
+    last three cases are past it, the last two's products past the largest float
+    (an int factor is finite at any size)."""
     cap = mok_jax.capacity(c, T, K, E)
     assert isinstance(cap, int)
-    want = T * K if c == 1e308 else min(math.ceil(c * T * K / E), T * K)  # 1e308*T*K: inf
+    want = T * K if c >= 1e308 else min(math.ceil(c * T * K / E), T * K)  # c*T*K: inf
     assert cap == want
     assert mok_jax.capacity(None, T, K, E) is None
+
+
+@pytest.mark.parametrize("c", [0.0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_capacity_refuses_what_moe_refuses(c):
+    with pytest.raises(ValueError, match="mok_jax.capacity: capacity_factor must be None"):
+        mok_jax.capacity(c, 16, 2, 4)
+
+
+def test_an_int_capacity_factor_past_a_floats_range_keeps_every_pair():
+    args = make_problem(6, 16, 2, 4, 16, 8, jnp.float32)
+    y, stats = mok_jax.moe(*args, capacity_factor=10**400, return_stats=True)
+    assert_bitwise(y, mok_jax.moe(*args), "10**400 against None")
+    assert int(stats.dropped) == 0
 
 
 def test_capacity_drop_order_hand_checked():

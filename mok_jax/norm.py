@@ -21,6 +21,7 @@ scale's gradient is summed over the mesh axes that split the rows.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -239,7 +240,8 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
       x, branch: ``[..., D]`` float32 or bfloat16, the same shape and dtype.
       scale: ``[D]``, the norm's learned scale (e.g. ``flax.nnx.RMSNorm``'s, float32);
         computed in float32, its gradient returned in its own dtype.
-      epsilon: added to the mean square (``flax.nnx.RMSNorm``'s default, 1e-6).
+      epsilon: added to the mean square (``flax.nnx.RMSNorm``'s default, 1e-6); a
+        Python number, static under ``jax.jit``.
 
     ``s`` and ``n`` have x's dtype; the values are those of ``nnx.RMSNorm(...)(x +
     branch)`` with this scale and epsilon, up to the order of the f32 sums (a bf16 ``n``
@@ -249,13 +251,21 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
     forward-mode autodiff (``jax.jvp``); under ``vmap`` one call per example.
     """
     x, branch, scale = (jnp.asarray(a) for a in (x, branch, scale))
+    if (isinstance(epsilon, (bool, np.bool_))
+            or not isinstance(epsilon, (int, float, np.integer, np.floating))
+            or not math.isfinite(epsilon) or epsilon < 0):
+        raise ValueError("add_rms_norm: epsilon must be a non-negative finite Python number "
+                         f"(static, as nnx.RMSNorm's), got {epsilon!r}")
+    epsilon = float(epsilon)
     if x.shape != branch.shape or x.dtype != branch.dtype:
         raise ValueError(
             f"add_rms_norm: x {x.dtype}{list(x.shape)} and branch {branch.dtype}"
             f"{list(branch.shape)} must have the same shape and dtype")
     if x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"add_rms_norm: x must be float32 or bfloat16, got {x.dtype}")
-    if x.ndim < 1 or scale.shape != x.shape[-1:]:
+    if x.ndim < 1:
+        raise ValueError("add_rms_norm: x must have at least one axis (the normalised one)")
+    if scale.shape != x.shape[-1:]:
         raise ValueError(
             f"add_rms_norm: scale has shape {list(scale.shape)}, expected {list(x.shape[-1:])} "
             f"(the last axis of x {list(x.shape)})")

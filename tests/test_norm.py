@@ -102,6 +102,16 @@ def test_bad_operands_raise():
         mok_jax.add_rms_norm(x, x, jnp.ones((8,), jnp.float32))
     with pytest.raises(ValueError, match="floating point"):
         mok_jax.add_rms_norm(x, x, jnp.ones((16,), jnp.int32))
+    with pytest.raises(ValueError, match="at least one axis"):
+        mok_jax.add_rms_norm(x[0, 0], x[0, 0], jnp.ones((), jnp.float32))
+    for eps in ("0.5", -1e-6, float("nan"), True, jnp.float32(1e-6)):
+        with pytest.raises(ValueError, match="epsilon must be a non-negative finite"):
+            mok_jax.add_rms_norm(x, x, scale, epsilon=eps)
+    # A traced epsilon gets the same message, whichever form the row width takes.
+    for width in (16, 12):
+        xs, sc = jnp.ones((4, width), jnp.float32), jnp.ones((width,), jnp.float32)
+        with pytest.raises(ValueError, match="epsilon must be a non-negative finite"):
+            jax.jit(lambda e: mok_jax.add_rms_norm(xs, xs, sc, epsilon=e))(1e-6)
 
 
 def test_kernel_takes():

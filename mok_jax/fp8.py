@@ -127,9 +127,10 @@ def quantize_last_axis(v):
     values of e4m3 numbers), ``s`` ``[..., nblocks]``."""
     n = v.shape[-1]
     p = _pad_to_blocks(v.astype(jnp.float32), -1)
-    p = p.reshape(*p.shape[:-1], -1, BLOCK)
+    nb = p.shape[-1] // BLOCK  # by name: a reshape's -1 is undefined for no rows
+    p = p.reshape(*p.shape[:-1], nb, BLOCK)
     s = _scale(jnp.max(jnp.abs(p), axis=-1))
-    q = _q8(p, s[..., None]).reshape(*v.shape[:-1], -1)[..., :n]
+    q = _q8(p, s[..., None]).reshape(*v.shape[:-1], nb * BLOCK)[..., :n]
     return q, s
 
 
@@ -152,9 +153,10 @@ def _gemm(aq, sa, bq, sb_col):
     block's e4m3 values. aq ``[T, K]`` or ``[E, T, K]``, sa ``[..., T, nkb]``, bq
     ``[E, K, N]``, sb_col ``[E, nkb, N]``."""
     ap = _pad_to_blocks(aq, -1)
-    ap = ap.reshape(*ap.shape[:-1], -1, BLOCK)
+    nkb = ap.shape[-1] // BLOCK  # by name: a reshape's -1 is undefined for no rows
+    ap = ap.reshape(*ap.shape[:-1], nkb, BLOCK)
     bp = _pad_to_blocks(bq, 1)
-    bp = bp.reshape(bq.shape[0], -1, BLOCK, bq.shape[2])
+    bp = bp.reshape(bq.shape[0], nkb, BLOCK, bq.shape[2])
     spec = "tbk,ebkn->betn" if aq.ndim == 2 else "etbk,ebkn->betn"
     p = jnp.einsum(spec, ap, bp, precision=jax.lax.Precision.HIGHEST,
                    preferred_element_type=jnp.float32)

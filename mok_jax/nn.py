@@ -442,7 +442,8 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
         """``x`` ``[..., H]`` -> ``(y [..., H], MoEAux)``; see the class docstring."""
-        if x.shape[-1] != self.hidden_size:
+        x = jnp.asarray(x)
+        if x.ndim == 0 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE: x's last dimension must be hidden_size={self.hidden_size}, "
                              f"got shape {x.shape}")
         self._check_expert_placement()

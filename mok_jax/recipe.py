@@ -37,9 +37,10 @@ def resolve(recipe, where: str = "mok_jax.moe") -> Recipe:
         return Recipe.NATIVE
     if isinstance(recipe, Recipe):
         return recipe
-    if isinstance(recipe, str) and recipe.upper() in Recipe.__members__:
-        return Recipe[recipe.upper()]
-    known = ", ".join(["None"] + [repr(m.name.lower()) for m in Recipe])
+    names = {m.name.lower(): m for m in Recipe}
+    if isinstance(recipe, str) and recipe in names:
+        return names[recipe]
+    known = ", ".join(["None"] + [repr(name) for name in names])
     raise ValueError(f"{where}: recipe must be one of {known} (or a mok_jax.Recipe); got "
                      f"{recipe!r}, which this version of mok_jax does not implement")
 

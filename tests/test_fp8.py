@@ -485,6 +485,13 @@ def test_the_jnp_reference_matches_the_kernels():
     assert rel_fro(y_ref, y_native) > 0.005
 
 
+def test_no_tokens_give_an_empty_y_in_the_op_and_the_reference():
+    x, ids, w, wgu, wd = (a[:0] if i < 3 else a for i, a in enumerate(problem(8)))
+    for fn in (mok_jax.moe, moe_reference):
+        y = fn(x, ids, w, wgu, wd, recipe="fp8")
+        assert y.shape == (0, H) and y.dtype == x.dtype, fn
+
+
 # --- determinism and expert-parallel invariance ------------------------------------------
 
 def test_twenty_runs_give_the_same_bits():

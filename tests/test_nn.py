@@ -169,6 +169,10 @@ def test_num_experts_must_split_over_the_mesh_at_construction():
 def test_wrong_hidden_size():
     with pytest.raises(ValueError, match="hidden_size"):
         make_layer()(jnp.ones((4, H + 1)))
+    with pytest.raises(ValueError, match="hidden_size"):  # no last dimension at all
+        make_layer()(jnp.float32(1.0))
+    x = np.ones((2, H), np.float32)  # nested lists and numpy arrays are arrays too
+    assert_bitwise(make_layer()(x.tolist())[0], make_layer()(jnp.asarray(x))[0], "list x")
 
 
 # --------------------------------------------------------------------------------------

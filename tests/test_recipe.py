@@ -23,7 +23,7 @@ def test_recipes_are_the_extensions_values():
     assert resolve("native") is resolve(mok_jax.Recipe.NATIVE) is mok_jax.Recipe.NATIVE
 
 
-@pytest.mark.parametrize("recipe", ["fp4", 7, "NATIVE2", 0.5])
+@pytest.mark.parametrize("recipe", ["fp4", 7, "NATIVE2", 0.5, "FP8", "Native"])
 def test_a_recipe_this_version_lacks_is_a_value_error(recipe):
     x, ids, w, wgu, wd = make_problem(0, 8, 2, 4, 16, 8, jnp.float32)
     with pytest.raises(ValueError, match=r"mok_jax.moe: recipe must be one of None, 'native', 'fp8'"):

@@ -134,6 +134,38 @@ def test_plain_jit_layouts_it_cannot_run_as_asked_are_errors(case, match):
         jax.jit(mok_jax.moe)(*args)
 
 
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "numpy"])
+@pytest.mark.parametrize("case, match", [
+    pytest.param("experts over two axes", r"experts dim of w_gate_up is split over "
+                 r"\('dp', 'ep'\)", id="two-axes"),
+    pytest.param("6 experts over 4", r"E=6 experts do not split evenly .* \(E % P != 0\)",
+                 id="uneven")])
+def test_auto_layouts_the_partitioner_refuses(case, match, placed):
+    """With Auto axes the layout is XLA's. Expert weights constrained over two axes
+    or unevenly reach the partitioner, which refuses them at compile time, when
+    the operands are placed on the mesh; operands from the host (numpy) XLA
+    gathers before the call, which then gives the single-device bits
+    (docs/contract.md says both)."""
+    x, ids, w, wgu, wd = _problem(4)
+    spec = P(("dp", "ep")) if case == "experts over two axes" else P("ep")
+    if case == "6 experts over 4":
+        ids, wgu, wd = ids % 6, wgu[:6], wd[:6]
+    mesh = jax.make_mesh((2, 4), ("dp", "ep"), devices=CPUS[:8],
+                         axis_types=(AxisType.Auto,) * 2)
+    c = jax.lax.with_sharding_constraint
+    args = (x, ids, w, wgu, wd)
+    args = (jax.device_put(args, NamedSharding(mesh, P())) if placed
+            else [np.asarray(a) for a in args])
+    step = jax.jit(lambda x, ids, w, wgu, wd: mok_jax.moe(x, ids, w, c(wgu, spec), c(wd, spec)))
+    with jax.set_mesh(mesh):
+        if placed:
+            with pytest.raises(Exception, match=match):
+                step(*args)
+            return
+        y = step(*args)
+    np.testing.assert_array_equal(y, mok_jax.moe(x, ids, w, wgu, wd))
+
+
 def test_the_mesh_mistake_is_named_before_k_exceeds_local_experts():
     """8 experts over 8 ranks leave 1 per rank, fewer than K=2: the error must name
     the missing axis_name (the cause), not K > E (a symptom)."""

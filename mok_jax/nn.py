@@ -427,12 +427,20 @@ class MoE(nnx.Module):
             probs = scores
         else:
             scores = jax.nn.sigmoid(logits)
-            probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-        select = scores
+            # s / sum(s) from log-sigmoids: the same values, and finite where every
+            # sigmoid of a token underflows to 0 (logits below about -87).
+            probs = jax.nn.softmax(jax.nn.log_sigmoid(logits), axis=-1)
+        # Both score functions increase with the logit, so the top scores are the top
+        # logits; selecting on the logits keeps scores that round to the same float
+        # (or underflow to 0) in their logits' order. The bias adds to the scores.
+        select = logits
         if self.balance_bias is not None:
             select = scores + jax.lax.stop_gradient(self.balance_bias[...])
         expert_ids, weights = router_top_k(select, scores, self.top_k)
-        if self.renormalize:
+        if self.renormalize and self.score_fn == "sigmoid":  # as probs: from log-sigmoids
+            _, log_picked = router_top_k(select, jax.nn.log_sigmoid(logits), self.top_k)
+            weights = jax.nn.softmax(log_picked, axis=-1)
+        elif self.renormalize:  # the top softmax score is at least 1 / E: no 0 / 0
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         if self.route_scale != 1.0:
             weights = weights * self.route_scale

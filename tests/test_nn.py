@@ -352,6 +352,31 @@ def test_aux_losses_against_hand_computation(score_fn):
     np.testing.assert_allclose(float(aux.z_loss), np.mean(lse ** 2), rtol=1e-5)
 
 
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_routing_far_in_the_tails_follows_the_logits(score_fn):
+    """Logits from -130 up to -104 (the last expert's the largest), where every
+    sigmoid underflows to 0: the picks are still the top logits (not the lowest
+    indices of equal scores), the renormalized weights s_i / sum(s) (for
+    sigmoids: the softmax of the picked log-sigmoids) are finite and right, and so
+    are y and the aux loss."""
+    layer = make_layer(score_fn=score_fn, renormalize=True, top_k=3)
+    per_expert = -(130.0 - 3.75 * np.arange(E))  # expert e's logit for a token of ones
+    layer.router.kernel[...] = jnp.asarray(np.tile(per_expert / H, (H, 1)), jnp.float32)
+    x = jnp.ones((2, H), jnp.float32).at[1].multiply(1.1)
+    ids, w, logits, probs = layer.route(x)
+    logits64 = np.asarray(logits, np.float64)
+    want_ids = np.argsort(-logits64, axis=1, kind="stable")[:, :3]
+    assert np.all(want_ids[:, 0] == E - 1)
+    np.testing.assert_array_equal(ids, want_ids)
+    picked = np.take_along_axis(logits64, want_ids, 1)
+    log_s = -np.logaddexp(0.0, -picked)
+    np.testing.assert_allclose(w, np_softmax(log_s if score_fn == "sigmoid" else picked),
+                               rtol=1e-5)
+    assert np.all(np.isfinite(np.asarray(probs)))
+    y, aux = layer(x)
+    assert np.all(np.isfinite(np.asarray(y))) and np.isfinite(float(aux.aux_loss))
+
+
 def test_aux_loss_is_one_when_balanced_and_e_when_collapsed():
     layer = make_layer(top_k=1)
     # Zero router: uniform probabilities; top-1 ties break to expert 0 (collapse) ...

@@ -1,6 +1,7 @@
 // Decoding of the MoE operands shared by the CPU and CUDA handlers.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "checks.h"
@@ -49,6 +50,11 @@ inline ffi::Error decode(const char* op, const ffi::AnyBuffer& x, const ffi::Buf
   MOK_RETURN_IF_ERROR(expect_shape(op, "w_down", w_down, {E, F, H}));
   MOK_RETURN_IF_ERROR(expect_dtype(op, "w_gate_up", w_gate_up, *x_dtype));
   MOK_RETURN_IF_ERROR(expect_dtype(op, "w_down", w_down, *x_dtype));
+  // The statistics (and the kernels' pair and row indices) are int32.
+  if (T * K > INT32_MAX) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": T * K = " + std::to_string(T * K) +
+                                       " pairs must be below 2^31");
+  }
   *out = Decoded{MoeShape{T, K, E, H, F}, *x_dtype, *weight_dtype};
   return ffi::Error::Success();
 }

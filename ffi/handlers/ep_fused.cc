@@ -115,6 +115,9 @@ ffi::Error EpDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer values
   MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(
       op, lookup.find(handle, static_cast<uint64_t>(fingerprint), device)));
   const comm::RankView& v = lookup.view();
+  // Pairs are numbered owner * T * K + pair in int32 over the exchange group.
+  if (int64_t(v.nranks) * T * K > INT32_MAX)
+    return invalid(op, "P * T * K must be below 2^31 (pairs of the exchange group)");
   if (N != static_cast<int64_t>(v.nranks) * T)
     return invalid(op, std::to_string(N) + " pull entries for " + std::to_string(v.nranks) +
                            " ranks of " + std::to_string(T) + " tokens");
@@ -197,6 +200,9 @@ ffi::Error EpCombine(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t
   MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(
       op, lookup.find(handle, static_cast<uint64_t>(fingerprint), device)));
   const comm::RankView& v = lookup.view();
+  // Pairs are numbered owner * T * K + pair in int32 over the exchange group.
+  if (int64_t(v.nranks) * T * K > INT32_MAX)
+    return invalid(op, "P * T * K must be below 2^31 (pairs of the exchange group)");
   const comm::WindowLayout layout = comm::window_layout(T, K, row_bytes, 4);
   MOK_RETURN_IF_ERROR(window_fits(op, v, layout));
   const uint32_t sig =

@@ -217,8 +217,12 @@ std::string fp8_supported(const ExpertFfnShape& s, DType dtype) {
   if (s.hidden % 8 != 0 || s.ffn % 4 != 0 || s.hidden == 0 || s.ffn == 0) {
     return "recipe fp8 on CUDA needs hidden a multiple of 8 and ffn a multiple of 4";
   }
-  if (fp8_padded_rows(s.rows, s.experts) > INT32_MAX ||
-      2 * fp8_round_up(s.ffn) * fp8_round_up(s.hidden) > INT32_MAX) {
+  // CUTLASS's block-scale layouts index a group's scales in int32: (rows or padded
+  // K) x (K / 128) must fit, and R bounds every group's rows and padded K.
+  const int64_t padded_rows = fp8_padded_rows(s.rows, s.experts);
+  const int64_t widest_k = std::max(fp8_round_up(s.hidden), 2 * fp8_round_up(s.ffn));
+  if (padded_rows > INT32_MAX || 2 * fp8_round_up(s.ffn) * fp8_round_up(s.hidden) > INT32_MAX ||
+      padded_rows / 128 * widest_k > INT32_MAX) {
     return "recipe fp8 on CUDA: sizes too large";
   }
   return {};

@@ -824,7 +824,10 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
   const int64_t tasks = max_row_blocks(s) * ((s.ffn + kGemm1Cols - 1) / kGemm1Cols +
                                              (s.hidden + kGemm2Cols - 1) / kGemm2Cols) +
                         s.tokens / kCombineTokens + 1;
-  if (tasks >= (int64_t(1) << 32)) return "persistent MoE forward: 2^32 tasks or more";
+  // Every CTA claims one ticket past the last task: no claim may wrap around 2^32.
+  if (tasks + info.sm_count >= (int64_t(1) << 32)) {
+    return "persistent MoE forward: 2^32 tasks or more";
+  }
   const bool f32_weights = a.weight_dtype == DType::kF32;
   if (persistent_forward_tile_rows(s) == 128) {
     MOK_RETURN_IF_MESSAGE(encode_epilogue_stores(&p, s, b.h, a.ranks == 1 ? b.recv[0] : nullptr,

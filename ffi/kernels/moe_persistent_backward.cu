@@ -644,6 +644,10 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   DeviceInfo info;
   MOK_RETURN_IF_MESSAGE(current_device_info(&info));
   if (a.ranks > info.sm_count) return "persistent MoE backward: more ranks than SMs";
+  // Every CTA claims one ticket past the last task: no claim may wrap around 2^32.
+  if (max_tasks(s) + info.sm_count >= (int64_t(1) << 32)) {
+    return "persistent MoE backward: 2^32 tasks or more";
+  }
   auto kernel = a.weight_dtype == DType::kF32 ? moe_backward_persistent<float>
                                               : moe_backward_persistent<bf16>;
   return launch_one_cta_per_sm(kernel, p, dynamic_smem_bytes(kTilesBytes, s.experts),

@@ -2,6 +2,7 @@
 parses its arguments before JAX starts)."""
 
 import argparse
+import math
 
 
 def positive_int(text: str) -> int:
@@ -9,4 +10,21 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0, else a usage error naming the value."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    """argparse type: an integer in [0, 2^63) (numpy's and JAX's seeds), else a usage
+    error naming the value."""
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^63), got {value}")
     return value

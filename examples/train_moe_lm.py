@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax import nn as mnn
 
-from cli_args import positive_int  # examples/, on sys.path when run as a script
+from cli_args import positive_float, positive_int, seed  # examples/, on sys.path as a script
 from moe_lm.checkpoints import run_identity, save_checkpoint, start_or_resume
 from moe_lm.config import PRESETS, Config, describe, flops_per_token, param_counts
 from moe_lm.data import EVAL_STREAM, Corpus, batch_at, load_corpus
@@ -76,8 +76,8 @@ def parse_args(argv=None):
                         help="total optimizer steps (the schedule's length)")
     parser.add_argument("--batch", type=positive_int, help="sequences per step (global)")
     parser.add_argument("--seq", type=positive_int, help="bytes per sequence")
-    parser.add_argument("--lr", type=float, help="peak learning rate")
-    parser.add_argument("--seed", type=int)
+    parser.add_argument("--lr", type=positive_float, help="peak learning rate")
+    parser.add_argument("--seed", type=seed)
     parser.add_argument("--balance", choices=["aux", "bias", "none"],
                         help="load balancing: aux loss, DeepSeek-V3 bias, or none")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="computation dtype")
@@ -132,7 +132,7 @@ def parse_args(argv=None):
                         "parameters' all-gather is not overlapped, docs/training.md)")
     parser.add_argument("--host-devices", type=positive_int, metavar="N",
                         help="run on N CPU devices (sets jax_num_cpu_devices; CPU only)")
-    parser.add_argument("--peak-tflops", type=float,
+    parser.add_argument("--peak-tflops", type=positive_float,
                         help="per-device peak for MFU (default 989 on GPU, H200 bf16 dense)")
     parser.add_argument("--data-dir", help="train on the *.py files under this directory "
                                            "instead of the standard library")
@@ -199,7 +199,12 @@ def train(args) -> dict:
         return {"trace": info}
 
     out = args.out or os.path.join("runs", args.preset)
-    os.makedirs(out, exist_ok=True)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SystemExit(f"--out {out} is a file, not a directory")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"--out {out}: cannot create it ({err.strerror})") from None
 
     devices = jax.devices()
     ep = args.ep
@@ -213,9 +218,19 @@ def train(args) -> dict:
     if args.grad_reduce_lag is None and lag is not None:
         cfg = dataclasses.replace(cfg, grad_reduce_lag=lag)
     platform = devices[0].platform
+    for flag, value, gpu_only in (("--attention", cfg.attention, "cudnn"),
+                                  ("--moe-backend", cfg.moe_backend, "fused")):
+        if value == gpu_only and platform != "gpu":
+            raise SystemExit(f"{flag} {gpu_only} needs a GPU; this run's devices are "
+                             f"{platform} (use auto)")
     peak = args.peak_tflops or (989.0 if platform == "gpu" else None)
 
     corpus = load_corpus(args.data_dir)
+    shortest = min(len(corpus.train), len(corpus.eval))
+    if cfg.seq + 2 > shortest:
+        raise SystemExit(f"--seq {cfg.seq} needs windows of seq + 1 bytes, and the "
+                         f"{'held-out' if len(corpus.eval) == shortest else 'training'} part "
+                         f"of the corpus has {shortest} bytes")
     # Everything traced from here on sees the mesh (so that mok_jax.moe partitions
     # itself over it) and the logical axis rules (so that Flax's eager sharding of
     # new variables agrees with the shardings computed by named_shardings).
@@ -437,6 +452,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     summary = {"steps": int(state.step), "wall_s_this_run": wall, "compile_s": compile_s,
                "initial_eval_loss": log["eval"][0]["loss"],
                "final_eval_loss": log["eval"][-1]["loss"],
+               "final_eval_step": log["eval"][-1]["step"],
                "tokens_per_s": statistics.median(rates) if rates else None}
     if peak and rates:
         summary["model_tflops_per_s"] = summary["tokens_per_s"] * flops_per_token(cfg) / 1e12
@@ -448,7 +464,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
 
     line = (f"done: step {summary['steps']}, eval loss {summary['initial_eval_loss']:.4f} -> "
             f"{summary['final_eval_loss']:.4f} ({summary['final_eval_loss'] / math.log(2):.3f} "
-            f"bits/byte) in {wall:.1f} s")
+            f"bits/byte) at step {summary['final_eval_step']} in {wall:.1f} s")
     if summary["tokens_per_s"]:
         line += f", {summary['tokens_per_s']:,.0f} tokens/s"
     if "mfu" in summary:

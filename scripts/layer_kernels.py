@@ -153,6 +153,8 @@ def main(argv=None) -> int:
     shapes = args.shape + [bench.FULL_SHAPES[s] for s in args.shapes]
     if not shapes:
         parser.error("give --shape T,K,E,H,F or --shapes NAME[,NAME]")
+    if args.recipe == "fp8" and args.dtype != "bf16":
+        parser.error("--recipe fp8 takes bfloat16 inputs: use --dtype bf16")
     if args.torch and (args.dtype != "bf16" or args.load_max is not None
                        or args.recipe != "native"):
         parser.error("--torch: the baselines run bf16, the native recipe and the bench's routing")

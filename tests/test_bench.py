@@ -948,6 +948,15 @@ def test_recipe_fp8_needs_bf16():
                     "--dtype", "f32"])
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2**63)])
+def test_a_seed_numpy_refuses_is_a_usage_error(seed, capsys):
+    """It was an OverflowError from numpy after the first shape's setup."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench.cli.parse_args(["--shape", "mine=24,2,4,16,8", f"--seed={seed}"])
+    assert exit_info.value.code == 2
+    assert "--seed must be an integer in [0, 2^63)" in capsys.readouterr().err
+
+
 def test_skip_names_a_torch_baseline(monkeypatch):
     """--skip takes the --torch baselines too: the skipped one is not run (the
     subprocess is told so) and is recorded as skipped; without --torch it is refused."""

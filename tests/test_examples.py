@@ -120,6 +120,9 @@ def test_resume_is_bitwise_identical(straight_run, resumed_run):
     resumed_out, first, resumed = resumed_run
     assert first["summary"]["steps"] == STOP
     assert [r["step"] for r in first["eval"]] == [0, 10]
+    # The stopped part's final eval loss is step 10's, and says so.
+    assert first["summary"]["final_eval_step"] == 10
+    assert first["summary"]["final_eval_loss"] == first["eval"][-1]["loss"]
     assert [r["step"] for r in resumed["train"]] == list(range(1, STEPS + 1))
     # Every logged metric of every step, and every eval, is the same number (the
     # resume adds no eval at STOP, which the schedule does not evaluate).
@@ -613,6 +616,36 @@ def test_train_refuses_a_count_below_one_as_a_usage_error(flag, value, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}" in err and f"must be a positive integer, got {value}" in err
+
+
+@pytest.mark.parametrize("flag, value, why", [
+    ("--lr", "-3e-3", "must be a finite number above 0"), ("--lr", "nan", "above 0"),
+    ("--peak-tflops", "0", "above 0"), ("--peak-tflops", "inf", "above 0"),
+    ("--seed", "-1", r"must be an integer in \[0, 2\^63\)"),
+    ("--seed", str(2**63), r"\[0, 2\^63\)")])
+def test_train_refuses_bad_numbers_as_usage_errors(flag, value, why, capsys):
+    """A negative or NaN learning rate trained (ascent, or a NaN checkpoint) and
+    exited 0; a seed numpy refuses was a traceback after the model's init."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_moe_lm.parse_args([f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and re.search(why, err), err
+
+
+def test_train_refuses_what_cannot_run_before_building(tmp_path):
+    """An --out that is a file, a GPU-only backend on CPU devices and a --seq longer
+    than the corpus: one message each, before any model is built."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    common = [*SMALL, "--no-progress", "--no-checkpoint"]
+    with pytest.raises(SystemExit, match=r"--out .*a_file is a file, not a directory"):
+        train_moe_lm.main([*common, "--out", str(a_file)])
+    for flag, value in (("--attention", "cudnn"), ("--moe-backend", "fused")):
+        with pytest.raises(SystemExit, match=rf"{flag} {value} needs a GPU; .* are cpu"):
+            train_moe_lm.main([*common, flag, value, "--out", str(tmp_path / "b")])
+    with pytest.raises(SystemExit, match=r"--seq 100000000 needs windows of seq \+ 1 bytes"):
+        train_moe_lm.main([*common, "--seq", "100000000", "--out", str(tmp_path / "c")])
 
 
 def test_train_mesh_mistakes_are_messages_not_tracebacks(tmp_path, capsys):

@@ -44,6 +44,8 @@ def test_bad_arguments_are_refused_by_name():
     assert code == 2 and "unknown bench shape" in out
     code, out = _run("--shape", "tiny=64,2,4,32,16", "--passes", "bwd")
     assert code == 2 and "--passes" in out
+    code, out = _run("--shape", "tiny=64,2,4,32,16", "--recipe", "fp8", "--dtype", "f32")
+    assert code == 2 and "--recipe fp8 takes bfloat16 inputs" in out
 
 
 def test_cutlass_kernels_get_short_stable_labels():

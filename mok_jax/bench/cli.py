@@ -280,6 +280,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     fail = parser.error
     if args.repeats < 1 or args.warmup < 0 or args.queue < 0:
         fail("--repeats must be >= 1, --warmup and --queue >= 0")
+    if not 0 <= args.seed < 2**63:
+        fail(f"--seed must be an integer in [0, 2^63), got {args.seed}")
     if "fp8" in args.recipe and args.dtype != "bf16":
         fail("--recipe fp8 takes bfloat16 inputs: use --dtype bf16")
     names = [shape.name for shape in args.shape]

@@ -153,6 +153,9 @@ def parse_args(argv=None):
     if args.recipe == "fp8" and (args.dtype or PRESETS[args.preset].dtype) != "bfloat16":
         parser.error("--recipe fp8 runs the expert GEMMs from bfloat16 operands: add "
                      "--dtype bfloat16")
+    if args.grad_reduce_lag is not None and args.grad_reduce_lag < -1:
+        parser.error(f"--grad-reduce-lag must be -1 (off) or a lag >= 0, got "
+                     f"{args.grad_reduce_lag}")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out and --overwrite starts it over: "
                      "give one")

@@ -622,7 +622,8 @@ def test_train_refuses_a_count_below_one_as_a_usage_error(flag, value, capsys):
     ("--lr", "-3e-3", "must be a finite number above 0"), ("--lr", "nan", "above 0"),
     ("--peak-tflops", "0", "above 0"), ("--peak-tflops", "inf", "above 0"),
     ("--seed", "-1", r"must be an integer in \[0, 2\^63\)"),
-    ("--seed", str(2**63), r"\[0, 2\^63\)")])
+    ("--seed", str(2**63), r"\[0, 2\^63\)"),
+    ("--grad-reduce-lag", "-7", r"must be -1 \(off\) or a lag >= 0")])
 def test_train_refuses_bad_numbers_as_usage_errors(flag, value, why, capsys):
     """A negative or NaN learning rate trained (ascent, or a NaN checkpoint) and
     exited 0; a seed numpy refuses was a traceback after the model's init."""
@@ -630,7 +631,7 @@ def test_train_refuses_bad_numbers_as_usage_errors(flag, value, why, capsys):
         train_moe_lm.parse_args([f"{flag}={value}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {flag}" in err and re.search(why, err), err
+    assert flag in err and re.search(why, err), err
 
 
 def test_train_refuses_what_cannot_run_before_building(tmp_path):

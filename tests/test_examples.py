@@ -532,6 +532,16 @@ def test_resume_refuses_another_run_and_a_foreign_log(resumed_run):
             train_moe_lm.main([*common, "--resume"])
     finally:
         (out / "log.json").write_text(log_text)
+    # A log or identity that is not JSON (a run killed while writing): a message
+    # naming the file, before anything is restored.
+    for name in ("log.json", "ckpt/run.json"):
+        text = (out / name).read_text()
+        (out / name).write_text(text[:len(text) // 2])
+        try:
+            with pytest.raises(SystemExit, match=rf"--resume: cannot read .*{re.escape(name)}"):
+                train_moe_lm.main([*common, "--resume"])
+        finally:
+            (out / name).write_text(text)
     with pytest.raises(SystemExit):
         train_moe_lm.parse_args(["--resume", "--overwrite"])
 

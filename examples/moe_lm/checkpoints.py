@@ -79,6 +79,15 @@ def restore_checkpoint(manager, step: int, like: TrainState, shardings: TrainSta
     return TrainState(**restored, copies=copies)
 
 
+def _read_json(path: str, advice: str):
+    """The JSON at `path`, or a SystemExit naming the file and what to do."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--resume: cannot read {path} ({err}); {advice}") from None
+
+
 def start_or_resume(ckpt_dir: str, log_path: str, identity: dict, state: TrainState,
                     shardings: TrainState, *, save: bool, resume: bool, overwrite: bool):
     """Opens a run's checkpoints: ``(manager, state, log)``.
@@ -97,13 +106,12 @@ def start_or_resume(ckpt_dir: str, log_path: str, identity: dict, state: TrainSt
     log = None
     if resume and latest is not None:
         if os.path.exists(log_path):
-            with open(log_path) as f:
-                log = json.load(f)
+            log = _read_json(log_path, "move it away to start a new log from the checkpoint")
         # Checked before anything is restored: another model would fail deep inside
         # orbax, another schedule, batch or corpus would not fail at all.
         if os.path.exists(identity_path):
-            with open(identity_path) as f:
-                saved = json.load(f)
+            saved = _read_json(identity_path, "the run's identity is unknown: start a new "
+                               "run in another --out")
             diffs = identity_differences(saved, identity)
             if diffs:
                 raise SystemExit(

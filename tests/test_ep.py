@@ -305,6 +305,41 @@ def test_padded_token_split_keeps_the_ep_residuals(tokens, routing):
     assert int(s.invalid) == int(s1.invalid)
 
 
+@pytest.mark.parametrize("experts", ["replicated", "split"])
+def test_a_vjp_across_two_jits_on_an_uneven_split_gives_the_single_device_bits(experts):
+    """jax.vjp's forward in one jit, its backward in another, 31 tokens split over 4
+    devices: the first jit cannot return the saved rows split unevenly (JAX arrays
+    have no uneven shardings) and gathers them, and the second sees replicated
+    tokens. The gradients are still the single-device call's (weight gradients to
+    summation order where the experts are replicated: a data-parallel sum)."""
+    mesh = jax.make_mesh((4,), ("ep",), devices=CPUS[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    x, ids, w, wgu, wd = (a[:31] if i < 3 else a
+                          for i, a in enumerate(problem(jnp.float32, seed=6)))
+    dy = cot(x.shape[1]) * jnp.ones((31, 1))
+    layer = lambda ids: lambda x, w, wgu, wd: mok_jax.moe(x, ids, w, wgu, wd)  # noqa: E731
+    _, pullback = jax.vjp(layer(ids), x, w, wgu, wd)
+    g1 = pullback(dy)
+    split = NamedSharding(mesh, P("ep"))
+
+    def forward(x, w, wgu, wd, ids):
+        x, w, ids = (jax.lax.with_sharding_constraint(a, split) for a in (x, w, ids))
+        if experts == "split":
+            wgu, wd = (jax.lax.with_sharding_constraint(a, split) for a in (wgu, wd))
+        return jax.vjp(layer(ids), x, w, wgu, wd)
+
+    args = jax.device_put((x, w, wgu, wd, ids, dy), NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+        _, pullback = jax.jit(forward)(*args[:5])
+        g = jax.jit(lambda pullback, dy: pullback(dy))(pullback, args[5])
+    if experts == "split":
+        assert_same_results(g, g1, names=("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"))
+    else:
+        assert_same_results(g[:2], g1[:2], names=("dx", "d_expert_weights"))
+        for name, a, b in zip(("d_w_gate_up", "d_w_down"), g[2:], g1[2:]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_unknown_axis_name_is_an_error():
     x, ids, w, wgu, wd = problem(jnp.float32)
     mesh = jax.make_mesh((2,), ("ep",), devices=CPUS[:2])

@@ -37,12 +37,18 @@ places the experts, so each device's buffers hold ``T_local * A * K`` rows, A
 an upper bound on the EP axis size (the size of the axis splitting the experts
 when the types say it, else the largest mesh axis): exact for EP over one axis,
 A / P times the rows otherwise (rows past the kept ones are never touched).
-The residuals are typed as split like the tokens, so where XLA pads the token
-dim it also cuts the padded part of the last shard's residual buffers, rows
-that the EP layer filled with other tokens' rows (its experts' rows, wherever
-their tokens are): with an uneven token split the EP layer saves nothing and
-its backward runs the forward again. The single-device layer's residuals are
-its own tokens' rows, valid ones first, and survive the cut.
+The residuals are typed as split like the tokens, but each device's block holds
+the rows of its experts (EP) or its own tokens' rows in expert order (the
+single-device layer): blocks of the forward's split, meaningful under no other.
+Where XLA pads an uneven token split it cuts the padded part of the last block,
+and a jit that returns the residuals (`jax.vjp` across two jits) gathers them,
+JAX arrays having no uneven shardings; the backward, in another jit, then sees
+replicated tokens and cannot tell. So wherever some split of the tokens over the
+mesh could be uneven (T not a multiple of the mesh's device count), the forward
+saves nothing and the backward runs the forward again, in any jit
+(`_saves_residuals`). Otherwise every split is even, the residuals keep their
+sharding in a jit and across jits, and the backward splits its tokens as they
+are split (`_backward_placement`).
 """
 
 from __future__ import annotations
@@ -179,6 +185,14 @@ def _padding_pairs(mesh, cfg, num_tokens, local_tokens, top_k) -> int:
     token axes (it pads the token dim at its end to ``shards * local_tokens``)."""
     shards = int(np.prod([mesh.shape[a] for a in cfg.token_axes], dtype=np.int64))
     return (shards * local_tokens - num_tokens) * top_k
+
+
+def _saves_residuals(mesh, num_tokens) -> bool:
+    """Whether the forward saves its rows for the backward: when every split of the
+    tokens over the mesh's axes is even (see top). Decided alike by the forward and
+    the backward partitions, in one jit or in two, from the token count and the
+    mesh alone."""
+    return num_tokens % _unmanaged_size(mesh) == 0
 
 
 def _without_padding(mesh, cfg, num_tokens, expert_ids):
@@ -363,15 +377,18 @@ def _forward_saving_partition(cap, backend, recipe, bound, mesh, arg_shapes, res
         T = x.shape[0]
         expert_ids, pad = _without_padding(mesh, cfg, num_tokens, expert_ids)
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
+        path = ep.ExchangePath(cfg, transport, rows=T * r)
+        if not _saves_residuals(mesh, num_tokens):  # they might not survive (see top)
+            if local:
+                y, stats, _ = _local_forward(cfg, operands, save=False)
+            else:
+                y, stats, _ = path.forward(*operands, save=False)
+            return (y, _pack_stats(stats, pad), jax.lax.empty((T, r, x.shape[1]), x.dtype),
+                    jax.lax.empty((T, r, w_gate_up.shape[2]), x.dtype))
         if local:  # the single-device layer's residuals, T*K rows of T*r
             y, stats, (gate_up, x_rows) = _local_forward(cfg, operands, save=True)
             return (y, _pack_stats(stats, pad), _to_residual(x_rows, T, r),
                     _to_residual(gate_up, T, r))
-        path = ep.ExchangePath(cfg, transport, rows=T * r)
-        if pad:  # XLA would cut the last shard's rows (see top): nothing saved
-            y, stats, _ = path.forward(*operands, save=False)
-            return (y, _pack_stats(stats, pad), jax.lax.empty((T, r, x.shape[1]), x.dtype),
-                    jax.lax.empty((T, r, w_gate_up.shape[2]), x.dtype))
         y, stats, res = path.forward(*operands, save=True)
         return (y, _pack_stats(stats, pad), res.x_rows.reshape(T, r, -1),
                 res.gate_up.reshape(T, r, -1))
@@ -397,15 +414,28 @@ def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate
     return paths.backward_one_call(operands, gate_up, x_rows, dy, capacity=cap, recipe=recipe)
 
 
+def _backward_placement(cap, recipe, mesh, arg_shapes):
+    """`_placement` with the tokens split as the forward split them, which the saved
+    rows' sharding records (operand 6, x_rows). Those rows are per-device blocks of
+    the forward's split, meaningless under another: the backward asks for them as
+    they come and for x, dy, ids and weights (token-major, any split is fine) split
+    the same way. (With the forward and backward in separate jits, XLA chose
+    another split of the backward's tokens, and read the blocks as its own.)"""
+    residual = arg_shapes[6]
+    if isinstance(residual.sharding, NamedSharding):
+        arg_shapes = (residual,) + tuple(arg_shapes[1:])  # only x's dim 0 is read
+    return _placement(cap, recipe, mesh, arg_shapes)
+
+
 def _backward_infer(cap, backend, recipe, bound, mesh, arg_shapes, result_shape):
     del backend, bound, result_shape
-    _, split = _placement(cap, recipe, mesh, arg_shapes)
+    _, split = _backward_placement(cap, recipe, mesh, arg_shapes)
     return BACKWARD.shardings(mesh, split)[1]
 
 
 def _backward_partition(cap, backend, recipe, bound, mesh, arg_shapes, result_shape):
     del result_shape
-    cfg, split = _placement(cap, recipe, mesh, arg_shapes)
+    cfg, split = _backward_placement(cap, recipe, mesh, arg_shapes)
     r = _rows_per_token(cfg, bound, arg_shapes[1].shape[1])
     transport = _transport(backend, cfg, mesh, arg_shapes[0])
     local = _runs_local(cfg, cap, backend)
@@ -413,14 +443,18 @@ def _backward_partition(cap, backend, recipe, bound, mesh, arg_shapes, result_sh
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up):
         T = x.shape[0]
-        expert_ids, pad = _without_padding(mesh, cfg, num_tokens, expert_ids)  # as the forward's
+        expert_ids, _ = _without_padding(mesh, cfg, num_tokens, expert_ids)  # as the forward's
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if local:
             K = expert_ids.shape[1]
-            return _local_backward(cfg, operands, gate_up.reshape(T * r, -1)[:T * K],
-                                   x_rows.reshape(T * r, -1)[:T * K], dy)
+            if not _saves_residuals(mesh, num_tokens):  # nothing saved: run it again
+                _, _, (gate_up_rows, x_rows_rows) = _local_forward(cfg, operands, save=True)
+            else:
+                gate_up_rows = gate_up.reshape(T * r, -1)[:T * K]
+                x_rows_rows = x_rows.reshape(T * r, -1)[:T * K]
+            return _local_backward(cfg, operands, gate_up_rows, x_rows_rows, dy)
         path = ep.ExchangePath(cfg, transport, rows=T * r)
-        if pad:  # the forward saved nothing (see top): run it again
+        if not _saves_residuals(mesh, num_tokens):  # nothing saved: run it again
             _, _, res = path.forward(*operands, save=True)
             return path.backward(res, dy)
         p, route = path.routing(expert_ids, w_gate_up.shape[0])  # the plan, again (cheap)

@@ -140,8 +140,10 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
     cap = primitives.NO_CAPACITY if cap is None else cap
     path = _choose_path(backend, axis_name, ep_size, cap, recipe, operands)
     with jax.named_scope("mok_jax"):
-        if axis_name is not None:
-            operands = primitives.vary_alike(operands)
+        # Inside shard_map every operand varies over the same axes (a data-parallel
+        # shard_map without axis_name too): the VJP's weight gradients then sum
+        # over the axes the weights are replicated on. A no-op outside shard_map.
+        operands = primitives.vary_alike(operands)
         y, stats = paths.run(path, *operands)
         if axis_name is not None and ep_size == 1 and isinstance(path, paths.LocalPath):
             # an EP axis of size 1: local stats are global; say so in the type

@@ -340,6 +340,33 @@ def test_a_vjp_across_two_jits_on_an_uneven_split_gives_the_single_device_bits(e
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_data_parallel_shard_map_without_axis_name_differentiates():
+    """shard_map over a data axis, tokens split, experts replicated, no axis_name:
+    the gradient (it was a "manual axis types do not match" error) gives each
+    group's dx and d expert_weights, and weight gradients summed over the groups
+    (JAX's type of a replicated input's gradient), to summation order."""
+    mesh = jax.make_mesh((2,), ("dp",), devices=CPUS[:2])
+    x, ids, w, wgu, wd = problem(jnp.float32, seed=8)
+    half = T // 2
+
+    def body(x, ids, w, wgu, wd):
+        loss = lambda x, w, wgu, wd: jnp.sum(  # noqa: E731
+            mok_jax.moe(x, ids, w, wgu, wd) * cot(x.shape[1]))
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+
+    specs = (P("dp"),) * 3 + (P(), P())
+    g = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
+                              out_specs=(P("dp"), P("dp"), P(), P())))(
+        *(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, ids, w, wgu, wd), specs)))
+    parts = [single_device(x[i * half:(i + 1) * half], ids[i * half:(i + 1) * half],
+                           w[i * half:(i + 1) * half], wgu, wd, None)[2] for i in range(2)]
+    for i, name in enumerate(("dx", "d_expert_weights")):
+        assert_same_bits(g[i], jnp.concatenate([p[i] for p in parts]), name)
+    for i, name in ((2, "d_w_gate_up"), (3, "d_w_down")):
+        np.testing.assert_allclose(g[i], parts[0][i] + parts[1][i], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+
+
 def test_unknown_axis_name_is_an_error():
     x, ids, w, wgu, wd = problem(jnp.float32)
     mesh = jax.make_mesh((2,), ("ep",), devices=CPUS[:2])

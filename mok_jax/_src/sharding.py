@@ -419,8 +419,7 @@ def _backward_placement(cap, recipe, mesh, arg_shapes):
     rows' sharding records (operand 6, x_rows). Those rows are per-device blocks of
     the forward's split, meaningless under another: the backward asks for them as
     they come and for x, dy, ids and weights (token-major, any split is fine) split
-    the same way. (With the forward and backward in separate jits, XLA chose
-    another split of the backward's tokens, and read the blocks as its own.)"""
+    the same way, whatever split XLA proposes for the backward's own operands."""
     residual = arg_shapes[6]
     if isinstance(residual.sharding, NamedSharding):
         arg_shapes = (residual,) + tuple(arg_shapes[1:])  # only x's dim 0 is read

@@ -305,18 +305,21 @@ def test_padded_token_split_keeps_the_ep_residuals(tokens, routing):
     assert int(s.invalid) == int(s1.invalid)
 
 
+@pytest.mark.parametrize("tokens, returned", [(31, "as XLA chooses"), (32, "replicated")])
 @pytest.mark.parametrize("experts", ["replicated", "split"])
-def test_a_vjp_across_two_jits_on_an_uneven_split_gives_the_single_device_bits(experts):
-    """jax.vjp's forward in one jit, its backward in another, 31 tokens split over 4
-    devices: the first jit cannot return the saved rows split unevenly (JAX arrays
-    have no uneven shardings) and gathers them, and the second sees replicated
-    tokens. The gradients are still the single-device call's (weight gradients to
-    summation order where the experts are replicated: a data-parallel sum)."""
+def test_a_vjp_across_two_jits_gives_the_single_device_bits(experts, tokens, returned):
+    """jax.vjp's forward in one jit, its backward in another, the tokens split over 4
+    devices. 31 tokens: the first jit cannot return the saved rows split unevenly
+    (JAX arrays have no uneven shardings) and gathers them, and the second sees
+    replicated tokens. 32 tokens returned replicated (out_shardings): the saved
+    rows arrive gathered. The gradients are still the single-device call's (weight
+    gradients to summation order where the experts are replicated: a data-parallel
+    sum)."""
     mesh = jax.make_mesh((4,), ("ep",), devices=CPUS[:4],
                          axis_types=(jax.sharding.AxisType.Auto,))
-    x, ids, w, wgu, wd = (a[:31] if i < 3 else a
+    x, ids, w, wgu, wd = (a[:tokens] if i < 3 else a
                           for i, a in enumerate(problem(jnp.float32, seed=6)))
-    dy = cot(x.shape[1]) * jnp.ones((31, 1))
+    dy = cot(x.shape[1]) * jnp.ones((tokens, 1))
     layer = lambda ids: lambda x, w, wgu, wd: mok_jax.moe(x, ids, w, wgu, wd)  # noqa: E731
     _, pullback = jax.vjp(layer(ids), x, w, wgu, wd)
     g1 = pullback(dy)
@@ -329,8 +332,9 @@ def test_a_vjp_across_two_jits_on_an_uneven_split_gives_the_single_device_bits(e
         return jax.vjp(layer(ids), x, w, wgu, wd)
 
     args = jax.device_put((x, w, wgu, wd, ids, dy), NamedSharding(mesh, P()))
+    out = NamedSharding(mesh, P()) if returned == "replicated" else None
     with jax.set_mesh(mesh):
-        _, pullback = jax.jit(forward)(*args[:5])
+        _, pullback = jax.jit(forward, out_shardings=out)(*args[:5])
         g = jax.jit(lambda pullback, dy: pullback(dy))(pullback, args[5])
     if experts == "split":
         assert_same_results(g, g1, names=("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"))

@@ -48,7 +48,11 @@ mesh could be uneven (T not a multiple of the mesh's device count), the forward
 saves nothing and the backward runs the forward again, in any jit
 (`_saves_residuals`). Otherwise every split is even, the residuals keep their
 sharding in a jit and across jits, and the backward splits its tokens as they
-are split (`_backward_placement`).
+are split (`_backward_placement`). Saved rows that reach the backward replicated
+(a jit made to return them so) or split otherwise than the tokens are not read:
+the backward runs the forward again. Nothing is saved when the tokens are not
+split at all (every device would hold the same rows, which the backward could not
+tell from gathered blocks).
 """
 
 from __future__ import annotations
@@ -187,12 +191,11 @@ def _padding_pairs(mesh, cfg, num_tokens, local_tokens, top_k) -> int:
     return (shards * local_tokens - num_tokens) * top_k
 
 
-def _saves_residuals(mesh, num_tokens) -> bool:
-    """Whether the forward saves its rows for the backward: when every split of the
-    tokens over the mesh's axes is even (see top). Decided alike by the forward and
-    the backward partitions, in one jit or in two, from the token count and the
-    mesh alone."""
-    return num_tokens % _unmanaged_size(mesh) == 0
+def _saves_residuals(mesh, cfg, num_tokens) -> bool:
+    """Whether the forward saves its rows for the backward: when the tokens are split
+    and every split of them over the mesh's axes is even (see top). Decided alike
+    by the forward and the backward partitions, in one jit or in two."""
+    return bool(cfg.token_axes) and num_tokens % _unmanaged_size(mesh) == 0
 
 
 def _without_padding(mesh, cfg, num_tokens, expert_ids):
@@ -378,7 +381,7 @@ def _forward_saving_partition(cap, backend, recipe, bound, mesh, arg_shapes, res
         expert_ids, pad = _without_padding(mesh, cfg, num_tokens, expert_ids)
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         path = ep.ExchangePath(cfg, transport, rows=T * r)
-        if not _saves_residuals(mesh, num_tokens):  # they might not survive (see top)
+        if not _saves_residuals(mesh, cfg, num_tokens):  # see top
             if local:
                 y, stats, _ = _local_forward(cfg, operands, save=False)
             else:
@@ -436,6 +439,12 @@ def _backward_partition(cap, backend, recipe, bound, mesh, arg_shapes, result_sh
     del result_shape
     cfg, split = _backward_placement(cap, recipe, mesh, arg_shapes)
     r = _rows_per_token(cfg, bound, arg_shapes[1].shape[1])
+    # The saved rows are read where the forward saved them and they come split as
+    # the tokens are (not gathered or split otherwise in between; see top).
+    residual_axes = (mesh_axes(arg_shapes[6].sharding.spec, 0)
+                     if isinstance(arg_shapes[6].sharding, NamedSharding) else None)
+    saved = (_saves_residuals(mesh, cfg, arg_shapes[0].shape[0])
+             and residual_axes == tuple(cfg.token_axes))
     transport = _transport(backend, cfg, mesh, arg_shapes[0])
     local = _runs_local(cfg, cap, backend)
     num_tokens = arg_shapes[0].shape[0]
@@ -446,14 +455,14 @@ def _backward_partition(cap, backend, recipe, bound, mesh, arg_shapes, result_sh
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if local:
             K = expert_ids.shape[1]
-            if not _saves_residuals(mesh, num_tokens):  # nothing saved: run it again
+            if not saved:  # run the forward again
                 _, _, (gate_up_rows, x_rows_rows) = _local_forward(cfg, operands, save=True)
             else:
                 gate_up_rows = gate_up.reshape(T * r, -1)[:T * K]
                 x_rows_rows = x_rows.reshape(T * r, -1)[:T * K]
             return _local_backward(cfg, operands, gate_up_rows, x_rows_rows, dy)
         path = ep.ExchangePath(cfg, transport, rows=T * r)
-        if not _saves_residuals(mesh, num_tokens):  # nothing saved: run it again
+        if not saved:  # run the forward again
             _, _, res = path.forward(*operands, save=True)
             return path.backward(res, dy)
         p, route = path.routing(expert_ids, w_gate_up.shape[0])  # the plan, again (cheap)

@@ -90,6 +90,12 @@ def mesh_axes(spec, dim) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _dim0_axes(sharding) -> tuple[str, ...]:
+    """The mesh axes splitting dim 0 of an operand with this sharding (a
+    partitioner's operand: a NamedSharding, or none of the axes)."""
+    return mesh_axes(sharding.spec, 0) if isinstance(sharding, NamedSharding) else ()
+
+
 def _check_one_expert_axis(expert_axes) -> None:
     """The experts dim may be split over one mesh axis (the EP axis) at most: checked
     at trace time for Explicit axes (`check_layout`), at partition time for Auto."""
@@ -101,8 +107,7 @@ def _check_one_expert_axis(expert_axes) -> None:
 
 def _layout(mesh, x_sharding, w_sharding, num_experts):
     """(token_axes, ep_axis) from the shardings of x and w_gate_up."""
-    token_axes = mesh_axes(x_sharding.spec, 0) if isinstance(x_sharding, NamedSharding) else ()
-    expert_axes = mesh_axes(w_sharding.spec, 0) if isinstance(w_sharding, NamedSharding) else ()
+    token_axes, expert_axes = _dim0_axes(x_sharding), _dim0_axes(w_sharding)
     _check_one_expert_axis(expert_axes)
     ep_axis = expert_axes[0] if expert_axes else None
     if ep_axis is not None and num_experts % mesh.shape[ep_axis]:
@@ -439,15 +444,13 @@ def _backward_partition(cap, backend, recipe, bound, mesh, arg_shapes, result_sh
     del result_shape
     cfg, split = _backward_placement(cap, recipe, mesh, arg_shapes)
     r = _rows_per_token(cfg, bound, arg_shapes[1].shape[1])
-    # The saved rows are read where the forward saved them and they come split as
-    # the tokens are (not gathered or split otherwise in between; see top).
-    residual_axes = (mesh_axes(arg_shapes[6].sharding.spec, 0)
-                     if isinstance(arg_shapes[6].sharding, NamedSharding) else None)
-    saved = (_saves_residuals(mesh, cfg, arg_shapes[0].shape[0])
-             and residual_axes == tuple(cfg.token_axes))
     transport = _transport(backend, cfg, mesh, arg_shapes[0])
     local = _runs_local(cfg, cap, backend)
     num_tokens = arg_shapes[0].shape[0]
+    # The saved rows are read where the forward saved them and they come split as
+    # the tokens are (not gathered or split otherwise in between; see top).
+    saved = (_saves_residuals(mesh, cfg, num_tokens)
+             and _dim0_axes(arg_shapes[6].sharding) == tuple(cfg.token_axes))
 
     def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up):
         T = x.shape[0]

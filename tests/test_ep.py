@@ -140,7 +140,8 @@ def test_partitioned_code_carries_no_mesh_types_under_an_explicit_mesh(which):
     if which == "backward":
         shapes += [jax.ShapeDtypeStruct((T, H), jnp.float32, sharding=tok),
                    jax.ShapeDtypeStruct((T, bound * K, H), jnp.float32, sharding=res),
-                   jax.ShapeDtypeStruct((T, bound * K, 2 * F), jnp.float32, sharding=res)]
+                   jax.ShapeDtypeStruct((T, bound * K, 2 * F), jnp.float32, sharding=res),
+                   jax.ShapeDtypeStruct((T, 2), jnp.int32, sharding=tok)]
     partition = {"forward": mok_jax._src.sharding._forward_partition,
                  "forward_saving": mok_jax._src.sharding._forward_saving_partition,
                  "backward": mok_jax._src.sharding._backward_partition}[which]
@@ -341,6 +342,63 @@ def test_a_vjp_across_two_jits_gives_the_single_device_bits(experts, tokens, ret
     else:
         assert_same_results(g[:2], g1[:2], names=("dx", "d_expert_weights"))
         for name, a, b in zip(("d_w_gate_up", "d_w_down"), g[2:], g1[2:]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("experts, moved_to, outcome", [
+    ("replicated", ("dp",), "nan"),          # the single-device layer reads them
+    ("split", ("ep", "dp"), "nan"),          # EP reads them
+    ("split", ("dp",), "single device"),     # EP needs the tokens over ep: it recomputes
+])
+def test_saved_rows_resharded_between_two_jits_give_nan_not_wrong_gradients(
+        experts, moved_to, outcome):
+    """jax.vjp's forward in one jit with the tokens split over ("dp", "ep"), its
+    backward in another after the saved rows (and x, ids, weights) were moved to
+    another even split. The rows are blocks of the first split, meaningless under
+    another, and where the backward takes the new split as its own nothing static
+    tells it: the gradients are NaN (every valid pair's), never wrong numbers.
+    Where the new split is not one the backward can take, it runs the forward again
+    (the single-device gradients), and unmoved, the pullback gives them too (weight
+    gradients to summation order: "dp" is a data-parallel axis)."""
+    mesh = jax.make_mesh((2, 2), ("dp", "ep"), devices=CPUS[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x, ids, w, wgu, wd = problem(jnp.float32, seed=9)
+    dy = cot(x.shape[1]) * jnp.ones((T, 1))
+    layer = lambda ids: lambda x, w, wgu, wd: mok_jax.moe(x, ids, w, wgu, wd)  # noqa: E731
+    _, pullback = jax.vjp(layer(ids), x, w, wgu, wd)
+    g1 = pullback(dy)
+    first, moved = NamedSharding(mesh, P(("dp", "ep"))), NamedSharding(mesh, P(moved_to))
+
+    def forward(x, w, wgu, wd, ids):
+        x, w, ids = (jax.lax.with_sharding_constraint(a, first) for a in (x, w, ids))
+        if experts == "split":
+            wgu, wd = (jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P("ep")))
+                       for a in (wgu, wd))
+        return jax.vjp(layer(ids), x, w, wgu, wd)
+
+    args = jax.device_put((x, w, wgu, wd, ids, dy), NamedSharding(mesh, P()))
+    backward = jax.jit(lambda pullback, dy: pullback(dy))
+    with jax.set_mesh(mesh):
+        _, pullback = jax.jit(forward)(*args[:5])
+        leaves, tree = jax.tree.flatten(pullback)
+        token_split = [a for a in leaves if getattr(a, "sharding", None) is not None
+                       and a.sharding.is_equivalent_to(first, a.ndim) and a.shape[0] == T]
+        assert len(token_split) >= 5  # x, ids, weights and the saved rows
+        g = backward(jax.tree.unflatten(tree, [
+            jax.device_put(a, moved) if any(a is b for b in token_split) else a
+            for a in leaves]), args[5])
+        g_unmoved = backward(pullback, args[5])
+    names = ("dx", "d_expert_weights", "d_w_gate_up", "d_w_down")
+    results = [g_unmoved] if outcome == "nan" else [g_unmoved, g]
+    if outcome == "nan":
+        valid = np.asarray((ids >= 0) & (ids < E))
+        assert 0 < valid.sum() < valid.size  # the problem has invalid ids (d weight 0)
+        for name, a in zip(names, g):
+            a = np.asarray(a)
+            assert np.isnan(a[valid] if name == "d_expert_weights" else a).all(), name
+    for got in results:  # weight gradients: sums over the data axis, to summation order
+        assert_same_results(got[:2], g1[:2], names=names[:2])
+        for name, a, b in zip(names[2:], got[2:], g1[2:]):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
 
 

@@ -21,11 +21,11 @@ def test_shardy_rules_come_from_the_operand_table():
     """The partitioned functions' rules, spelled out: a change of the table shows here."""
     assert sharding.FORWARD.rule() == "t h, t k, t k, e h g, e f h -> t h, s"
     assert sharding.FORWARD_SAVING.rule() == (
-        "t h, t k, t k, e h g, e f h -> t h, s, t r h, t r g")
+        "t h, t k, t k, e h g, e f h -> t h, s, t r h, t r g, t m")
     assert sharding.BACKWARD.rule() == (
-        "t h, t k, t k, e h g, e f h, t h, t r h, t r g -> t h, t k, e h g, e f h")
+        "t h, t k, t k, e h g, e f h, t h, t r h, t r g, t m -> t h, t k, e h g, e f h")
     assert sharding.FORWARD.replicated_factors({"t", "e"}) == ("h", "k", "g", "f", "s")
-    assert sharding.BACKWARD.replicated_factors({"t", "e"}) == ("h", "k", "g", "f", "r")
+    assert sharding.BACKWARD.replicated_factors({"t", "e"}) == ("h", "k", "g", "f", "r", "m")
 
 
 def test_shardings_split_tokens_and_experts_only():

@@ -52,13 +52,24 @@ are split (`_backward_placement`). Saved rows that reach the backward replicated
 (a jit made to return them so) or split otherwise than the tokens are not read:
 the backward runs the forward again. Nothing is saved when the tokens are not
 split at all (every device would hold the same rows, which the backward could not
-tell from gathered blocks).
+tell from gathered blocks). Saved rows moved between the two jits from one even
+split to another (``jax.device_put`` to a split over fewer devices) come split
+like the tokens, and nothing static tells the backward; so each token also
+carries a mark of the split that saved its rows (`_split_tag`: which split, which
+block), and a device whose tokens' marks are not its own split's makes its dy NaN,
+so the gradients are NaN, not wrong: with EP on every device (a device's rows
+come from every device, so the mismatch is summed over the mesh first); for the
+single-device layer on the devices with foreign rows, whose NaN reaches the
+weight gradients through their sum (the others' dx are right). Running the
+forward again there instead would cost every backward a branch on a device value
+(a host synchronisation on GPUs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +86,8 @@ from mok_jax.recipe import Recipe
 # residual rows per token, each device's [T_local * A * K] rows).
 _Y = Array("y", "t h", "x")
 _PACKED_STATS = Array("stats", "s", "int32")
-_RESIDUALS = (Array("x_rows", "t r h", "x"), Array("gate_up", "t r g", "x"))
+_RESIDUALS = (Array("x_rows", "t r h", "x"), Array("gate_up", "t r g", "x"),
+              Array("split_tag", "t m", "int32"))
 FORWARD = Signature(MOE_OPERANDS, (_Y, _PACKED_STATS))
 FORWARD_SAVING = Signature(MOE_OPERANDS, (_Y, _PACKED_STATS) + _RESIDUALS)
 BACKWARD = Signature(MOE_OPERANDS + (Array("dy", "t h", "x"),) + _RESIDUALS, MOE_GRADIENTS)
@@ -203,6 +215,27 @@ def _saves_residuals(mesh, cfg, num_tokens) -> bool:
     return bool(cfg.token_axes) and num_tokens % _unmanaged_size(mesh) == 0
 
 
+def _split_tag(mesh, cfg, local_tokens):
+    """``[local_tokens, 2]`` int32: this device's mark on its tokens' saved rows, a
+    number of the split (the token and expert axes on this mesh's axes) and the
+    block's index in it. Equal marks: the same split's same block (up to a 2**-31
+    chance that two splits' numbers collide)."""
+    split = repr((tuple(cfg.token_axes), cfg.axis_name,
+                  tuple((a, int(mesh.shape[a])) for a in _unmanaged_axes(mesh))))
+    number = jnp.int32(zlib.crc32(split.encode()) & 0x7FFFFFFF)
+    block = jax.lax.axis_index(cfg.token_axes).astype(jnp.int32)
+    return jnp.broadcast_to(jnp.stack([number, block]), (local_tokens, 2))
+
+
+def _nan_unless_own(mesh, cfg, tag, dy, *, anywhere):
+    """dy, or NaN if this device's tokens carry another split's marks (`_split_tag`;
+    see top), or, `anywhere`, if some device's do."""
+    foreign = jnp.sum(tag != _split_tag(mesh, cfg, tag.shape[0]), dtype=jnp.int32)
+    if anywhere:
+        foreign = jax.lax.psum(foreign, _unmanaged_axes(mesh))
+    return jnp.where(foreign == 0, dy, jnp.asarray(jnp.nan, dy.dtype))
+
+
 def _without_padding(mesh, cfg, num_tokens, expert_ids):
     """``(expert_ids with the padding rows' ids -1, the padding's pairs)``: an uneven
     split of the tokens (30 over 4 devices, or 30 tokens left replicated while the
@@ -230,11 +263,15 @@ def _placement(cap, recipe, mesh, arg_shapes):
     return cfg, dict(zip(_SPLIT_FACTORS, (token_axes or None, ep_axis)))
 
 
+def _unmanaged_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes that are not manual (shard_map) axes."""
+    manual = set(getattr(mesh, "manual_axes", ()))
+    return tuple(a for a in mesh.axis_names if a not in manual)
+
+
 def _unmanaged_size(mesh) -> int:
     """Devices along the mesh axes that are not manual (shard_map) axes."""
-    manual = set(getattr(mesh, "manual_axes", ()))
-    return int(np.prod([size for name, size in zip(mesh.axis_names, mesh.axis_sizes)
-                        if name not in manual], dtype=np.int64))
+    return int(np.prod([mesh.shape[a] for a in _unmanaged_axes(mesh)], dtype=np.int64))
 
 
 def on_a_mesh(operands) -> bool:
@@ -364,7 +401,7 @@ def _forward_saving(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backe
     T, K = expert_ids.shape
     r = bound * K
     return (y, stats, jnp.zeros((T, r, x.shape[1]), x.dtype),
-            jnp.zeros((T, r, w_gate_up.shape[2]), x.dtype))
+            jnp.zeros((T, r, w_gate_up.shape[2]), x.dtype), jnp.zeros((T, 2), jnp.int32))
 
 
 def _forward_saving_infer(cap, backend, recipe, bound, mesh, arg_shapes, result_shape):
@@ -392,14 +429,16 @@ def _forward_saving_partition(cap, backend, recipe, bound, mesh, arg_shapes, res
             else:
                 y, stats, _ = path.forward(*operands, save=False)
             return (y, _pack_stats(stats, pad), jax.lax.empty((T, r, x.shape[1]), x.dtype),
-                    jax.lax.empty((T, r, w_gate_up.shape[2]), x.dtype))
+                    jax.lax.empty((T, r, w_gate_up.shape[2]), x.dtype),
+                    jnp.zeros((T, 2), jnp.int32))
+        tag = _split_tag(mesh, cfg, T)
         if local:  # the single-device layer's residuals, T*K rows of T*r
             y, stats, (gate_up, x_rows) = _local_forward(cfg, operands, save=True)
             return (y, _pack_stats(stats, pad), _to_residual(x_rows, T, r),
-                    _to_residual(gate_up, T, r))
+                    _to_residual(gate_up, T, r), tag)
         y, stats, res = path.forward(*operands, save=True)
         return (y, _pack_stats(stats, pad), res.x_rows.reshape(T, r, -1),
-                res.gate_up.reshape(T, r, -1))
+                res.gate_up.reshape(T, r, -1), tag)
 
     operand_shardings, result_shardings = FORWARD_SAVING.shardings(mesh, split)
     return mesh, per_device(lower_fn), result_shardings, operand_shardings
@@ -412,10 +451,10 @@ _forward_saving.def_partition(
     need_replication_factors=FORWARD_SAVING.replicated_factors(_SPLIT_FACTORS))
 
 
-@functools.partial(custom_partitioning, static_argnums=(8, 9, 10, 11))
-def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up, cap,
-              backend, recipe, bound):
-    del backend, bound, x_rows, gate_up
+@functools.partial(custom_partitioning, static_argnums=(9, 10, 11, 12))
+def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up,
+              split_tag, cap, backend, recipe, bound):
+    del backend, bound, x_rows, gate_up, split_tag
     operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
     _, gate_up, x_rows, _ = paths.forward_one_call(operands, capacity=cap, recipe=recipe,
                                                    save=True)
@@ -452,10 +491,13 @@ def _backward_partition(cap, backend, recipe, bound, mesh, arg_shapes, result_sh
     saved = (_saves_residuals(mesh, cfg, num_tokens)
              and _dim0_axes(arg_shapes[6].sharding) == tuple(cfg.token_axes))
 
-    def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up):
+    def lower_fn(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up,
+                 split_tag):
         T = x.shape[0]
         expert_ids, _ = _without_padding(mesh, cfg, num_tokens, expert_ids)  # as the forward's
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
+        if saved:
+            dy = _nan_unless_own(mesh, cfg, split_tag, dy, anywhere=not local)
         if local:
             K = expert_ids.shape[1]
             if not saved:  # run the forward again
@@ -500,14 +542,15 @@ class PartitionedPath:
         if not save:
             y, packed = _forward(*operands, self.capacity, self.backend, self.recipe)
             return y, (packed[:-2], packed[-2], packed[-1]), operands
-        y, packed, x_rows, gate_up = _forward_saving(*operands, self.capacity, self.backend,
-                                                     self.recipe, self.ep_bound)
-        return y, (packed[:-2], packed[-2], packed[-1]), (operands, x_rows, gate_up)
+        y, packed, *saved = _forward_saving(*operands, self.capacity, self.backend,
+                                            self.recipe, self.ep_bound)
+        return y, (packed[:-2], packed[-2], packed[-1]), (operands, *saved)
 
     def backward(self, residuals, dy):
-        operands, x_rows, gate_up = residuals
+        operands, x_rows, gate_up, split_tag = residuals
         return tuple(_backward(*operands, dy.astype(operands[0].dtype), x_rows, gate_up,
-                               self.capacity, self.backend, self.recipe, self.ep_bound))
+                               split_tag, self.capacity, self.backend, self.recipe,
+                               self.ep_bound))
 
 
 def ep_bound(operands) -> int:
@@ -526,6 +569,4 @@ def ep_bound(operands) -> int:
     explicit = all(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()))
     if explicit:
         return 1  # the types say the experts are not split
-    manual = set(getattr(mesh, "manual_axes", ()))
-    return max(size for name, size in zip(mesh.axis_names, mesh.axis_sizes)
-               if name not in manual)
+    return max(mesh.shape[a] for a in _unmanaged_axes(mesh))

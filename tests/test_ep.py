@@ -429,6 +429,28 @@ def test_data_parallel_shard_map_without_axis_name_differentiates():
                                    err_msg=name)
 
 
+def test_shard_map_manual_over_the_ep_axis_only_is_bitwise_equal_to_one_device():
+    """shard_map manual over "ep" alone on a (dp, ep) mesh, dp left to XLA: the
+    routing plan's prefix sums once went through jnp.searchsorted, which failed to
+    trace there (an AssertionError inside JAX). y and every gradient are the
+    single-device call's bits (each expert's rows on one device, in global order)."""
+    mesh = jax.make_mesh((2, 2), ("dp", "ep"), devices=CPUS[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x, ids, w, wgu, wd = problem(jnp.float32, seed=10)
+    y1, _, g1 = single_device(x, ids, w, wgu, wd, None)
+    layer = jax.shard_map(lambda *a: mok_jax.moe(*a, axis_name="ep"), mesh=mesh,
+                          in_specs=(P("ep"),) * 5, out_specs=P("ep"), axis_names={"ep"})
+    x, ids, w, wgu, wd = jax.device_put((x, ids, w, wgu, wd), NamedSharding(mesh, P()))
+
+    def loss(x, w, wgu, wd):
+        y = layer(x, ids, w, wgu, wd)
+        return jnp.sum(y * cot(H)), y
+
+    (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        x, w, wgu, wd)
+    assert_same_results((y, *g), (y1, *g1))
+
+
 def test_unknown_axis_name_is_an_error():
     x, ids, w, wgu, wd = problem(jnp.float32)
     mesh = jax.make_mesh((2,), ("ep",), devices=CPUS[:2])

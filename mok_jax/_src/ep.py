@@ -109,7 +109,11 @@ def plan(expert_ids, cfg: Config, experts_local: int) -> Plan:
     valid = (flat >= 0) & (flat < E)
     key = jnp.where(valid, flat, E)
     order = jnp.argsort(key, stable=True)                       # by expert, then global order
-    seg_start = jnp.searchsorted(key[order], jnp.arange(E + 1, dtype=key.dtype), side="left")
+    # seg_start[e]: pairs of experts below e (invalid pairs count as expert E), as a
+    # prefix sum of a histogram (jnp.searchsorted of the sorted keys gives the same,
+    # but fails to trace inside a shard_map manual over some mesh axes only).
+    hist = jnp.zeros(E + 1, _I32).at[key].add(1)
+    seg_start = jnp.cumsum(hist) - hist
     pos_sorted = jnp.arange(n, dtype=_I32) - seg_start[key[order]].astype(_I32)
     pos = jnp.zeros(n, _I32).at[order].set(pos_sorted)          # rank within its expert
     kept = valid if cfg.capacity < 0 else valid & (pos < cfg.capacity)

@@ -110,8 +110,12 @@ class XlaTransport:
         cum = _exclusive_cumsum(mine, axis=1)
         total = mine.sum(axis=1)
         j = jnp.arange(C, dtype=_I32)
-        local = jax.vmap(lambda c: jnp.searchsorted(c, j, side="right") - 1)(cum)
-        local = jnp.clip(local, 0, experts_local - 1)
+        # local[s, j] = #{l >= 1: cum[s, l] <= j} (cum[s, 0] = 0): a prefix sum of marks
+        # at each cum[s, l] (not jnp.searchsorted, which fails to trace inside a
+        # shard_map manual over some mesh axes only).
+        starts = jnp.zeros((P, C + 1), _I32).at[
+            jnp.arange(P)[:, None], cum[:, 1:]].add(1)
+        local = jnp.clip(jnp.cumsum(starts, axis=1)[:, :C], 0, experts_local - 1)
         s = jnp.arange(P)[:, None]
         row = group_begin[local] + before[s, local] + j[None, :] - cum[s, local]
         recv_row = jnp.where(j[None, :] < total[:, None], row, rows).reshape(-1)

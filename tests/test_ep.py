@@ -346,9 +346,11 @@ def test_a_vjp_across_two_jits_gives_the_single_device_bits(experts, tokens, ret
 
 
 @pytest.mark.parametrize("experts, moved_to, outcome", [
-    ("replicated", ("dp",), "nan"),          # the single-device layer reads them
-    ("split", ("ep", "dp"), "nan"),          # EP reads them
-    ("split", ("dp",), "single device"),     # EP needs the tokens over ep: it recomputes
+    ("replicated", ("dp",), "nan"),               # the single-device layer reads them
+    ("split", ("ep", "dp"), "nan"),               # EP reads them
+    ("split", ("dp",), "single device"),          # EP needs the tokens over ep: it recomputes
+    ("replicated", "renamed axes", "single device"),  # the same blocks, other axis names
+    ("split", "renamed axes", "single device"),
 ])
 def test_saved_rows_resharded_between_two_jits_give_nan_not_wrong_gradients(
         experts, moved_to, outcome):
@@ -358,8 +360,10 @@ def test_saved_rows_resharded_between_two_jits_give_nan_not_wrong_gradients(
     another, and where the backward takes the new split as its own nothing static
     tells it: the gradients are NaN (every valid pair's), never wrong numbers.
     Where the new split is not one the backward can take, it runs the forward again
-    (the single-device gradients), and unmoved, the pullback gives them too (weight
-    gradients to summation order: "dp" is a data-parallel axis)."""
+    (the single-device gradients); moved to a mesh of the same devices whose axes
+    have other names, the blocks are the same and are read; unmoved, the pullback
+    gives the single-device gradients too (weight gradients to summation order: "dp"
+    is a data-parallel axis)."""
     mesh = jax.make_mesh((2, 2), ("dp", "ep"), devices=CPUS[:4],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     x, ids, w, wgu, wd = problem(jnp.float32, seed=9)
@@ -367,7 +371,7 @@ def test_saved_rows_resharded_between_two_jits_give_nan_not_wrong_gradients(
     layer = lambda ids: lambda x, w, wgu, wd: mok_jax.moe(x, ids, w, wgu, wd)  # noqa: E731
     _, pullback = jax.vjp(layer(ids), x, w, wgu, wd)
     g1 = pullback(dy)
-    first, moved = NamedSharding(mesh, P(("dp", "ep"))), NamedSharding(mesh, P(moved_to))
+    first = NamedSharding(mesh, P(("dp", "ep")))
 
     def forward(x, w, wgu, wd, ids):
         x, w, ids = (jax.lax.with_sharding_constraint(a, first) for a in (x, w, ids))
@@ -380,14 +384,27 @@ def test_saved_rows_resharded_between_two_jits_give_nan_not_wrong_gradients(
     backward = jax.jit(lambda pullback, dy: pullback(dy))
     with jax.set_mesh(mesh):
         _, pullback = jax.jit(forward)(*args[:5])
-        leaves, tree = jax.tree.flatten(pullback)
+        g_unmoved = backward(pullback, args[5])
+    leaves, tree = jax.tree.flatten(pullback)
+    if moved_to == "renamed axes":
+        backward_mesh = jax.sharding.Mesh(mesh.devices, ("a", "b"), axis_types=mesh.axis_types)
+        name = {"dp": "a", "ep": "b"}
+        rename = lambda e: (e if e is None else name[e] if isinstance(e, str)  # noqa: E731
+                            else tuple(name[n] for n in e))
+        moved = [jax.device_put(a, NamedSharding(backward_mesh, P(*map(rename, a.sharding.spec))))
+                 if isinstance(getattr(a, "sharding", None), NamedSharding) else a
+                 for a in leaves]
+    else:
+        backward_mesh = mesh
         token_split = [a for a in leaves if getattr(a, "sharding", None) is not None
                        and a.sharding.is_equivalent_to(first, a.ndim) and a.shape[0] == T]
         assert len(token_split) >= 5  # x, ids, weights and the saved rows
-        g = backward(jax.tree.unflatten(tree, [
-            jax.device_put(a, moved) if any(a is b for b in token_split) else a
-            for a in leaves]), args[5])
-        g_unmoved = backward(pullback, args[5])
+        to = NamedSharding(mesh, P(moved_to))
+        moved = [jax.device_put(a, to) if any(a is b for b in token_split) else a
+                 for a in leaves]
+    with jax.set_mesh(backward_mesh):
+        g = backward(jax.tree.unflatten(tree, moved),
+                     jax.device_put(dy, NamedSharding(backward_mesh, P())))
     names = ("dx", "d_expert_weights", "d_w_gate_up", "d_w_down")
     results = [g_unmoved] if outcome == "nan" else [g_unmoved, g]
     if outcome == "nan":
@@ -400,33 +417,6 @@ def test_saved_rows_resharded_between_two_jits_give_nan_not_wrong_gradients(
         assert_same_results(got[:2], g1[:2], names=names[:2])
         for name, a, b in zip(names[2:], got[2:], g1[2:]):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
-
-
-def test_data_parallel_shard_map_without_axis_name_differentiates():
-    """shard_map over a data axis, tokens split, experts replicated, no axis_name:
-    the gradient (it was a "manual axis types do not match" error) gives each
-    group's dx and d expert_weights, and weight gradients summed over the groups
-    (JAX's type of a replicated input's gradient), to summation order."""
-    mesh = jax.make_mesh((2,), ("dp",), devices=CPUS[:2])
-    x, ids, w, wgu, wd = problem(jnp.float32, seed=8)
-    half = T // 2
-
-    def body(x, ids, w, wgu, wd):
-        loss = lambda x, w, wgu, wd: jnp.sum(  # noqa: E731
-            mok_jax.moe(x, ids, w, wgu, wd) * cot(x.shape[1]))
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
-
-    specs = (P("dp"),) * 3 + (P(), P())
-    g = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
-                              out_specs=(P("dp"), P("dp"), P(), P())))(
-        *(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, ids, w, wgu, wd), specs)))
-    parts = [single_device(x[i * half:(i + 1) * half], ids[i * half:(i + 1) * half],
-                           w[i * half:(i + 1) * half], wgu, wd, None)[2] for i in range(2)]
-    for i, name in enumerate(("dx", "d_expert_weights")):
-        assert_same_bits(g[i], jnp.concatenate([p[i] for p in parts]), name)
-    for i, name in ((2, "d_w_gate_up"), (3, "d_w_down")):
-        np.testing.assert_allclose(g[i], parts[0][i] + parts[1][i], rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
 
 
 def test_shard_map_manual_over_the_ep_axis_only_is_bitwise_equal_to_one_device():

@@ -55,8 +55,8 @@ split at all (every device would hold the same rows, which the backward could no
 tell from gathered blocks). Saved rows moved between the two jits from one even
 split to another (``jax.device_put`` to a split over fewer devices) come split
 like the tokens, and nothing static tells the backward; so each token also
-carries a mark of the split that saved its rows (`_split_tag`: which split, which
-block), and a device whose tokens' marks are not its own split's makes its dy NaN,
+carries a mark of what its block holds (`_split_tag`: the layout, not the axes'
+names, and the block's index), and a device whose tokens' marks are not its own split's makes its dy NaN,
 so the gradients are NaN, not wrong: with EP on every device (a device's rows
 come from every device, so the mismatch is summed over the mesh first); for the
 single-device layer on the devices with foreign rows, whose NaN reaches the
@@ -217,12 +217,19 @@ def _saves_residuals(mesh, cfg, num_tokens) -> bool:
 
 def _split_tag(mesh, cfg, local_tokens):
     """``[local_tokens, 2]`` int32: this device's mark on its tokens' saved rows, a
-    number of the split (the token and expert axes on this mesh's axes) and the
-    block's index in it. Equal marks: the same split's same block (up to a 2**-31
-    chance that two splits' numbers collide)."""
-    split = repr((tuple(cfg.token_axes), cfg.axis_name,
-                  tuple((a, int(mesh.shape[a])) for a in _unmanaged_axes(mesh))))
-    number = jnp.int32(zlib.crc32(split.encode()) & 0x7FFFFFFF)
+    number of what their blocks hold and the block's index. The single-device
+    layer's block i holds the rows of the i-th of n token blocks, whatever the axes
+    (n alone); an EP block also depends on the token axes' sizes in order and on
+    where the EP axis is among them (its exchange group and its experts), not on
+    the axes' names. Equal marks: blocks that hold the same rows (up to a 2**-31
+    chance that two numbers collide)."""
+    sizes = tuple(int(mesh.shape[a]) for a in cfg.token_axes)
+    if cfg.axis_name is None:
+        what = ("one device", int(np.prod(sizes, dtype=np.int64)))
+    else:
+        place = cfg.token_axes.index(cfg.axis_name) if cfg.axis_name in cfg.token_axes else -1
+        what = ("ep", sizes, place, int(cfg.ep_size))
+    number = jnp.int32(zlib.crc32(repr(what).encode()) & 0x7FFFFFFF)
     block = jax.lax.axis_index(cfg.token_axes).astype(jnp.int32)
     return jnp.broadcast_to(jnp.stack([number, block]), (local_tokens, 2))
 

@@ -10,7 +10,10 @@ expert with every row, sizes off the tiles) and checks that every task appears
 once, waits for what its data needs, and that the tasks before it meet the wait;
 then over 153 routings split in P = 2, 4, 8 EP ranks on one launch (each rank its
 own list, the combine waiting for every rank's dgrad1 tasks), run in turn, that
-every task belongs to its rank and the lists end without a deadlock.
+every task belongs to its rank and the lists end without a deadlock. Over the same
+routings (some with experts of up to 40 row blocks, five bands), the forward's GEMM
+task order (ffi/kernels/band_order.h) gives every (column tile, row block) of each
+rank's experts once, each expert's tasks within the expert's numbers.
 """
 
 import os

@@ -7,6 +7,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "band_order.h"
 #include "cuda_check.h"
 #include "device_info.h"
 #include "cutlass/fast_math.h"
@@ -232,10 +233,12 @@ __device__ void produce(const Params& p, const Windows& win, Control<BM>& ctl, c
                                  : claim_task(ptid, ctl, list.ticket, claim);
     Task task{};
     if (t < list.gemm1) {
-      task = {Kind::kGemm1, int32_t(t % list.n1), int64_t(list.block0) + t / list.n1, {}};
+      task.kind = Kind::kGemm1;
+      band_order(block_begin, p.experts, list.block0, t, list.n1, &task.tile, &task.block);
     } else if (t < list.gemm12) {
-      const uint32_t i = t - list.gemm1;
-      task = {Kind::kGemm2, int32_t(i % list.n2), int64_t(list.block0) + i / list.n2, {}};
+      task.kind = Kind::kGemm2;
+      band_order(block_begin, p.experts, list.block0, t - list.gemm1, list.n2, &task.tile,
+                 &task.block);
     } else if (t < list.total) {
       task = {Kind::kCombine, int32_t(t - list.gemm12), 0, {}};  // the consumers wait
     } else {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "band_order.h"
 #include "mok/bf16.h"  // MOK_HOST_DEVICE
 
 namespace mok::cuda::backward_tasks {
@@ -42,13 +43,14 @@ MOK_HOST_DEVICE constexpr uint32_t tiles_of(int64_t n, int tile) {
 // on one launch) holds experts [e0, e1) = [o E/P, (o+1) E/P), their row blocks
 // [block_begin[e0], block_begin[e1]), and tokens [o T/P, (o+1) T/P); P = 1 is the
 // one-device backward (every expert, block and token).
-//   dgrad2 (row block x F tile of 256): dh = dy rows @ W_down^T, K = H, f32 to scratch;
+//   dgrad2 (row block x F tile of 256): dh = dy rows @ W_down^T, K = H, f32 to scratch
+//     (each expert's tasks in bands of row blocks, `band_order`);
 //   SwiGLU's backward (row block): after the block's dgrad2 tiles, wh, d gate_up and
 //     d expert_weights for its rows (the chain's swiglu_backward, row by row);
 //   then expert by expert (so that dgrad1's weight reads and the weight gradients'
 //   writes run side by side), the expert's
 //     dgrad1 tasks (row block x H tile of 256): dx rows = d gate_up @ W_gate_up^T,
-//       K = 2F;
+//       K = 2F (in bands of row blocks);
 //     weight gradients (64-row M tile, its 256-column N tiles one after another),
 //       dW_down's then dW_gate_up's: dW_down = wh^T dy rows, dW_gate_up = x rows^T
 //       d gate_up, over the expert's rows in ascending 64-row K blocks;
@@ -110,7 +112,9 @@ struct TaskList {
   // combine tasks within the rank.
   MOK_HOST_DEVICE TaskId at(uint32_t t, const int32_t* block_begin) const {
     if (t < dgrad2_end) {
-      return {Kind::kDgrad2, int32_t(t % nf), 0, int64_t(block0 + t / nf), Counter::kNone, 0, 0};
+      TaskId id{Kind::kDgrad2, 0, 0, 0, Counter::kNone, 0, 0};
+      band_order(block_begin + e0, e1 - e0, block0, t, nf, &id.tile, &id.block);
+      return id;
     }
     if (t < swiglu_end) {
       const int64_t b = block0 + (t - dgrad2_end);
@@ -122,8 +126,10 @@ struct TaskList {
       const uint32_t blocks_e = static_cast<uint32_t>(block_begin[e + 1] - block_begin[e]);
       uint32_t j = i - group_begin(block_begin, e);
       if (j < blocks_e * nh) {
-        const int64_t b = block_begin[e] + j / nh;
-        return {Kind::kDgrad1, int32_t(j % nh), 0, b, Counter::kBlockReady, b, nf + 1};
+        TaskId id{Kind::kDgrad1, 0, 0, 0, Counter::kBlockReady, 0, nf + 1};
+        band_order(block_begin + e, 1, block_begin[e], j, nh, &id.tile, &id.block);
+        id.wait_index = id.block;
+        return id;
       }
       j -= blocks_e * nh;
       const bool down = j < mf;

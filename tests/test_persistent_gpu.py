@@ -143,6 +143,23 @@ def test_wide_tiles_at_the_block_edges(persistent):
     np.testing.assert_array_equal(stats.tokens_per_expert, counts)
 
 
+def test_experts_past_one_band(persistent):
+    """Experts of many row blocks: their GEMM tasks go in bands of 8 blocks, column
+    tile by column tile (ffi/kernels/band_order.h). Experts of 2304, 1153, 0 and 130
+    rows: 18, 10, 0 and 2 blocks of 128 in the forward (two whole bands and a part),
+    36, 19, 0 and 3 blocks of 64 in the backward; several column tiles in every
+    GEMM (H 264, F 520). The chain's bits, forward and backward."""
+    counts = (2304, 1153, 0, 130)
+    T = sum(counts)
+    x, _, _, wgu, wd = _problem(T, 1, len(counts), 264, 520, seed=14)
+    ids = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    ids = jnp.asarray(np.random.default_rng(14).permutation(ids)[:, None])
+    w = jax.random.uniform(jax.random.key(14), (T, 1), minval=0.5, maxval=1.5)
+    assert _mok.persistent_tile_rows(T, 1, len(counts), 264, 520) == 128
+    _, stats = _check(persistent, (x, ids, w, wgu, wd))
+    np.testing.assert_array_equal(stats.tokens_per_expert, counts)
+
+
 @pytest.mark.parametrize("experts,tile_rows", [(2, 128), (32, 64)])
 def test_special_values_round_as_in_the_chain(persistent, experts, tile_rows):
     """The persistent epilogues round h, g, u and the expert-output rows with the

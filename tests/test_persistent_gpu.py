@@ -128,19 +128,24 @@ def test_persistent_forward_gives_the_chain_bits(persistent, shape, skew):
     assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
 
 
+def _check_expert_rows(persistent, counts, H, F, seed):
+    """_check with top-1 routing that gives expert e counts[e] rows (in a random
+    token order), on 128-row tiles; and the routed counts."""
+    T = sum(counts)
+    x, _, _, wgu, wd = _problem(T, 1, len(counts), H, F, seed=seed)
+    ids = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    ids = jnp.asarray(np.random.default_rng(seed).permutation(ids)[:, None])
+    w = jax.random.uniform(jax.random.key(seed), (T, 1), minval=0.5, maxval=1.5)
+    assert _mok.persistent_tile_rows(T, 1, len(counts), H, F) == 128
+    _, stats = _check(persistent, (x, ids, w, wgu, wd))
+    np.testing.assert_array_equal(stats.tokens_per_expert, counts)
+
+
 def test_wide_tiles_at_the_block_edges(persistent):
     """128-row tiles with experts of exactly one block (128 rows), one row past it
     (129: a second block of one row, its epilogue's warp groups one partial and one
     empty), two whole blocks (256) and 385 rows (three blocks and one row)."""
-    counts = (128, 129, 256, 385)
-    T = sum(counts)
-    x, _, _, wgu, wd = _problem(T, 1, len(counts), 136, 200, seed=13)
-    ids = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
-    ids = jnp.asarray(np.random.default_rng(13).permutation(ids)[:, None])
-    w = jax.random.uniform(jax.random.key(13), (T, 1), minval=0.5, maxval=1.5)
-    assert _mok.persistent_tile_rows(T, 1, len(counts), 136, 200) == 128
-    _, stats = _check(persistent, (x, ids, w, wgu, wd))
-    np.testing.assert_array_equal(stats.tokens_per_expert, counts)
+    _check_expert_rows(persistent, (128, 129, 256, 385), 136, 200, seed=13)
 
 
 def test_experts_past_one_band(persistent):
@@ -149,15 +154,7 @@ def test_experts_past_one_band(persistent):
     rows: 18, 10, 0 and 2 blocks of 128 in the forward (two whole bands and a part),
     36, 19, 0 and 3 blocks of 64 in the backward; several column tiles in every
     GEMM (H 264, F 520). The chain's bits, forward and backward."""
-    counts = (2304, 1153, 0, 130)
-    T = sum(counts)
-    x, _, _, wgu, wd = _problem(T, 1, len(counts), 264, 520, seed=14)
-    ids = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
-    ids = jnp.asarray(np.random.default_rng(14).permutation(ids)[:, None])
-    w = jax.random.uniform(jax.random.key(14), (T, 1), minval=0.5, maxval=1.5)
-    assert _mok.persistent_tile_rows(T, 1, len(counts), 264, 520) == 128
-    _, stats = _check(persistent, (x, ids, w, wgu, wd))
-    np.testing.assert_array_equal(stats.tokens_per_expert, counts)
+    _check_expert_rows(persistent, (2304, 1153, 0, 130), 264, 520, seed=14)
 
 
 @pytest.mark.parametrize("experts,tile_rows", [(2, 128), (32, 64)])

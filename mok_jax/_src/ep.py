@@ -34,7 +34,7 @@ import numpy as np
 from mok_jax import comm
 from mok_jax._src import ext, paths, primitives
 from mok_jax.recipe import Recipe
-from mok_jax._src.transport import TRANSPORTS, Transport
+from mok_jax._src.transport import TRANSPORTS, Transport, exclusive_cumsum
 
 _I32 = jnp.int32
 
@@ -113,11 +113,11 @@ def plan(expert_ids, cfg: Config, experts_local: int) -> Plan:
     # prefix sum of a histogram (jnp.searchsorted of the sorted keys gives the same,
     # but fails to trace inside a shard_map manual over some mesh axes only).
     hist = jnp.zeros(E + 1, _I32).at[key].add(1)
-    seg_start = jnp.cumsum(hist) - hist
-    pos_sorted = jnp.arange(n, dtype=_I32) - seg_start[key[order]].astype(_I32)
+    seg_start = exclusive_cumsum(hist)
+    pos_sorted = jnp.arange(n, dtype=_I32) - seg_start[key[order]]
     pos = jnp.zeros(n, _I32).at[order].set(pos_sorted)          # rank within its expert
     kept = valid if cfg.capacity < 0 else valid & (pos < cfg.capacity)
-    routed = (seg_start[1:] - seg_start[:-1]).astype(_I32)      # [E] valid pairs
+    routed = hist[:E]                                           # [E] valid pairs
 
     src = jnp.arange(n, dtype=_I32) // C
     cell = jnp.where(kept, src * E + flat, G * E)

@@ -67,7 +67,8 @@ class XlaRoute(NamedTuple):
     recv_row: jax.Array    # [P*C] expert row of each received slot (R: none)
 
 
-def _exclusive_cumsum(a, axis=-1):
+def exclusive_cumsum(a, axis=-1):
+    """Prefix sums of `a` along `axis`, each without its own element."""
     return jnp.cumsum(a, axis=axis) - a
 
 
@@ -95,7 +96,7 @@ class XlaTransport:
         my_key = jnp.where(my_kept, plan.my_ids, P * experts_local)
         my_order = jnp.argsort(my_key, stable=True)
         my_rank = jnp.zeros(C, _I32).at[my_order].set(jnp.arange(C, dtype=_I32))
-        first_of_expert = _exclusive_cumsum(plan.counts[plan.me])   # [E] in my order
+        first_of_expert = exclusive_cumsum(plan.counts[plan.me])   # [E] in my order
         dest = jnp.where(my_kept, plan.my_ids // experts_local, P)
         first_of_dest = first_of_expert[jnp.clip(dest, 0, P - 1) * experts_local]
         slot = jnp.where(my_kept, my_rank - first_of_dest, 0)
@@ -105,9 +106,9 @@ class XlaTransport:
         # cum[s, l] <= j < cum[s, l + 1]; rows of l are ordered by source rank.
         mine = jax.lax.dynamic_slice_in_dim(plan.counts, plan.me * experts_local,
                                             experts_local, axis=1)  # [P, E_local]
-        group_begin = _exclusive_cumsum(plan.group_sizes)           # = mine.sum(axis=0)
-        before = _exclusive_cumsum(mine, axis=0)
-        cum = _exclusive_cumsum(mine, axis=1)
+        group_begin = exclusive_cumsum(plan.group_sizes)           # = mine.sum(axis=0)
+        before = exclusive_cumsum(mine, axis=0)
+        cum = exclusive_cumsum(mine, axis=1)
         total = mine.sum(axis=1)
         j = jnp.arange(C, dtype=_I32)
         # local[s, j] = #{l >= 1: cum[s, l] <= j} (cum[s, 0] = 0): a prefix sum of marks

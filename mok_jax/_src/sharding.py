@@ -56,13 +56,13 @@ tell from gathered blocks). Saved rows moved between the two jits from one even
 split to another (``jax.device_put`` to a split over fewer devices) come split
 like the tokens, and nothing static tells the backward; so each token also
 carries a mark of what its block holds (`_split_tag`: the layout, not the axes'
-names, and the block's index), and a device whose tokens' marks are not its own split's makes its dy NaN,
-so the gradients are NaN, not wrong: with EP on every device (a device's rows
-come from every device, so the mismatch is summed over the mesh first); for the
-single-device layer on the devices with foreign rows, whose NaN reaches the
-weight gradients through their sum (the others' dx are right). Running the
-forward again there instead would cost every backward a branch on a device value
-(a host synchronisation on GPUs).
+names, and the block's index), and a device whose tokens' marks are not its own
+split's makes its dy NaN, so the gradients are NaN, not wrong: with EP on every
+device (a device's rows come from every device, so the mismatch is summed over
+the mesh first); for the single-device layer on the devices with foreign rows,
+whose NaN reaches the weight gradients through their sum (the others' dx are
+right). Running the forward again there instead would cost every backward a
+branch on a device value (a host synchronisation on GPUs).
 """
 
 from __future__ import annotations

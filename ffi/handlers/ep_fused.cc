@@ -70,6 +70,12 @@ ffi::Error copy_async(const char* op, void* dst, const void* src, size_t bytes,
   return ffi_checks::launcher_result(op, std::string("cudaMemcpyAsync: ") + cudaGetErrorString(e));
 }
 
+// Pairs are numbered owner * T * K + pair in int32 over the exchange group.
+ffi::Error pairs_fit(const char* op, const comm::RankView& v, int64_t T, int64_t K) {
+  if (int64_t(v.nranks) * T * K <= INT32_MAX) return ffi::Error::Success();
+  return invalid(op, "P * T * K must be below 2^31 (pairs of the exchange group)");
+}
+
 ffi::Error window_fits(const char* op, const comm::RankView& v, const comm::WindowLayout& l) {
   if (l.total <= v.window_bytes) return ffi::Error::Success();
   return invalid(op, "this call needs a " + std::to_string(l.total) +
@@ -115,9 +121,7 @@ ffi::Error EpDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer values
   MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(
       op, lookup.find(handle, static_cast<uint64_t>(fingerprint), device)));
   const comm::RankView& v = lookup.view();
-  // Pairs are numbered owner * T * K + pair in int32 over the exchange group.
-  if (int64_t(v.nranks) * T * K > INT32_MAX)
-    return invalid(op, "P * T * K must be below 2^31 (pairs of the exchange group)");
+  MOK_RETURN_IF_ERROR(pairs_fit(op, v, T, K));
   if (N != static_cast<int64_t>(v.nranks) * T)
     return invalid(op, std::to_string(N) + " pull entries for " + std::to_string(v.nranks) +
                            " ranks of " + std::to_string(T) + " tokens");
@@ -200,9 +204,7 @@ ffi::Error EpCombine(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t
   MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(
       op, lookup.find(handle, static_cast<uint64_t>(fingerprint), device)));
   const comm::RankView& v = lookup.view();
-  // Pairs are numbered owner * T * K + pair in int32 over the exchange group.
-  if (int64_t(v.nranks) * T * K > INT32_MAX)
-    return invalid(op, "P * T * K must be below 2^31 (pairs of the exchange group)");
+  MOK_RETURN_IF_ERROR(pairs_fit(op, v, T, K));
   const comm::WindowLayout layout = comm::window_layout(T, K, row_bytes, 4);
   MOK_RETURN_IF_ERROR(window_fits(op, v, layout));
   const uint32_t sig =

@@ -73,11 +73,35 @@ auto make_tma_store(Elem* d, int64_t M, int64_t N, int64_t E) {
 }
 using TmaStore = decltype(make_tma_store(nullptr, 0, 0, 0));
 
+// Rows [R, C] (C contiguous: wh, the dy rows, the x rows, d gate_up) as the weight
+// gradients' TMA loads see them, (C, R): a K block is 64 rows of 64 columns (the A
+// tile, M-major) or 256 (the B tile, N-major), from any first row.
+template <class Ptr>
+CUTE_HOST_DEVICE auto rows_view(Ptr rows, int64_t C, int64_t R) {
+  return make_tensor(rows, make_layout(make_shape(C, R), make_stride(Int<1>{}, C)));
+}
+using TileAM = Shape<Int<kBlockRows>, Int<kBlockK>>;
+using TileBN = Shape<Int<kStageCols>, Int<kBlockK>>;
+auto make_tma_rows_a(const Elem* rows, int64_t C, int64_t R) {
+  return make_tma_atom(SM90_TMA_LOAD{}, rows_view(make_gmem_ptr(rows), C, R), LayoutAM{},
+                       TileAM{});
+}
+auto make_tma_rows_b(const Elem* rows, int64_t C, int64_t R) {
+  return make_tma_atom(SM90_TMA_LOAD{}, rows_view(make_gmem_ptr(rows), C, R), LayoutB{},
+                       TileBN{});
+}
+using TmaRowsA = decltype(make_tma_rows_a(nullptr, 0, 0));
+using TmaRowsB = decltype(make_tma_rows_b(nullptr, 0, 0));
+
 struct Params {
   TmaK tma_down;     // W_down as (F, H, E)
   TmaK tma_gate_up;  // W_gate_up as (H, 2F, E)
   TmaStore tma_d_down;     // d W_down as (F, H, E)
   TmaStore tma_d_gate_up;  // d W_gate_up as (H, 2F, E)
+  // The weight gradients' whole K blocks: dW_down's A (wh as (F, R)) and B (dy rows
+  // as (H, R)), dW_gate_up's A (x rows as (H, R)) and B (d gate_up as (2F, R)).
+  TmaRowsA tma_wh, tma_x_rows;
+  TmaRowsB tma_dy_rows, tma_dgu;
   int64_t tokens, top_k, experts, hidden, ffn;
   // EP ranks: rank o holds tokens [o T/P, (o+1) T/P) (their dy, dx, weights and
   // d weights are its windows, reached through these pointer tables only) and
@@ -101,6 +125,7 @@ struct Params {
   float* dh;             // [R, F] scratch: dy rows @ W_down^T, f32
   Elem* wh;              // [R, F] scratch: round(w h), dW_down's A
   Elem* dgu;             // [R, 2F] scratch: d gate_up
+  Elem* dy_rows;         // [R, H] scratch: whole row blocks' dy rows, in row order
   uint32_t* block_ready;   // [row blocks]: dgrad2 tiles done, + 1 once SwiGLU's backward is
   uint32_t* expert_ready;  // [E]: the expert's row blocks through SwiGLU's backward
   uint32_t* dgrad1_done;   // dgrad1 tasks done, every rank's
@@ -186,6 +211,11 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
   Ring<kTaskSlots> mail{0, 1u};
   Tensor mDown = p.tma_down.get_tma_tensor(make_shape(F, H, p.experts));
   Tensor mGateUp = p.tma_gate_up.get_tma_tensor(make_shape(H, 2 * F, p.experts));
+  const int64_t R = p.tokens * p.top_k;
+  Tensor mWh = p.tma_wh.get_tma_tensor(make_shape(F, R));
+  Tensor mXRows = p.tma_x_rows.get_tma_tensor(make_shape(H, R));
+  Tensor mDgu = p.tma_dgu.get_tma_tensor(make_shape(2 * F, R));
+  Tensor mDyRows = p.tma_dy_rows.get_tma_tensor(make_shape(H, R));
   for (int claim = 0;; ++claim) {
     const uint32_t t = claim_task(ptid, ctl, ticket, claim);
     const TaskId id = list.at(t, block_begin);
@@ -204,6 +234,10 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
         break;
     }
     if (task.kind == Kind::kWgradDown || task.kind == Kind::kWgradGateUp) {
+      // The expert's SwiGLU tasks wrote the rows its TMA loads read (wh, d gate_up,
+      // dy rows) with generic stores: after the acquire, order them before the async
+      // proxy's reads.
+      if (ptid == 0) asm volatile("fence.proxy.async.global;" ::: "memory");
       const int64_t e = task.block;
       const int64_t begin = p.expert_begin[e], end = p.expert_begin[e + 1];
       task.rb = {e, begin, end, min(end - begin, int64_t(kBlockRows))};
@@ -243,7 +277,10 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
       });
       continue;
     }
-    // A weight gradient: for each N tile, the expert's rows in 64-row K blocks.
+    // A weight gradient: for each N tile, the expert's rows in 64-row K blocks (its row
+    // blocks). A whole block by TMA (wh and the dy rows its SwiGLU task copied; the x
+    // rows and d gate_up); an expert's last, partial block by cp.async (the rows past
+    // it are the next expert's: zeros instead).
     const bool down = task.kind == Kind::kWgradDown;
     const int64_t M = down ? F : H, N = down ? H : 2 * F;
     const int64_t m0 = int64_t(task.mtile) * kBlockRows;
@@ -257,21 +294,46 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
       Barrier::wait(&ctl.empty[st.slot], st.phase);
       const int64_t r0 = rb.row0 + int64_t(kb) * kBlockRows;
       const int64_t n_rows = min(int64_t(kBlockRows), rb.row_end - r0);
-      if (down) {
-        load_wgrad_block(
-            ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, win.dy[0],
-            [&](int64_t r) { return p.wh + r * F; },
-            [&](int64_t r) {
-              return dy_row(p, win, p.row_pair[r] / static_cast<int32_t>(p.top_k));
-            });
+      if (n_rows < kBlockRows) {
+        if (down) {
+          load_wgrad_block(
+              ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, win.dy[0],
+              [&](int64_t r) { return p.wh + r * F; },
+              [&](int64_t r) {
+                return dy_row(p, win, p.row_pair[r] / static_cast<int32_t>(p.top_k));
+              });
+        } else {
+          load_wgrad_block(
+              ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, win.dy[0],
+              [&](int64_t r) { return p.x_rows + r * H; },
+              [&](int64_t r) { return p.dgu + r * 2 * F; });
+        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
+        if (ptid == 0) Barrier::arrive(&ctl.full[st.slot]);  // no TMA bytes in this stage
       } else {
-        load_wgrad_block(
-            ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, win.dy[0],
-            [&](int64_t r) { return p.x_rows + r * H; },
-            [&](int64_t r) { return p.dgu + r * 2 * F; });
+        cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
+        if (ptid == 0) {
+          uint64_t& full = ctl.full[st.slot];
+          Barrier::arrive_and_expect_tx(&full, kStageABytes + kStageBBytes);
+          Tensor sA = make_tensor(make_smem_ptr(stage_a(tiles, st.slot)), LayoutAM{});
+          Tensor sB = make_tensor(make_smem_ptr(stage_b<kStages>(tiles, st.slot)), LayoutB{});
+          auto load = [&](const auto& tma, auto& mRows, auto tile, auto& s, int32_t col_tile) {
+            Tensor g = local_tile(domain_offset(make_coord(0, r0), mRows), tile,
+                                  make_coord(col_tile, 0));
+            auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s),
+                                          group_modes<0, 2>(g));
+            copy(tma.with(full), tg, ts);
+          };
+          const int32_t nt = step / k_blocks;
+          if (down) {
+            load(p.tma_wh, mWh, TileAM{}, sA, task.mtile);
+            load(p.tma_dy_rows, mDyRows, TileBN{}, sB, nt);
+          } else {
+            load(p.tma_x_rows, mXRows, TileAM{}, sA, task.mtile);
+            load(p.tma_dgu, mDgu, TileBN{}, sB, nt);
+          }
+        }
       }
-      cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
-      if (ptid == 0) Barrier::arrive(&ctl.full[st.slot]);  // no TMA bytes in this stage
       st.advance();
     }
   }
@@ -352,13 +414,15 @@ __device__ __forceinline__ void consumer_signal2(uint32_t* a, uint32_t* b) {
 }
 
 // SwiGLU's backward over a row block: a warp per row (swiglu_backward_row, as the
-// chain computes it).
+// chain computes it). A whole block (64 rows) also copies its dy rows into dy_rows in
+// row order, where dW_down's TMA loads read them (its K blocks are the row blocks).
 // A pair's combine weight and d weight live in the window of its token's rank.
 template <typename W>
 __device__ void swiglu_task(const Params& p, const Windows& win, const RowBlock& rb) {
   const int ctid = threadIdx.x - kProducerThreads;
   const int warp = ctid >> 5, lane = ctid & 31;
   const int64_t F = p.ffn;
+  const bool whole = rb.rows() == kBlockRows;
   for (int64_t m = warp; m < rb.rows(); m += kConsumerThreads / 32) {
     const int64_t r = rb.row0 + m;
     const RankPlace q = pair_place(p.by_rank_tokens, p.top_k, p.row_pair[r]);
@@ -367,6 +431,12 @@ __device__ void swiglu_task(const Params& p, const Windows& win, const RowBlock&
         p.gate_up + r * 2 * F, p.dh + r * F, w, F, lane, reinterpret_cast<bf16*>(p.wh + r * F),
         reinterpret_cast<bf16*>(p.dgu + r * 2 * F));
     if (lane == 0) static_cast<W*>(win.dw[q.rank])[q.local] = from_float<W>(total);
+    if (whole) {  // H % 8 == 0: 16-byte chunks
+      const auto* src = reinterpret_cast<const uint4*>(
+          dy_row(p, win, p.row_pair[r] / static_cast<int32_t>(p.top_k)));
+      auto* dst = reinterpret_cast<uint4*>(p.dy_rows + r * p.hidden);
+      for (int64_t c = lane; c < p.hidden / 8; c += 32) dst[c] = src[c];
+    }
   }
 }
 
@@ -512,6 +582,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     prefetch_tma_descriptor(p.tma_gate_up.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma_d_down.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma_d_gate_up.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_wh.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_x_rows.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_dgu.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_dy_rows.get_tma_descriptor());
     init_control(ctl);
   }
   using Scan = cub::BlockScan<int32_t, kThreads>;
@@ -540,6 +614,7 @@ struct Scratch {
   float* dh;
   Elem* wh;
   Elem* dgu;
+  Elem* dy_rows;
   Elem* recv[kMaxRanks];  // the ranks' receive windows [T/P * K, H] (P = 1: [R, H])
 };
 
@@ -555,6 +630,7 @@ Scratch carve(void* ws, const MoeShape& s, int ranks, size_t* total) {
   b.dh = static_cast<float*>(c.take(static_cast<size_t>(rows * s.ffn) * sizeof(float)));
   b.wh = static_cast<Elem*>(c.take(elem_bytes(rows * s.ffn)));
   b.dgu = static_cast<Elem*>(c.take(elem_bytes(rows * 2 * s.ffn)));
+  b.dy_rows = static_cast<Elem*>(c.take(elem_bytes(rows * s.hidden)));
   for (int o = 0; o < ranks; ++o) {
     b.recv[o] = static_cast<Elem*>(c.take(elem_bytes(rows / ranks * s.hidden)));
   }
@@ -628,6 +704,21 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
     p.recv_win[o] = b.recv[o];
   }
   p.x_rows = static_cast<const Elem*>(a.x_rows);
+  const int64_t rows = s.tokens * s.top_k;
+  if (rows > 0) {  // no rows: no weight-gradient block is loaded
+    if (reinterpret_cast<uintptr_t>(a.x_rows) % 16 != 0) {
+      return "persistent MoE backward: the forward's x rows are not 16-byte aligned";
+    }
+    p.tma_wh = make_tma_rows_a(b.wh, s.ffn, rows);
+    p.tma_x_rows = make_tma_rows_a(p.x_rows, s.hidden, rows);
+    p.tma_dgu = make_tma_rows_b(b.dgu, 2 * s.ffn, rows);
+    p.tma_dy_rows = make_tma_rows_b(b.dy_rows, s.hidden, rows);
+    if (!encoded(p.tma_wh) || !encoded(p.tma_x_rows) || !encoded(p.tma_dgu) ||
+        !encoded(p.tma_dy_rows)) {
+      return "persistent MoE backward: cuTensorMapEncodeTiled failed for the rows of the "
+             "weight gradients";
+    }
+  }
   p.gate_up = static_cast<const bf16*>(a.gate_up);
   p.expert_begin = a.expert_begin;
   p.row_pair = a.row_pair;
@@ -635,6 +726,7 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   p.dh = b.dh;
   p.wh = b.wh;
   p.dgu = b.dgu;
+  p.dy_rows = b.dy_rows;
   const int64_t blocks = max_row_blocks(s.tokens * s.top_k, s.experts);
   p.block_ready = b.counters;
   p.expert_ready = b.counters + blocks;

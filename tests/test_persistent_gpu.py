@@ -210,6 +210,19 @@ def test_every_pair_invalid_gives_zeros(persistent):
     assert not np.any(np.asarray(y, np.float32))
 
 
+def test_no_tokens_give_zero_weight_gradients(persistent):
+    """T = 0: the backward launches with no rows (its row tensor maps left unencoded)
+    and gives the chain's zero weight gradients and empty y and dx."""
+    x, ids, w, wgu, wd = _problem(8, 2, 4, 64, 64, seed=8)
+    args = (x[:0], ids[:0], w[:0], wgu, wd)
+    y, _ = _check(persistent, args)
+    assert y.shape == (0, 64)
+    step = _forward_and_grads(*args)
+    (dx, dw, dwgu, dwd), _ = persistent(step, True)
+    assert dx.shape == (0, 64) and dw.shape == (0, 2)
+    assert not np.any(np.asarray(dwgu, np.float32)) and not np.any(np.asarray(dwd, np.float32))
+
+
 def test_auto_mode_takes_few_rows_per_expert_only():
     """AUTO's forward: the persistent kernel up to 64 rows per expert, and up to 128
     for a forward that keeps no residuals (inference); the chain past that."""

@@ -582,10 +582,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     prefetch_tma_descriptor(p.tma_gate_up.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma_d_down.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma_d_gate_up.get_tma_descriptor());
-    prefetch_tma_descriptor(p.tma_wh.get_tma_descriptor());
-    prefetch_tma_descriptor(p.tma_x_rows.get_tma_descriptor());
-    prefetch_tma_descriptor(p.tma_dgu.get_tma_descriptor());
-    prefetch_tma_descriptor(p.tma_dy_rows.get_tma_descriptor());
+    if (p.tokens * p.top_k > 0) {  // no rows: these tensor maps are not encoded
+      prefetch_tma_descriptor(p.tma_wh.get_tma_descriptor());
+      prefetch_tma_descriptor(p.tma_x_rows.get_tma_descriptor());
+      prefetch_tma_descriptor(p.tma_dgu.get_tma_descriptor());
+      prefetch_tma_descriptor(p.tma_dy_rows.get_tma_descriptor());
+    }
     init_control(ctl);
   }
   using Scan = cub::BlockScan<int32_t, kThreads>;

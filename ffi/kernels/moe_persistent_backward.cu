@@ -148,6 +148,11 @@ __device__ __forceinline__ const Elem* dy_row(const Params& p, const Windows& w,
   return w.dy[q.rank] + q.local * p.hidden;
 }
 
+// Row `row`'s dy row: its pair's token's.
+__device__ __forceinline__ const Elem* dy_of_row(const Params& p, const Windows& w, int64_t row) {
+  return dy_row(p, w, p.row_pair[row] / static_cast<int32_t>(p.top_k));
+}
+
 // Where row `row`'s dx row goes. One rank: the dx rows in row order (the combine
 // finds a pair's row through pair_row). P ranks: the receive window of the rank
 // that holds its token, at the pair's place among its pairs.
@@ -255,8 +260,7 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
       const int64_t K = second ? H : 2 * F;
       const Elem* base = second ? win.dy[0] : p.dgu;
       const ARows a = second ? ARows(ptid, rb, base, [&](int m) {
-                                 return dy_row(p, win, p.row_pair[rb.row0 + m] /
-                                                           static_cast<int32_t>(p.top_k));
+                                 return dy_of_row(p, win, rb.row0 + m);
                                })
                              : ARows(ptid, rb, base, [&](int m) {
                                  return p.dgu + (rb.row0 + m) * 2 * F;
@@ -300,7 +304,7 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
               ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, win.dy[0],
               [&](int64_t r) { return p.wh + r * F; },
               [&](int64_t r) {
-                return dy_row(p, win, p.row_pair[r] / static_cast<int32_t>(p.top_k));
+                return dy_of_row(p, win, r);
               });
         } else {
           load_wgrad_block(
@@ -432,8 +436,7 @@ __device__ void swiglu_task(const Params& p, const Windows& win, const RowBlock&
         reinterpret_cast<bf16*>(p.dgu + r * 2 * F));
     if (lane == 0) static_cast<W*>(win.dw[q.rank])[q.local] = from_float<W>(total);
     if (whole) {  // H % 8 == 0: 16-byte chunks
-      const auto* src = reinterpret_cast<const uint4*>(
-          dy_row(p, win, p.row_pair[r] / static_cast<int32_t>(p.top_k)));
+      const auto* src = reinterpret_cast<const uint4*>(dy_of_row(p, win, r));
       auto* dst = reinterpret_cast<uint4*>(p.dy_rows + r * p.hidden);
       for (int64_t c = lane; c < p.hidden / 8; c += 32) dst[c] = src[c];
     }
@@ -729,7 +732,7 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   p.wh = b.wh;
   p.dgu = b.dgu;
   p.dy_rows = b.dy_rows;
-  const int64_t blocks = max_row_blocks(s.tokens * s.top_k, s.experts);
+  const int64_t blocks = max_row_blocks(rows, s.experts);
   p.block_ready = b.counters;
   p.expert_ready = b.counters + blocks;
   p.dgrad1_done = p.expert_ready + s.experts;

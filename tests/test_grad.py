@@ -261,6 +261,44 @@ def test_vmap_of_grad_matches_per_slice(dtype):
         _assert_grads_bitwise([a[b] for a in gb_jit], g, f"jit(vmap(grad)) slice {b}")
 
 
+@pytest.mark.parametrize("mesh_shape,spec", [((2,), "b"), ((2, 2), ("dp", "fsdp"))],
+                         ids=["one-axis", "two-axes"])
+def test_vmap_over_a_batch_sharded_over_mesh_axes(mesh_shape, spec):
+    """vmap over a batch that explicit-axis sharding splits over devices: each device
+    maps over its own examples (a scan cannot run over a sharded axis), with the
+    per-example bits, statistics and gradients, and the batch stays sharded."""
+    B, T, K, E, H, F = 4, 7, 2, 4, 16, 8
+    _, _, _, wgu, wd = make_problem(13, T, K, E, H, F, jnp.bfloat16)
+    xs, idss, ws = zip(*[make_problem(400 + b, T, K, E, H, F, jnp.bfloat16)[:3]
+                         for b in range(B)])
+    xb, ib, wb = jnp.stack(xs), jnp.stack(idss).at[3, 1, 0].set(-1), jnp.stack(ws)
+    ctb = jnp.stack([_cotangent(500 + b, T, H) for b in range(B)])
+    names = ("b",) if len(mesh_shape) == 1 else spec
+    mesh = jax.make_mesh(mesh_shape, names,
+                         axis_types=(jax.sharding.AxisType.Explicit,) * len(mesh_shape))
+
+    def forward(x, ids, w):
+        return mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=1.0, return_stats=True)
+
+    def per_example(x, ids, w, ct):
+        return grads(mok_jax.moe, (x, ids, w, wgu, wd), ct, 1.0)
+
+    with jax.set_mesh(mesh):
+        sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(spec))
+        args = [jax.device_put(a, sharded) for a in (xb, ib, wb, ctb)]
+        yb, sb = jax.jit(jax.vmap(forward))(*args[:3])
+        gb = jax.jit(jax.vmap(per_example))(*args)
+        assert jax.typeof(yb).sharding.spec[0] == spec
+    yb, sb, gb = jax.tree.map(np.asarray, (yb, sb, gb))
+    for b in range(B):
+        y, s = forward(xb[b], ib[b], wb[b])
+        assert_bitwise(yb[b], y, f"vmap slice {b}")
+        for got, want in zip(s, sb):
+            assert_bitwise(want[b], got, f"vmap stats slice {b}")
+        g = per_example(xb[b], ib[b], wb[b], ctb[b])
+        _assert_grads_bitwise([a[b] for a in gb], g, f"vmap(grad) slice {b}")
+
+
 # --------------------------------------------------------------------------------------
 # The forward's x_rows residual (the backward reads it instead of gathering x again)
 # --------------------------------------------------------------------------------------

@@ -245,22 +245,48 @@ def _jit_impl(prim: Primitive):
     return impl
 
 
+def _leading_mesh_axes(arrays) -> tuple[tuple[str, ...], Any]:
+    """The mesh axes that shard the leading dim of the first of `arrays` whose type
+    says so (explicit-axis sharding), and that mesh; ((), None) if none does."""
+    for a in arrays:
+        sharding = getattr(jax.typeof(a), "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        if spec and spec[0] is not None:
+            return ((spec[0],) if isinstance(spec[0], str) else tuple(spec[0])), sharding.mesh
+    return (), None
+
+
 def _map_batching(prim: Primitive):
     """Batching by a sequential map over the batch: each element is its own call
-    (for the MoE ops: with its own capacity and statistics, exactly as without vmap)."""
+    (for the MoE ops: with its own capacity and statistics, exactly as without vmap).
+    A batch sharded over mesh axes is mapped on each device over its own elements
+    (`lax.map` scans, and a scan cannot run over a sharded axis)."""
 
     def rule(args, dims, **params):
         # An unbatched operand has dim None.
         batched = [i for i, d in enumerate(dims) if d is not None]
         moved = tuple(jax.numpy.moveaxis(args[i], dims[i], 0) for i in batched)
 
-        def one(slices):
-            full = list(args)
-            for i, s in zip(batched, slices):
-                full[i] = s
-            return tuple(prim.bind(*full, **params))
+        def mapped(moved, args):
+            def one(slices):
+                full = list(args)
+                for i, s in zip(batched, slices):
+                    full[i] = s
+                return tuple(prim.bind(*full, **params))
 
-        outs = jax.lax.map(one, moved)
+            return jax.lax.map(one, moved)
+
+        axes, mesh = _leading_mesh_axes(moved)
+        if not axes:
+            outs = mapped(moved, args)
+        else:
+            entry = axes[0] if len(axes) == 1 else axes
+            unbatched = [a if d is None else None for a, d in zip(args, dims)]
+            outs = jax.shard_map(
+                mapped, mesh=mesh, axis_names=set(axes),
+                in_specs=(tuple(PartitionSpec(entry) for _ in moved),
+                          [None if a is None else PartitionSpec() for a in unbatched]),
+                out_specs=PartitionSpec(entry))(moved, unbatched)
         return list(outs), [0] * len(outs)
 
     return rule

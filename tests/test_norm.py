@@ -212,6 +212,22 @@ def test_vmap_is_the_per_example_call():
         assert_bitwise(n[i], n_i, "n")
 
 
+def test_vmap_over_a_batch_sharded_over_a_mesh_axis():
+    """vmap over a batch split over devices (explicit-axis sharding): each device runs
+    its own examples; the per-example bits, the batch's sharding kept."""
+    x, branch, scale, _, _ = _operands((4, 4, 16), jnp.float32, seed=6)
+    mesh = jax.make_mesh((2,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        xs, bs = (jax.device_put(a, NamedSharding(mesh, P("b"))) for a in (x, branch))
+        s, n = jax.jit(jax.vmap(mok_jax.add_rms_norm, in_axes=(0, 0, None)))(xs, bs, scale)
+        assert jax.typeof(s).sharding.spec[0] == "b"
+    s, n = np.asarray(s), np.asarray(n)
+    for i in range(4):
+        s_i, n_i = mok_jax.add_rms_norm(x[i], branch[i], scale)
+        assert_bitwise(s[i], s_i, "s")
+        assert_bitwise(n[i], n_i, "n")
+
+
 # --- the CUDA kernels -------------------------------------------------------------------
 
 def _math(x, branch, scale, dn, ds):

@@ -245,14 +245,22 @@ def _jit_impl(prim: Primitive):
     return impl
 
 
+def mesh_axes(spec, dim) -> tuple[str, ...]:
+    """The mesh axes of dim `dim` in a partition spec, as a tuple."""
+    entry = spec[dim] if len(spec) > dim else None
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _leading_mesh_axes(arrays) -> tuple[tuple[str, ...], Any]:
     """The mesh axes that shard the leading dim of the first of `arrays` whose type
     says so (explicit-axis sharding), and that mesh; ((), None) if none does."""
     for a in arrays:
         sharding = getattr(jax.typeof(a), "sharding", None)
-        spec = getattr(sharding, "spec", None)
-        if spec and spec[0] is not None:
-            return ((spec[0],) if isinstance(spec[0], str) else tuple(spec[0])), sharding.mesh
+        axes = mesh_axes(getattr(sharding, "spec", None) or (), 0)
+        if axes:
+            return axes, sharding.mesh
     return (), None
 
 

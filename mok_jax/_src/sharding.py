@@ -78,7 +78,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 
 from mok_jax._src import ep, paths, primitives
-from mok_jax._src.primitives import MOE_GRADIENTS, MOE_OPERANDS, Array, Signature
+from mok_jax._src.primitives import MOE_GRADIENTS, MOE_OPERANDS, Array, Signature, mesh_axes
 from mok_jax.recipe import Recipe
 
 # The partitioned functions, on the op's operand table (factors as in
@@ -92,14 +92,6 @@ FORWARD = Signature(MOE_OPERANDS, (_Y, _PACKED_STATS))
 FORWARD_SAVING = Signature(MOE_OPERANDS, (_Y, _PACKED_STATS) + _RESIDUALS)
 BACKWARD = Signature(MOE_OPERANDS + (Array("dy", "t h", "x"),) + _RESIDUALS, MOE_GRADIENTS)
 _SPLIT_FACTORS = ("t", "e")  # the factors `_placement` may split: tokens and experts
-
-
-def mesh_axes(spec, dim) -> tuple[str, ...]:
-    """The mesh axes of dim `dim` in a partition spec, as a tuple."""
-    entry = spec[dim] if len(spec) > dim else None
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _dim0_axes(sharding) -> tuple[str, ...]:

@@ -3,9 +3,10 @@
 // launch: every task appears exactly once and belongs to its rank, waits for the
 // counter its data needs (stated here from what each kind of task reads and what
 // the kernel's consumers count), and the ranks' lists run to their ends without a
-// deadlock. And the forward's GEMM task order (ffi/kernels/band_order.h) over the
-// same routings: each rank's numbers give every (column tile, row block) of its
-// experts once, each expert's within the expert's numbers. Run with
+// deadlock, with the weight gradients' M tiles of 64 rows and of 128. And the
+// forward's GEMM task order (ffi/kernels/band_order.h) over the same routings: each
+// rank's numbers give every (column tile, row block) of its experts once, each
+// expert's within the expert's numbers. Run with
 // tests/test_persistent_task_order.py; prints "N cases, 0 errors".
 #include <cstdint>
 #include <cstdio>
@@ -56,7 +57,7 @@ int check_band_order(const std::vector<int32_t>& blocks_of, uint32_t n, int P) {
 // each CTA finished its task before the next was claimed; returns the errors. A
 // rank whose next task waits stays put; if no rank can go on, the lists deadlock.
 int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& blocks_of,
-          int P = 1) {
+          int P = 1, int wgrad_rows = kTileRows) {
   const int64_t E = static_cast<int64_t>(blocks_of.size());
   std::vector<int32_t> begin(E + 1, 0);
   std::vector<int64_t> expert_of_block;
@@ -66,15 +67,15 @@ int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& bloc
   }
   const int64_t B = begin[E];
   const uint32_t nf = ceil_div(F, 256), nh = ceil_div(H, 256);
-  const uint32_t mf = ceil_div(F, 64), mh = ceil_div(H, 64);
+  const uint32_t mf = ceil_div(F, wgrad_rows), mh = ceil_div(H, wgrad_rows);
   const int64_t rank_tokens = tokens / P, rank_experts = E / P;
   const uint32_t combines = ceil_div(rank_tokens, 2);
   std::vector<TaskList> lists;
   std::vector<uint64_t> expected;
   for (int o = 0; o < P; ++o) {
     const int64_t e0 = o * rank_experts, e1 = e0 + rank_experts;
-    lists.push_back(P == 1 ? TaskList(tokens, E, H, F, begin.data())
-                           : TaskList(rank_tokens, E, H, F, begin.data(), e0, e1));
+    lists.push_back(P == 1 ? TaskList(tokens, E, H, F, begin.data(), wgrad_rows)
+                           : TaskList(rank_tokens, E, H, F, begin.data(), e0, e1, wgrad_rows));
     expected.push_back(uint64_t(begin[e1] - begin[e0]) * (nf + 1 + nh) +
                        uint64_t(rank_experts) * (mf + mh) + combines);
   }
@@ -200,7 +201,7 @@ int main() {
   int cases = 0, errors = 0;
   auto run = [&](int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& blocks) {
     ++cases;
-    errors += check(tokens, H, F, blocks);
+    errors += check(tokens, H, F, blocks) + check(tokens, H, F, blocks, 1, kWideRows);
     errors += check_band_order(blocks, ceil_div(F, 128), 1) + check_band_order(blocks, 1, 1);
   };
   // Fixed corners: one expert, every expert empty, one expert with every block,
@@ -223,7 +224,7 @@ int main() {
   auto run_ranks = [&](int P, int64_t tokens, int64_t H, int64_t F,
                        const std::vector<int32_t>& blocks) {
     ++cases;
-    errors += check(tokens, H, F, blocks, P);
+    errors += check(tokens, H, F, blocks, P) + check(tokens, H, F, blocks, P, kWideRows);
     errors += check_band_order(blocks, ceil_div(H, 256), P);
   };
   run_ranks(8, 8, 64, 72, std::vector<int32_t>(8, 0));  // one token per rank, no rows

@@ -4,7 +4,8 @@
 // (64 x 256 tiles, two warp groups along N): consumer thread c (lane l, q = l % 4)
 // holds rows r = 16 (c % 128 / 32) + l / 4 and r + 8; its value 4j + v is column
 // 128 (c / 128) + 8j + 2q + v % 2 of row r + 8 (v / 2). moe_persistent.cu's 128-row
-// tiles (two warp groups along M, 64 x 256 each): rows r = 64 (c / 128) + 16 (c % 128
+// tiles and the backward's 128-row weight-gradient tiles (two warp groups along M,
+// 64 x 256 each): rows r = 64 (c / 128) + 16 (c % 128
 // / 32) + l / 4 and r + 8; value 4j + v is column 8j + 2q + v % 2 of row r + 8 (v / 2).
 // Exits non-zero and prints the first mismatches otherwise.
 #include <cstdio>
@@ -23,6 +24,9 @@ using MmaKK = decltype(make_tiled_mma(
 
 using MmaRows128 = decltype(make_tiled_mma(
     SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{},
+    Layout<Shape<_2, _1, _1>>{}));
+using MmaWgrad128 = decltype(make_tiled_mma(
+    SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{},
     Layout<Shape<_2, _1, _1>>{}));
 
 // kAlongM: the warp groups one above the other (128 x 256), else side by side (64 x 256).
@@ -55,7 +59,8 @@ int mismatches(const char* name) {
 
 int main() {
   const int bad = mismatches<MmaMN>("MN-major") + mismatches<MmaKK>("K-major") +
-                  mismatches<MmaRows128, true>("128-row tiles");
+                  mismatches<MmaRows128, true>("128-row tiles") +
+                  mismatches<MmaWgrad128, true>("128-row weight-gradient tiles");
   std::printf("%d mismatches\n", bad);
   return bad == 0 ? 0 : 1;
 }

@@ -18,21 +18,31 @@ using namespace persistent;
 using backward_tasks::Counter;
 using backward_tasks::Kind;
 using backward_tasks::kCombineTokens;
+using backward_tasks::kWideRows;
 using backward_tasks::TaskId;
 using backward_tasks::TaskList;
 using backward_tasks::tiles_of;
 static_assert(backward_tasks::kTileCols == kStageCols &&
               backward_tasks::kTileRows == kBlockRows);
 
-// Four stages leave room for the weight gradients' store tiles: each consumer warp
-// group rounds its 64 x 128 half of a tile into its own 16 KB of shared memory, and
-// a TMA store writes it out while the group goes on to the next tile.
+// The kernel comes in two layouts of shared memory, by the weight gradients' M tile
+// (kSlot rows, the rows of a stage slot's A region):
+//   kSlot = 64: four 40 KB stages and two 8 KB store buffers per consumer warp group;
+//   kSlot = 128 (128-row M tiles; the 64-row tasks use the first half of a slot's A
+//     region): four 48 KB stages and one 8 KB store buffer per group.
+// Each group rounds its weight-gradient tile 64 x 64 at a time into its buffers, and
+// a TMA store writes each part out while the group goes on.
 constexpr int kStages = 4;
 constexpr int kMaxRanks = kMaxPersistentRanks;  // EP ranks of one launch
-using HalfTile = Shape<Int<kBlockRows>, Int<kStageCols / 2>>;
-using LayoutC = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, HalfTile{}));
-constexpr int kHalfTileBytes = kBlockRows * kStageCols / 2 * 2;  // 16 KB
-constexpr int kTilesBytes = tile_bytes(kStages) + 2 * kHalfTileBytes;
+using PartTile = Shape<Int<kBlockRows>, Int<kBlockK>>;  // a 64 x 64 store part
+using LayoutC = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, PartTile{}));
+constexpr int kPartBytes = kBlockRows * kBlockK * 2;  // 8 KB
+constexpr int group_parts(int slot) { return slot == kBlockRows ? 2 : 1; }
+constexpr int tiles_bytes(int slot) {
+  return tile_bytes(kStages, slot) + 2 * group_parts(slot) * kPartBytes;
+}
+static_assert(tiles_bytes(kBlockRows) == tile_bytes(kStages) + 32 * 1024 &&
+              tiles_bytes(kWideRows) == tile_bytes(kStages, kWideRows) + 16 * 1024);
 constexpr int kCombineWarps = 4;  // warps per combine token, side by side along H
 static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
 // setmaxnreg: the producer's task decoding and weight-gradient loads need more than
@@ -51,6 +61,39 @@ using MmaMN = decltype(make_tiled_mma(
 using AccKK = decltype(partition_fragment_C(MmaKK{}, StageTile{}));
 using AccMN = decltype(partition_fragment_C(MmaMN{}, StageTile{}));
 
+// The weight gradients past 128 rows per expert: 128 x 256 tiles (the warp groups
+// one above the other, 64 x 256 each) over 64-row K blocks. A stage then holds A
+// [128 M, 64 rows] (the slot's whole A region) and B [256 N, 64 rows]: 4.2 MFLOP
+// for 48 KB of loads, twice a 64-row task's work per stage in flight (85 FLOP a
+// byte, against 51).
+constexpr int kWideK = kBlockK;
+using LayoutAW = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
+                                        Shape<Int<kWideRows>, Int<kWideK>>{}, Step<_2, _1>{}));
+using LayoutBW = LayoutB;
+static_assert(cosize(LayoutAW{}) * sizeof(Elem) == stage_a_bytes(kWideRows) &&
+              cosize(LayoutBW{}) * sizeof(Elem) == kStageBBytes);
+using MmaMNW = decltype(make_tiled_mma(
+    SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{},
+    Layout<Shape<_2, _1, _1>>{}));
+using AccMNW = decltype(partition_fragment_C(MmaMNW{}, Shape<Int<kWideRows>, Int<kStageCols>>{}));
+
+// A weight gradient's K blocks over an expert's `rows` rows: 64-row blocks, zero-padded
+// as in the chain's weight-gradient GEMM, whose k16 steps (zeros included: -0 + 0 is
+// +0) the kernel's must match for its bits.
+__host__ __device__ constexpr int wgrad_k_blocks(int64_t rows) {
+  return static_cast<int>((rows + kBlockRows - 1) / kBlockRows);
+}
+
+// A stage slot's A and B tiles.
+template <int kSlot>
+__device__ __forceinline__ Elem* slot_a(char* tiles, int slot) {
+  return stage_a<kSlot>(tiles, slot);
+}
+template <int kSlot>
+__device__ __forceinline__ Elem* slot_b(char* tiles, int slot) {
+  return stage_b<kStages, kSlot>(tiles, slot);
+}
+
 // A weight as the TMA loads see it, (N, K, E) with K contiguous: W_down[e] [F, H] is
 // dgrad2's B (N = F, K = H), W_gate_up[e] [H, 2F] dgrad1's (N = H, K = 2F).
 template <class Ptr>
@@ -65,11 +108,11 @@ auto make_tma_k(const Elem* w, int64_t N, int64_t K, int64_t E) {
 using TmaK = decltype(make_tma_k(nullptr, 0, 0, 0));
 
 // A weight gradient [E, M, N] (N contiguous) as the TMA stores see it: (M, N, E),
-// written a warp group's 64 x 128 half tile at a time (clipped at M and N).
+// written 64 x 64 at a time (clipped at M and N).
 auto make_tma_store(Elem* d, int64_t M, int64_t N, int64_t E) {
   auto view = make_tensor(make_gmem_ptr(d),
                           make_layout(make_shape(M, N, E), make_stride(N, Int<1>{}, M * N)));
-  return make_tma_atom(SM90_TMA_STORE{}, view, LayoutC{}, HalfTile{});
+  return make_tma_atom(SM90_TMA_STORE{}, view, LayoutC{}, PartTile{});
 }
 using TmaStore = decltype(make_tma_store(nullptr, 0, 0, 0));
 
@@ -92,6 +135,13 @@ auto make_tma_rows_b(const Elem* rows, int64_t C, int64_t R) {
 }
 using TmaRowsA = decltype(make_tma_rows_a(nullptr, 0, 0));
 using TmaRowsB = decltype(make_tma_rows_b(nullptr, 0, 0));
+// The wide weight gradients' A blocks: 64 rows of 128 columns.
+using TileAW = Shape<Int<kWideRows>, Int<kWideK>>;
+auto make_tma_rows_aw(const Elem* rows, int64_t C, int64_t R) {
+  return make_tma_atom(SM90_TMA_LOAD{}, rows_view(make_gmem_ptr(rows), C, R), LayoutAW{},
+                       TileAW{});
+}
+using TmaRowsAW = decltype(make_tma_rows_aw(nullptr, 0, 0));
 
 struct Params {
   TmaK tma_down;     // W_down as (F, H, E)
@@ -102,6 +152,7 @@ struct Params {
   // as (H, R)), dW_gate_up's A (x rows as (H, R)) and B (d gate_up as (2F, R)).
   TmaRowsA tma_wh, tma_x_rows;
   TmaRowsB tma_dy_rows, tma_dgu;
+  TmaRowsAW tma_wh_w, tma_x_rows_w;  // the A blocks of 128-row M tiles (kSlot = 128)
   int64_t tokens, top_k, experts, hidden, ffn;
   // EP ranks: rank o holds tokens [o T/P, (o+1) T/P) (their dy, dx, weights and
   // d weights are its windows, reached through these pointer tables only) and
@@ -172,6 +223,18 @@ struct Task {
 
 using Control = persistent::Control<Task, kStages>;  // stage barriers, mailbox
 
+// The weight gradients' M tile (the kernel's kSlot): 128 rows past 128 rows per
+// expert, else 64 (at fewer rows a task's epilogues outweigh its K loop, and 64-row
+// tiles make twice the tasks); 64 past kMaxExpertsWideWgrad experts, whose row-block
+// prefix sums would not fit beside the 48 KB stages.
+constexpr int64_t kMaxExpertsWideWgrad = 2048;
+int backward_wgrad_rows(const MoeShape& s) {
+  return s.tokens * s.top_k > int64_t(kWideRows) * s.experts &&
+                 s.experts <= kMaxExpertsWideWgrad
+             ? kWideRows
+             : kBlockRows;
+}
+
 // The host's bound on the task count (persistent_backward checks it is below 2^32).
 int64_t max_tasks(const MoeShape& s) {
   const int64_t blocks = max_row_blocks(s.tokens * s.top_k, s.experts);
@@ -182,32 +245,35 @@ int64_t max_tasks(const MoeShape& s) {
 
 // ---- Producer
 
-// One K block of a weight-gradient tile by cp.async: A [64 M, 64 rows] M-major from
-// the A rows, B [256 N, 64 rows] N-major from the B rows; thread ptid takes row
-// ptid / 2 and every other 16-byte chunk of it (zeros past the rows, M or N).
-template <class ARow, class BRow>
+// One K block of a weight-gradient tile by cp.async: A [kM M, kK rows] M-major (SA)
+// from the A rows, B [256 N, kK rows] N-major (SB) from the B rows; 128 / kK threads
+// share a row, thread ptid taking row ptid / (128 / kK) and every (128 / kK)-th
+// 16-byte chunk of it (zeros past the rows, M or N).
+template <int kSlot, int kK, int kM, class SA, class SB, class ARow, class BRow>
 __device__ __forceinline__ void load_wgrad_block(int ptid, char* tiles, int slot, int64_t r0,
                                                  int64_t rows, int64_t m0, int64_t M, int64_t n0,
                                                  int64_t N, const Elem* base, ARow a_row,
                                                  BRow b_row) {
-  const int r = ptid >> 1, half = ptid & 1;
+  constexpr int kPer = kProducerThreads / kK;
+  const int r = ptid / kPer, part = ptid % kPer;
   const bool valid = r < rows;
   const Elem* a = valid ? a_row(r0 + r) + m0 : base;
   const Elem* b = valid ? b_row(r0 + r) + n0 : base;
-  Tensor sA = make_tensor(make_smem_ptr(stage_a(tiles, slot)), LayoutAM{});
-  Tensor sB = make_tensor(make_smem_ptr(stage_b<kStages>(tiles, slot)), LayoutB{});
-#pragma unroll
-  for (int c = half; c < kBlockRows / 8; c += 2) {
+  Tensor sA = make_tensor(make_smem_ptr(slot_a<kSlot>(tiles, slot)), SA{});
+  Tensor sB = make_tensor(make_smem_ptr(slot_b<kSlot>(tiles, slot)), SB{});
+#pragma unroll 4
+  for (int c = part; c < kM / 8; c += kPer) {
     const bool ok = valid && m0 + 8 * c < M;
     cp_async_16(&sA(8 * c, r), ok ? a + 8 * c : base, ok);
   }
-#pragma unroll
-  for (int c = half; c < kStageCols / 8; c += 2) {
+#pragma unroll 4
+  for (int c = part; c < kStageCols / 8; c += kPer) {
     const bool ok = valid && n0 + 8 * c < N;
     cp_async_16(&sB(8 * c, r), ok ? b + 8 * c : base, ok);
   }
 }
 
+template <int kSlot>
 __device__ void produce(const Params& p, const Windows& win, Control& ctl, char* tiles,
                         const int32_t* block_begin, const TaskList& list, uint32_t* ticket) {
   const int ptid = threadIdx.x;  // 0..127
@@ -217,10 +283,7 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
   Tensor mDown = p.tma_down.get_tma_tensor(make_shape(F, H, p.experts));
   Tensor mGateUp = p.tma_gate_up.get_tma_tensor(make_shape(H, 2 * F, p.experts));
   const int64_t R = p.tokens * p.top_k;
-  Tensor mWh = p.tma_wh.get_tma_tensor(make_shape(F, R));
-  Tensor mXRows = p.tma_x_rows.get_tma_tensor(make_shape(H, R));
-  Tensor mDgu = p.tma_dgu.get_tma_tensor(make_shape(2 * F, R));
-  Tensor mDyRows = p.tma_dy_rows.get_tma_tensor(make_shape(H, R));
+  constexpr bool wide = kSlot == kWideRows;
   for (int claim = 0;; ++claim) {
     const uint32_t t = claim_task(ptid, ctl, ticket, claim);
     const TaskId id = list.at(t, block_begin);
@@ -265,7 +328,7 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
                              : ARows(ptid, rb, base, [&](int m) {
                                  return p.dgu + (rb.row0 + m) * 2 * F;
                                });
-      stream_k_blocks(ptid, ctl, tiles, st, a, K, base, [&](Elem* b, uint64_t& full, int kb) {
+      auto issue_b = [&](Elem* b, uint64_t& full, int kb) {
         Tensor sb = make_tensor(make_smem_ptr(b), LayoutBK{});
         auto issue = [&](const TmaK& tma, auto& mW) {
           Tensor g = local_tile(mW(_, _, rb.expert), TileBK{}, make_coord(task.tile, kb));
@@ -278,39 +341,39 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
         } else {
           issue(p.tma_gate_up, mGateUp);
         }
-      });
+      };
+      stream_k_blocks<kSlot>(ptid, ctl, tiles, st, a, K, base, issue_b);
       continue;
     }
-    // A weight gradient: for each N tile, the expert's rows in 64-row K blocks (its row
-    // blocks). A whole block by TMA (wh and the dy rows its SwiGLU task copied; the x
-    // rows and d gate_up); an expert's last, partial block by cp.async (the rows past
-    // it are the next expert's: zeros instead).
+    // A weight gradient: for each N tile, the expert's rows in ascending 64-row K blocks
+    // (M tiles of 64, or 128 when wide). A whole block by TMA (wh and
+    // the dy rows the SwiGLU tasks copied; the x rows and d gate_up); an expert's last,
+    // partial block by cp.async (the rows past it are the next expert's: zeros instead).
     const bool down = task.kind == Kind::kWgradDown;
     const int64_t M = down ? F : H, N = down ? H : 2 * F;
-    const int64_t m0 = int64_t(task.mtile) * kBlockRows;
+    const int64_t m0 = int64_t(task.mtile) * kSlot;
     const int64_t rows = rb.row_end - rb.row0;
-    const int k_blocks = static_cast<int>((rows + kBlockRows - 1) / kBlockRows);
+    const int64_t kb_rows = kBlockRows;
+    const int k_blocks = wgrad_k_blocks(rows);
     const int n_tiles = static_cast<int>(tiles_of(N, kStageCols));
+    const Elem* a_rows = down ? p.wh : p.x_rows;  // [R, M]
+    auto a_row = [&](int64_t r) { return a_rows + r * M; };
+    auto b_row = [&](int64_t r) { return down ? dy_of_row(p, win, r) : p.dgu + r * N; };
 #pragma unroll 1
     for (int step = 0; step < n_tiles * k_blocks; ++step) {
       const int kb = step % k_blocks;
-      const int64_t n0 = int64_t(step / k_blocks) * kStageCols;
+      const int32_t nt = step / k_blocks;
+      const int64_t n0 = int64_t(nt) * kStageCols;
       Barrier::wait(&ctl.empty[st.slot], st.phase);
-      const int64_t r0 = rb.row0 + int64_t(kb) * kBlockRows;
-      const int64_t n_rows = min(int64_t(kBlockRows), rb.row_end - r0);
-      if (n_rows < kBlockRows) {
-        if (down) {
-          load_wgrad_block(
-              ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, win.dy[0],
-              [&](int64_t r) { return p.wh + r * F; },
-              [&](int64_t r) {
-                return dy_of_row(p, win, r);
-              });
+      const int64_t r0 = rb.row0 + int64_t(kb) * kb_rows;
+      const int64_t n_rows = min(kb_rows, rb.row_end - r0);  // <= 0: a block of zeros
+      if (n_rows < kb_rows) {
+        if constexpr (wide) {
+          load_wgrad_block<kSlot, kWideK, kWideRows, LayoutAW, LayoutBW>(
+              ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, p.dgu, a_row, b_row);
         } else {
-          load_wgrad_block(
-              ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, win.dy[0],
-              [&](int64_t r) { return p.x_rows + r * H; },
-              [&](int64_t r) { return p.dgu + r * 2 * F; });
+          load_wgrad_block<kSlot, kBlockRows, kBlockRows, LayoutAM, LayoutB>(
+              ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, p.dgu, a_row, b_row);
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
         if (ptid == 0) Barrier::arrive(&ctl.full[st.slot]);  // no TMA bytes in this stage
@@ -318,23 +381,28 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
         cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
         if (ptid == 0) {
           uint64_t& full = ctl.full[st.slot];
-          Barrier::arrive_and_expect_tx(&full, kStageABytes + kStageBBytes);
-          Tensor sA = make_tensor(make_smem_ptr(stage_a(tiles, st.slot)), LayoutAM{});
-          Tensor sB = make_tensor(make_smem_ptr(stage_b<kStages>(tiles, st.slot)), LayoutB{});
-          auto load = [&](const auto& tma, auto& mRows, auto tile, auto& s, int32_t col_tile) {
-            Tensor g = local_tile(domain_offset(make_coord(0, r0), mRows), tile,
+          // Columns [col_tile C, (col_tile + 1) C) of rows [r0, r0 + K) of a [R, cols]
+          // array, (C, K) the tile.
+          auto load = [&](const auto& tma, int64_t cols, auto tile, auto layout, Elem* smem,
+                          int32_t col_tile) {
+            Tensor sm = make_tensor(make_smem_ptr(smem), layout);
+            Tensor rows_t = tma.get_tma_tensor(make_shape(cols, R));
+            Tensor g = local_tile(domain_offset(make_coord(0, r0), rows_t), tile,
                                   make_coord(col_tile, 0));
-            auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s),
+            auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sm),
                                           group_modes<0, 2>(g));
             copy(tma.with(full), tg, ts);
           };
-          const int32_t nt = step / k_blocks;
-          if (down) {
-            load(p.tma_wh, mWh, TileAM{}, sA, task.mtile);
-            load(p.tma_dy_rows, mDyRows, TileBN{}, sB, nt);
+          Elem* sa = slot_a<kSlot>(tiles, st.slot);
+          Elem* sb = slot_b<kSlot>(tiles, st.slot);
+          if constexpr (wide) {
+            Barrier::arrive_and_expect_tx(&full, stage_a_bytes(kWideRows) + kStageBBytes);
+            load(down ? p.tma_wh_w : p.tma_x_rows_w, M, TileAW{}, LayoutAW{}, sa, task.mtile);
+            load(down ? p.tma_dy_rows : p.tma_dgu, N, TileBN{}, LayoutB{}, sb, nt);
           } else {
-            load(p.tma_x_rows, mXRows, TileAM{}, sA, task.mtile);
-            load(p.tma_dgu, mDgu, TileBN{}, sB, nt);
+            Barrier::arrive_and_expect_tx(&full, kStageABytes + kStageBBytes);
+            load(down ? p.tma_wh : p.tma_x_rows, M, TileAM{}, LayoutAM{}, sa, task.mtile);
+            load(down ? p.tma_dy_rows : p.tma_dgu, N, TileBN{}, LayoutB{}, sb, nt);
           }
         }
       }
@@ -374,24 +442,28 @@ __device__ __forceinline__ uint32_t pick4(const uint32_t (&a)[4], int i) {
 // exchanges its packed pairs (round k: lane q sends its pair of group q ^ k and
 // reads lane (q ^ k)'s pair of group q), after which lane q holds all 8 columns
 // of group j0 + q for both rows: a warp's store writes 8 rows x 64 bytes
-// (whole sectors) instead of 8 rows x 16 bytes.
-template <class Acc, class Store>
+// (whole sectors) instead of 8 rows x 16 bytes. kV0 = 64 h: the same for the
+// values of columns 128 h .. 128 h + 127 of a warp group's 64 x 256 (the wide weight
+// gradients' accumulators, one warp group above the other), given as n from 0.
+// kJBegin, kJCount: only the column groups j0 in [kJBegin, kJBegin + kJCount) (8
+// groups: a 64-column part).
+template <int kV0 = 0, int kJBegin = 0, int kJCount = 16, class Acc, class Store>
 __device__ __forceinline__ void store_tile_bf16(const Acc& acc, Store store) {
-  static_assert(decltype(size(acc))::value == 64);
+  static_assert(decltype(size(acc))::value == kV0 + 64 || decltype(size(acc))::value == 128);
   const int ctid = threadIdx.x - kProducerThreads;
   const int lane = ctid & 31, q = lane & 3;
   const int r = 16 * ((ctid % 128) / 32) + lane / 4;
-  const int n0 = 128 * (ctid / 128);
+  const int n0 = decltype(size(acc))::value == 64 ? 128 * (ctid / 128) : 0;
   auto pack = [](float a, float b) {
     return uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
   };
 #pragma unroll
-  for (int j0 = 0; j0 < 16; j0 += 4) {
+  for (int j0 = kJBegin; j0 < kJBegin + kJCount; j0 += 4) {
     uint32_t top[4], bot[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      top[t] = pack(acc(4 * (j0 + t)), acc(4 * (j0 + t) + 1));
-      bot[t] = pack(acc(4 * (j0 + t) + 2), acc(4 * (j0 + t) + 3));
+      top[t] = pack(acc(kV0 + 4 * (j0 + t)), acc(kV0 + 4 * (j0 + t) + 1));
+      bot[t] = pack(acc(kV0 + 4 * (j0 + t) + 2), acc(kV0 + 4 * (j0 + t) + 3));
     }
     uint32_t rt[4], rb[4];
 #pragma unroll
@@ -471,12 +543,16 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
   }
 }
 
-template <typename W>
+template <typename W, int kSlot>
 __device__ void consume(const Params& p, const Windows& win, Control& ctl, char* tiles,
                         Elem* store_tile, int32_t rank) {
   Ring<kStages> st{0, 0u};
   Ring<kTaskSlots> mail{0, 0u};
   const int64_t H = p.hidden, F = p.ffn;
+  // This warp group's store buffers.
+  constexpr int kParts = group_parts(kSlot);
+  const int g = (threadIdx.x - kProducerThreads) / 128;
+  Elem* const buffers = store_tile + g * kParts * (kPartBytes / sizeof(Elem));
   for (;;) {
     const Task task = take_task(ctl, mail);
     const RowBlock& rb = task.rb;
@@ -495,7 +571,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         break;
       case Kind::kDgrad2: {
         AccKK acc;
-        mma_k_loop<MmaKK, LayoutA, LayoutBK>(ctl, tiles, st,
+        mma_k_loop<MmaKK, LayoutA, LayoutBK, kSlot>(ctl, tiles, st,
                                              static_cast<int>((H + kBlockK - 1) / kBlockK), acc);
         const int64_t rows = rb.rows(), f0 = int64_t(task.tile) * kStageCols;
         for_each_pair<MmaKK>(acc, [&](int m, int n, float v0, float v1) {
@@ -509,7 +585,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
       }
       case Kind::kDgrad1: {
         AccKK acc;
-        mma_k_loop<MmaKK, LayoutA, LayoutBK>(
+        mma_k_loop<MmaKK, LayoutA, LayoutBK, kSlot>(
             ctl, tiles, st, static_cast<int>((2 * F + kBlockK - 1) / kBlockK), acc);
         const int64_t rows = rb.rows(), h0 = int64_t(task.tile) * kStageCols;
         store_tile_bf16(acc, [&](int m, int n, uint4 v) {
@@ -522,38 +598,84 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
       default: {  // a weight gradient
         const bool down = task.kind == Kind::kWgradDown;
         const int64_t M = down ? F : H, N = down ? H : 2 * F;
-        const int k_blocks = static_cast<int>((rb.row_end - rb.row0 + kBlockRows - 1) / kBlockRows);
+        const int64_t rows = rb.row_end - rb.row0;
         const int n_tiles = static_cast<int>(tiles_of(N, kStageCols));
         const TmaStore& tma = down ? p.tma_d_down : p.tma_d_gate_up;
         Tensor mD = tma.get_tma_tensor(make_shape(M, N, p.experts));
-        // This warp group's half of the tile: columns 128 g .. 128 g + 127.
-        const int g = (threadIdx.x - kProducerThreads) / 128;
         const bool issuer = threadIdx.x % 128 == 0;
-        Tensor sC = make_tensor(make_smem_ptr(store_tile + g * (kHalfTileBytes / sizeof(Elem))),
-                                LayoutC{});
-#pragma unroll 1
-        for (int nt = 0; nt < n_tiles; ++nt) {
-          AccMN acc;
-          if (k_blocks == 0) {
-            clear(acc);  // an expert without rows: a zero gradient
-          } else {
-            mma_k_loop<MmaMN, LayoutAM, LayoutB>(ctl, tiles, st, k_blocks, acc);
-          }
-          // The group's last store has read its tile out of shared memory.
+        // The group's kParts 64 x 64 parts from (M block mb, 64-column block nb) on, one
+        // in each of its buffers: once the group's last stores have read the buffers,
+        // write(put) fills them (put(i, m, n, v): 16 bytes at (m, n) of part i), and one
+        // thread stores each part (clipped at M and N; a part wholly past either is
+        // skipped, and so are all when the first is: the same for the whole group).
+        auto store_parts = [&](int64_t mb, int64_t nb, auto write) {
+          if (nb * kBlockK >= N || mb * kBlockRows >= M) return;
+          auto part = [&](int i) {
+            return make_tensor(make_smem_ptr(buffers + i * (kPartBytes / sizeof(Elem))),
+                               LayoutC{});
+          };
           if (issuer) tma_store_wait<0>();
           cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
-          store_tile_bf16(acc, [&](int m, int n, uint4 v) {
-            *reinterpret_cast<uint4*>(&sC(m, n - 128 * g)) = v;
+          write([&](int i, int m, int n, uint4 v) {
+            *reinterpret_cast<uint4*>(&part(i)(m, n)) = v;
           });
-          tma_store_fence();  // the tile's writes, then the TMA's reads
+          tma_store_fence();  // the parts' writes, then the TMA's reads
           cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
-          const int64_t half = 2 * int64_t(nt) + g;
-          if (issuer && half * (kStageCols / 2) < N) {
-            Tensor gD = local_tile(mD(_, _, rb.expert), HalfTile{}, make_coord(task.mtile, half));
-            auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sC),
-                                          group_modes<0, 2>(gD));
-            copy(tma, ts, tg);
+          if (issuer) {
+#pragma unroll
+            for (int i = 0; i < kParts; ++i) {
+              if ((nb + i) * kBlockK >= N) break;
+              Tensor sC = part(i);
+              Tensor gD = local_tile(mD(_, _, rb.expert), PartTile{}, make_coord(mb, nb + i));
+              auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sC),
+                                            group_modes<0, 2>(gD));
+              copy(tma, ts, tg);
+            }
             tma_store_arrive();
+          }
+        };
+        const int k_blocks = wgrad_k_blocks(rows);
+        if constexpr (kSlot == kWideRows) {
+          // 128 x 256 tiles: this warp group's 64 rows, its four 64-column parts in turn
+          // through its one buffer.
+          static_assert(kParts == 1);
+          const int64_t mb = 2 * int64_t(task.mtile) + g;
+#pragma unroll 1
+          for (int nt = 0; nt < n_tiles; ++nt) {
+            AccMNW acc;
+            if (k_blocks == 0) {
+              clear(acc);  // an expert without rows: a zero gradient
+            } else {
+              mma_k_loop<MmaMNW, LayoutAW, LayoutBW, kSlot>(ctl, tiles, st, k_blocks, acc);
+            }
+            const int64_t nb = 4 * int64_t(nt);
+            auto at = [](auto put, int n0) {  // part 0, n relative to its first column
+              return [=](int m, int n, uint4 v) { put(0, m, n - n0, v); };
+            };
+            store_parts(mb, nb, [&](auto put) { store_tile_bf16<0, 0, 8>(acc, at(put, 0)); });
+            store_parts(mb, nb + 1, [&](auto put) { store_tile_bf16<0, 8, 8>(acc, at(put, 64)); });
+            store_parts(mb, nb + 2, [&](auto put) { store_tile_bf16<64, 0, 8>(acc, at(put, 0)); });
+            store_parts(mb, nb + 3,
+                        [&](auto put) { store_tile_bf16<64, 8, 8>(acc, at(put, 64)); });
+          }
+        } else {
+          // 64 x 256 tiles: this warp group's half, columns 128 g .. 128 g + 127, as two
+          // 64-column parts in its two buffers.
+          static_assert(kParts == 2);
+#pragma unroll 1
+          for (int nt = 0; nt < n_tiles; ++nt) {
+            AccMN acc;
+            if (k_blocks == 0) {
+              clear(acc);  // an expert without rows: a zero gradient
+            } else {
+              mma_k_loop<MmaMN, LayoutAM, LayoutB, kSlot>(ctl, tiles, st, k_blocks, acc);
+            }
+            store_parts(task.mtile, 4 * int64_t(nt) + 2 * g, [&](auto put) {
+              store_tile_bf16(acc, [&](int m, int n, uint4 v) {
+                const int c = n - 128 * g;  // a chunk lies in one part
+                put(c / 64, m, c % 64, v);
+              });
+            });
           }
         }
         break;
@@ -562,14 +684,15 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
   }
 }
 
-template <typename W>
+template <typename W, int kSlot>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_backward_persistent(const __grid_constant__ Params p) {
   extern __shared__ char smem_raw[];
   char* tiles = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) & ~uintptr_t(kSmemAlign - 1));
-  Elem* store_tile = reinterpret_cast<Elem*>(tiles + tile_bytes(kStages));  // 2 x 16 KB
-  int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + kTilesBytes);    // [E + 1]
+  // The store buffers: 2 groups x group_parts(kSlot) x 8 KB.
+  Elem* store_tile = reinterpret_cast<Elem*>(tiles + tile_bytes(kStages, kSlot));
+  int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + tiles_bytes(kSlot));  // [E + 1]
   __shared__ Control ctl;
   __shared__ Windows win;
   if (threadIdx.x == 0) {
@@ -590,6 +713,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       prefetch_tma_descriptor(p.tma_x_rows.get_tma_descriptor());
       prefetch_tma_descriptor(p.tma_dgu.get_tma_descriptor());
       prefetch_tma_descriptor(p.tma_dy_rows.get_tma_descriptor());
+      prefetch_tma_descriptor(p.tma_wh_w.get_tma_descriptor());
+      prefetch_tma_descriptor(p.tma_x_rows_w.get_tma_descriptor());
     }
     init_control(ctl);
   }
@@ -602,11 +727,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < kProducerThreads) {
     cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegs>();
     const TaskList list(p.rank_tokens, p.experts, p.hidden, p.ffn, block_begin,
-                        int64_t(rank) * p.rank_experts, int64_t(rank + 1) * p.rank_experts);
-    produce(p, win, ctl, tiles, block_begin, list, p.ticket + rank);
+                        int64_t(rank) * p.rank_experts, int64_t(rank + 1) * p.rank_experts,
+                        kSlot);
+    produce<kSlot>(p, win, ctl, tiles, block_begin, list, p.ticket + rank);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kBwdConsumerRegs>();
-    consume<W>(p, win, ctl, tiles, store_tile, rank);
+    consume<W, kSlot>(p, win, ctl, tiles, store_tile, rank);
   }
 }
 
@@ -710,6 +836,7 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   }
   p.x_rows = static_cast<const Elem*>(a.x_rows);
   const int64_t rows = s.tokens * s.top_k;
+  const int wgrad_rows = backward_wgrad_rows(s);
   if (rows > 0) {  // no rows: no weight-gradient block is loaded
     if (reinterpret_cast<uintptr_t>(a.x_rows) % 16 != 0) {
       return "persistent MoE backward: the forward's x rows are not 16-byte aligned";
@@ -718,8 +845,10 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
     p.tma_x_rows = make_tma_rows_a(p.x_rows, s.hidden, rows);
     p.tma_dgu = make_tma_rows_b(b.dgu, 2 * s.ffn, rows);
     p.tma_dy_rows = make_tma_rows_b(b.dy_rows, s.hidden, rows);
+    p.tma_wh_w = make_tma_rows_aw(b.wh, s.ffn, rows);
+    p.tma_x_rows_w = make_tma_rows_aw(p.x_rows, s.hidden, rows);
     if (!encoded(p.tma_wh) || !encoded(p.tma_x_rows) || !encoded(p.tma_dgu) ||
-        !encoded(p.tma_dy_rows)) {
+        !encoded(p.tma_dy_rows) || !encoded(p.tma_wh_w) || !encoded(p.tma_x_rows_w)) {
       return "persistent MoE backward: cuTensorMapEncodeTiled failed for the rows of the "
              "weight gradients";
     }
@@ -745,10 +874,15 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   if (max_tasks(s) + info.sm_count >= (int64_t(1) << 32)) {
     return "persistent MoE backward: 2^32 tasks or more";
   }
-  auto kernel = a.weight_dtype == DType::kF32 ? moe_backward_persistent<float>
-                                              : moe_backward_persistent<bf16>;
-  return launch_one_cta_per_sm(kernel, p, dynamic_smem_bytes(kTilesBytes, s.experts),
-                               info.sm_count, stream);
+  const bool f32 = a.weight_dtype == DType::kF32;
+  const bool wide = wgrad_rows == kWideRows;
+  auto kernel = wide ? (f32 ? moe_backward_persistent<float, kWideRows>
+                            : moe_backward_persistent<bf16, kWideRows>)
+                     : (f32 ? moe_backward_persistent<float, kBlockRows>
+                            : moe_backward_persistent<bf16, kBlockRows>);
+  return launch_one_cta_per_sm(
+      kernel, p, dynamic_smem_bytes(tiles_bytes(wide ? kWideRows : kBlockRows), s.experts),
+      info.sm_count, stream);
 }
 
 }  // namespace mok::cuda

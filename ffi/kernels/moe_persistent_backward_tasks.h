@@ -13,7 +13,8 @@
 namespace mok::cuda::backward_tasks {
 
 constexpr int kTileCols = 256;     // the N tile of every GEMM task
-constexpr int kTileRows = 64;      // a row block; the weight gradients' M tile
+constexpr int kTileRows = 64;      // a row block; the weight gradients' M tile, or:
+constexpr int kWideRows = 128;     // their M tile past 128 rows per expert
 constexpr int kCombineTokens = 2;  // tokens per combine task
 
 enum class Kind : int32_t { kDgrad2, kSwiglu, kDgrad1, kWgradDown, kWgradGateUp, kCombine, kEnd };
@@ -51,7 +52,8 @@ MOK_HOST_DEVICE constexpr uint32_t tiles_of(int64_t n, int tile) {
 //   writes run side by side), the expert's
 //     dgrad1 tasks (row block x H tile of 256): dx rows = d gate_up @ W_gate_up^T,
 //       K = 2F (in bands of row blocks);
-//     weight gradients (64-row M tile, its 256-column N tiles one after another),
+//     weight gradients (M tile of `wgrad_rows`, 64 or 128, its 256-column N tiles one
+//       after another),
 //       dW_down's then dW_gate_up's: dW_down = wh^T dy rows, dW_gate_up = x rows^T
 //       d gate_up, over the expert's rows in ascending 64-row K blocks;
 //   the combine (2 of the rank's tokens, numbered from 0 in each rank): after every
@@ -70,16 +72,17 @@ struct TaskList {
 
   // The one-device list: every expert and token.
   MOK_HOST_DEVICE TaskList(int64_t tokens, int64_t experts, int64_t hidden, int64_t ffn,
-                           const int32_t* block_begin)
-      : TaskList(tokens, experts, hidden, ffn, block_begin, 0, experts) {}
+                           const int32_t* block_begin, int wgrad_rows = kTileRows)
+      : TaskList(tokens, experts, hidden, ffn, block_begin, 0, experts, wgrad_rows) {}
 
   // Rank o's of P: experts [e0, e1) and `rank_tokens` = T/P tokens.
   MOK_HOST_DEVICE TaskList(int64_t rank_tokens, int64_t experts, int64_t hidden, int64_t ffn,
-                           const int32_t* block_begin, int64_t e0_, int64_t e1_)
+                           const int32_t* block_begin, int64_t e0_, int64_t e1_,
+                           int wgrad_rows = kTileRows)
       : nf(tiles_of(ffn, kTileCols)),
         nh(tiles_of(hidden, kTileCols)),
-        mf(tiles_of(ffn, kTileRows)),
-        mh(tiles_of(hidden, kTileRows)),
+        mf(tiles_of(ffn, wgrad_rows)),
+        mh(tiles_of(hidden, wgrad_rows)),
         e0(e0_),
         e1(e1_),
         block0(static_cast<uint32_t>(block_begin[e0_])),

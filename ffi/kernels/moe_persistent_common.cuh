@@ -203,20 +203,22 @@ using ARows = ARowsOf<>;
 // Streams a row-block task's K blocks into the stages: for each, a free stage, the
 // A rows by cp.async from every producer thread, then (thread 0) the whole B tile's
 // bytes expected (out-of-bounds parts included: TMA writes them as zeros) and
-// issue_b(B stage, full barrier, K block) starting its TMA copies.
-template <class Ctl, int S, class IssueB, int BM>
+// issue_b(B stage, full barrier, K block) starting its TMA copies. kSlotRows: the
+// rows the stages' A regions are laid out for (0: the task's BM).
+template <int kSlotRows = 0, class Ctl, int S, class IssueB, int BM>
 __device__ __forceinline__ void stream_k_blocks(int ptid, Ctl& ctl, char* tiles,
                                                 Ring<S>& st, const ARowsOf<BM>& a, int64_t K,
                                                 const Elem* base, IssueB issue_b) {
+  constexpr int kSlot = kSlotRows ? kSlotRows : BM;
   const int k_blocks = static_cast<int>((K + kBlockK - 1) / kBlockK);
 #pragma unroll 1
   for (int kb = 0; kb < k_blocks; ++kb) {
     Barrier::wait(&ctl.empty[st.slot], st.phase);
-    a.load(ptid, stage_a<BM>(tiles, st.slot), int64_t(kb) * kBlockK, K, base);
+    a.load(ptid, stage_a<kSlot>(tiles, st.slot), int64_t(kb) * kBlockK, K, base);
     cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
     if (ptid == 0) {
       Barrier::arrive_and_expect_tx(&ctl.full[st.slot], kStageBBytes);
-      issue_b(stage_b<S, BM>(tiles, st.slot), ctl.full[st.slot], kb);
+      issue_b(stage_b<S, kSlot>(tiles, st.slot), ctl.full[st.slot], kb);
     }
     st.advance();
   }
@@ -344,14 +346,15 @@ __device__ __forceinline__ void scan_row_blocks(const int64_t* expert_begin, int
 // flight across the next block's wait made the 128-row forward 11-19 % slower:
 // docs/performance.md). `issued` runs once, while the first K block's wgmmas are in
 // flight (work that can overlap them; it must not touch the accumulators).
+// BM: the rows of the stages' A tiles as laid out (those of SmemA unless a kernel
+// puts another A tile of the same bytes there).
 struct NothingWhileIssued {
   __device__ void operator()() const {}
 };
-template <class Mma, class SmemA, class SmemB, class Ctl, int S, class Acc,
-          class Issued = NothingWhileIssued>
+template <class Mma, class SmemA, class SmemB, int BM = decltype(size<0>(SmemA{}))::value,
+          class Ctl, int S, class Acc, class Issued = NothingWhileIssued>
 __device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<S>& st,
                                            int k_blocks, Acc& acc, Issued issued = {}) {
-  constexpr int BM = decltype(size<0>(SmemA{}))::value;
   const int ctid = threadIdx.x - kProducerThreads;
   Mma mma;
   auto thr = mma.get_thread_slice(ctid);

@@ -66,12 +66,9 @@ using AccMN = decltype(partition_fragment_C(MmaMN{}, StageTile{}));
 // [128 M, 64 rows] (the slot's whole A region) and B [256 N, 64 rows]: 4.2 MFLOP
 // for 48 KB of loads, twice a 64-row task's work per stage in flight (85 FLOP a
 // byte, against 51).
-constexpr int kWideK = kBlockK;
 using LayoutAW = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                        Shape<Int<kWideRows>, Int<kWideK>>{}, Step<_2, _1>{}));
-using LayoutBW = LayoutB;
-static_assert(cosize(LayoutAW{}) * sizeof(Elem) == stage_a_bytes(kWideRows) &&
-              cosize(LayoutBW{}) * sizeof(Elem) == kStageBBytes);
+                                        Shape<Int<kWideRows>, Int<kBlockK>>{}, Step<_2, _1>{}));
+static_assert(cosize(LayoutAW{}) * sizeof(Elem) == stage_a_bytes(kWideRows));
 using MmaMNW = decltype(make_tiled_mma(
     SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{},
     Layout<Shape<_2, _1, _1>>{}));
@@ -136,7 +133,7 @@ auto make_tma_rows_b(const Elem* rows, int64_t C, int64_t R) {
 using TmaRowsA = decltype(make_tma_rows_a(nullptr, 0, 0));
 using TmaRowsB = decltype(make_tma_rows_b(nullptr, 0, 0));
 // The wide weight gradients' A blocks: 64 rows of 128 columns.
-using TileAW = Shape<Int<kWideRows>, Int<kWideK>>;
+using TileAW = Shape<Int<kWideRows>, Int<kBlockK>>;
 auto make_tma_rows_aw(const Elem* rows, int64_t C, int64_t R) {
   return make_tma_atom(SM90_TMA_LOAD{}, rows_view(make_gmem_ptr(rows), C, R), LayoutAW{},
                        TileAW{});
@@ -245,22 +242,21 @@ int64_t max_tasks(const MoeShape& s) {
 
 // ---- Producer
 
-// One K block of a weight-gradient tile by cp.async: A [kM M, kK rows] M-major (SA)
-// from the A rows, B [256 N, kK rows] N-major (SB) from the B rows; 128 / kK threads
-// share a row, thread ptid taking row ptid / (128 / kK) and every (128 / kK)-th
-// 16-byte chunk of it (zeros past the rows, M or N).
-template <int kSlot, int kK, int kM, class SA, class SB, class ARow, class BRow>
+// One K block of a weight-gradient tile by cp.async: A [kM M, 64 rows] M-major (SA)
+// from the A rows, B [256 N, 64 rows] N-major (LayoutB) from the B rows; thread ptid
+// takes row ptid / 2 and every other 16-byte chunk of it (zeros past the rows, M or N).
+template <int kSlot, int kM, class SA, class ARow, class BRow>
 __device__ __forceinline__ void load_wgrad_block(int ptid, char* tiles, int slot, int64_t r0,
                                                  int64_t rows, int64_t m0, int64_t M, int64_t n0,
                                                  int64_t N, const Elem* base, ARow a_row,
                                                  BRow b_row) {
-  constexpr int kPer = kProducerThreads / kK;
+  constexpr int kPer = kProducerThreads / kBlockRows;
   const int r = ptid / kPer, part = ptid % kPer;
   const bool valid = r < rows;
   const Elem* a = valid ? a_row(r0 + r) + m0 : base;
   const Elem* b = valid ? b_row(r0 + r) + n0 : base;
   Tensor sA = make_tensor(make_smem_ptr(slot_a<kSlot>(tiles, slot)), SA{});
-  Tensor sB = make_tensor(make_smem_ptr(slot_b<kSlot>(tiles, slot)), SB{});
+  Tensor sB = make_tensor(make_smem_ptr(slot_b<kSlot>(tiles, slot)), LayoutB{});
 #pragma unroll 4
   for (int c = part; c < kM / 8; c += kPer) {
     const bool ok = valid && m0 + 8 * c < M;
@@ -353,7 +349,6 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
     const int64_t M = down ? F : H, N = down ? H : 2 * F;
     const int64_t m0 = int64_t(task.mtile) * kSlot;
     const int64_t rows = rb.row_end - rb.row0;
-    const int64_t kb_rows = kBlockRows;
     const int k_blocks = wgrad_k_blocks(rows);
     const int n_tiles = static_cast<int>(tiles_of(N, kStageCols));
     const Elem* a_rows = down ? p.wh : p.x_rows;  // [R, M]
@@ -365,14 +360,14 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
       const int32_t nt = step / k_blocks;
       const int64_t n0 = int64_t(nt) * kStageCols;
       Barrier::wait(&ctl.empty[st.slot], st.phase);
-      const int64_t r0 = rb.row0 + int64_t(kb) * kb_rows;
-      const int64_t n_rows = min(kb_rows, rb.row_end - r0);  // <= 0: a block of zeros
-      if (n_rows < kb_rows) {
+      const int64_t r0 = rb.row0 + int64_t(kb) * kBlockRows;
+      const int64_t n_rows = min(int64_t(kBlockRows), rb.row_end - r0);  // <= 0: zeros
+      if (n_rows < kBlockRows) {
         if constexpr (wide) {
-          load_wgrad_block<kSlot, kWideK, kWideRows, LayoutAW, LayoutBW>(
+          load_wgrad_block<kSlot, kWideRows, LayoutAW>(
               ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, p.dgu, a_row, b_row);
         } else {
-          load_wgrad_block<kSlot, kBlockRows, kBlockRows, LayoutAM, LayoutB>(
+          load_wgrad_block<kSlot, kBlockRows, LayoutAM>(
               ptid, tiles, st.slot, r0, n_rows, m0, M, n0, N, p.dgu, a_row, b_row);
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
@@ -543,6 +538,18 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
   }
 }
 
+// A weight-gradient tile's K loop over its expert's k_blocks 64-row blocks; an expert
+// without rows gives a zero gradient.
+template <class Mma, class SmemA, class SmemB, int kSlot, class Acc>
+__device__ __forceinline__ void wgrad_k_loop(Control& ctl, char* tiles, Ring<kStages>& st,
+                                             int k_blocks, Acc& acc) {
+  if (k_blocks == 0) {
+    clear(acc);
+  } else {
+    mma_k_loop<Mma, SmemA, SmemB, kSlot>(ctl, tiles, st, k_blocks, acc);
+  }
+}
+
 template <typename W, int kSlot>
 __device__ void consume(const Params& p, const Windows& win, Control& ctl, char* tiles,
                         Elem* store_tile, int32_t rank) {
@@ -643,11 +650,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
 #pragma unroll 1
           for (int nt = 0; nt < n_tiles; ++nt) {
             AccMNW acc;
-            if (k_blocks == 0) {
-              clear(acc);  // an expert without rows: a zero gradient
-            } else {
-              mma_k_loop<MmaMNW, LayoutAW, LayoutBW, kSlot>(ctl, tiles, st, k_blocks, acc);
-            }
+            wgrad_k_loop<MmaMNW, LayoutAW, LayoutB, kSlot>(ctl, tiles, st, k_blocks, acc);
             const int64_t nb = 4 * int64_t(nt);
             auto at = [](auto put, int n0) {  // part 0, n relative to its first column
               return [=](int m, int n, uint4 v) { put(0, m, n - n0, v); };
@@ -665,11 +668,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
 #pragma unroll 1
           for (int nt = 0; nt < n_tiles; ++nt) {
             AccMN acc;
-            if (k_blocks == 0) {
-              clear(acc);  // an expert without rows: a zero gradient
-            } else {
-              mma_k_loop<MmaMN, LayoutAM, LayoutB, kSlot>(ctl, tiles, st, k_blocks, acc);
-            }
+            wgrad_k_loop<MmaMN, LayoutAM, LayoutB, kSlot>(ctl, tiles, st, k_blocks, acc);
             store_parts(task.mtile, 4 * int64_t(nt) + 2 * g, [&](auto put) {
               store_tile_bf16(acc, [&](int m, int n, uint4 v) {
                 const int c = n - 128 * g;  // a chunk lies in one part

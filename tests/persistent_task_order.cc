@@ -3,7 +3,9 @@
 // launch: every task appears exactly once and belongs to its rank, waits for the
 // counter its data needs (stated here from what each kind of task reads and what
 // the kernel's consumers count), and the ranks' lists run to their ends without a
-// deadlock, with the weight gradients' M tiles of 64 rows and of 128. And the
+// deadlock, with the weight gradients' M tiles of 64 rows and of 128, their N tiles
+// in chunks of several sizes and the SwiGLU tasks at several lags behind their
+// dgrad2 tasks. And the
 // forward's GEMM task order (ffi/kernels/band_order.h) over the same routings: each
 // rank's numbers give every (column tile, row block) of its experts once, each
 // expert's within the expert's numbers. Run with
@@ -57,7 +59,8 @@ int check_band_order(const std::vector<int32_t>& blocks_of, uint32_t n, int P) {
 // each CTA finished its task before the next was claimed; returns the errors. A
 // rank whose next task waits stays put; if no rank can go on, the lists deadlock.
 int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& blocks_of,
-          int P = 1, int wgrad_rows = kTileRows) {
+          int P = 1, int wgrad_rows = kTileRows, uint32_t lag = mok::cuda::kBandBlocks,
+          uint32_t wn = 1u << 20) {
   const int64_t E = static_cast<int64_t>(blocks_of.size());
   std::vector<int32_t> begin(E + 1, 0);
   std::vector<int64_t> expert_of_block;
@@ -68,21 +71,24 @@ int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& bloc
   const int64_t B = begin[E];
   const uint32_t nf = ceil_div(F, 256), nh = ceil_div(H, 256);
   const uint32_t mf = ceil_div(F, wgrad_rows), mh = ceil_div(H, wgrad_rows);
+  const uint32_t n2f = ceil_div(2 * F, 256);  // dW_gate_up's N tiles (dW_down's: nh)
+  const uint32_t cd = ceil_div(nh, wn), cg = ceil_div(n2f, wn);  // N chunks per M tile
   const int64_t rank_tokens = tokens / P, rank_experts = E / P;
   const uint32_t combines = ceil_div(rank_tokens, 2);
   std::vector<TaskList> lists;
   std::vector<uint64_t> expected;
   for (int o = 0; o < P; ++o) {
     const int64_t e0 = o * rank_experts, e1 = e0 + rank_experts;
-    lists.push_back(P == 1 ? TaskList(tokens, E, H, F, begin.data(), wgrad_rows)
-                           : TaskList(rank_tokens, E, H, F, begin.data(), e0, e1, wgrad_rows));
+    lists.push_back(P == 1 ? TaskList(tokens, E, H, F, begin.data(), wgrad_rows, lag, wn)
+                           : TaskList(rank_tokens, E, H, F, begin.data(), e0, e1, wgrad_rows,
+                                      lag, wn));
     expected.push_back(uint64_t(begin[e1] - begin[e0]) * (nf + 1 + nh) +
-                       uint64_t(rank_experts) * (mf + mh) + combines);
+                       uint64_t(rank_experts) * (mf * cd + mh * cg) + combines);
   }
 
   std::vector<uint32_t> block_ready(B, 0), expert_ready(E, 0);
   uint32_t dgrad1_done = 0;
-  std::set<std::tuple<int, int64_t, int32_t>> seen;
+  std::set<std::tuple<int, int64_t, int32_t, int32_t>> seen;  // kind, place, tiles
   int errors = 0;
   auto fail = [&](int o, uint32_t t, const char* what) {
     if (++errors <= 5) {
@@ -132,8 +138,11 @@ int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& bloc
           break;
         case Kind::kWgradDown:    // wh of the expert's rows
         case Kind::kWgradGateUp:  // d gate_up of the expert's rows
+          // An M tile and the first of a chunk of wn N tiles.
           in_range = id.block >= e0 && id.block < e1 && id.mtile >= 0 &&
-                     uint32_t(id.mtile) < (id.kind == Kind::kWgradDown ? mf : mh);
+                     uint32_t(id.mtile) < (id.kind == Kind::kWgradDown ? mf : mh) &&
+                     id.tile >= 0 && uint32_t(id.tile) % wn == 0 &&
+                     uint32_t(id.tile) < (id.kind == Kind::kWgradDown ? nh : n2f);
           if (in_range) {
             want = Counter::kExpertReady, want_index = id.block,
             want_target = uint32_t(blocks_of[id.block]);
@@ -176,11 +185,11 @@ int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& bloc
         case Kind::kDgrad1: ++dgrad1_done; break;
         default: break;
       }
-      const int32_t tile = id.kind == Kind::kWgradDown || id.kind == Kind::kWgradGateUp
-                               ? id.mtile
-                               : id.tile;
+      const bool wgrad = id.kind == Kind::kWgradDown || id.kind == Kind::kWgradGateUp;
       const int64_t place = id.kind == Kind::kCombine ? o : id.block;
-      if (!seen.insert({int(id.kind), place, tile}).second) fail(o, t, "a task twice");
+      if (!seen.insert({int(id.kind), place, wgrad ? id.mtile : 0, id.tile}).second) {
+        fail(o, t, "a task twice");
+      }
       ++next[o], moved = true;
     }
     if (!moved) {
@@ -202,6 +211,14 @@ int main() {
   auto run = [&](int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& blocks) {
     ++cases;
     errors += check(tokens, H, F, blocks) + check(tokens, H, F, blocks, 1, kWideRows);
+    for (uint32_t lag : {0u, 9u, 23u, TaskList::swiglu_lag(F, 132)}) {
+      errors += check(tokens, H, F, blocks, 1, kTileRows, lag);
+    }
+    int64_t rows = 0;  // as many as the row blocks hold at most
+    for (int32_t b : blocks) rows += int64_t(b) * kTileRows;
+    for (uint32_t wn : {1u, 3u, TaskList::wgrad_n(rows, int64_t(blocks.size()))}) {
+      errors += check(tokens, H, F, blocks, 1, kWideRows, mok::cuda::kBandBlocks, wn);
+    }
     errors += check_band_order(blocks, ceil_div(F, 128), 1) + check_band_order(blocks, 1, 1);
   };
   // Fixed corners: one expert, every expert empty, one expert with every block,
@@ -225,6 +242,7 @@ int main() {
                        const std::vector<int32_t>& blocks) {
     ++cases;
     errors += check(tokens, H, F, blocks, P) + check(tokens, H, F, blocks, P, kWideRows);
+    errors += check(tokens, H, F, blocks, P, kTileRows, TaskList::swiglu_lag(F, 132 / P), 2);
     errors += check_band_order(blocks, ceil_div(H, 256), P);
   };
   run_ranks(8, 8, 64, 72, std::vector<int32_t>(8, 0));  // one token per rank, no rows

@@ -104,6 +104,7 @@ SHAPES = [
     (256, 8, 128, 2048, 768), # few tokens over many experts
     (600, 2, 4, 136, 200),    # 128-row tiles, H and F not multiples of 64
     (520, 2, 4, 200, 72),     # 128-row tiles, one partial gate/up tile, a partial H tile
+    (4096, 2, 2, 1536, 640),  # 4096 rows per expert: weight-gradient tasks of 4 N tiles
 ]
 
 

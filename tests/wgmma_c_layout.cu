@@ -4,9 +4,9 @@
 // (64 x 256 tiles, two warp groups along N): consumer thread c (lane l, q = l % 4)
 // holds rows r = 16 (c % 128 / 32) + l / 4 and r + 8; its value 4j + v is column
 // 128 (c / 128) + 8j + 2q + v % 2 of row r + 8 (v / 2). moe_persistent.cu's 128-row
-// tiles and the backward's 128-row weight-gradient tiles (two warp groups along M,
-// 64 x 256 each): rows r = 64 (c / 128) + 16 (c % 128
-// / 32) + l / 4 and r + 8; value 4j + v is column 8j + 2q + v % 2 of row r + 8 (v / 2).
+// tiles and the backward's 128-row weight-gradient and dgrad tiles (two warp groups
+// along M, 64 x 256 each): rows r = 64 (c / 128) + 16 (c % 128 / 32) + l / 4 and
+// r + 8; value 4j + v is column 8j + 2q + v % 2 of row r + 8 (v / 2).
 // Exits non-zero and prints the first mismatches otherwise.
 #include <cstdio>
 #include <type_traits>
@@ -27,6 +27,9 @@ using MmaRows128 = decltype(make_tiled_mma(
     Layout<Shape<_2, _1, _1>>{}));
 using MmaWgrad128 = decltype(make_tiled_mma(
     SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{},
+    Layout<Shape<_2, _1, _1>>{}));
+using MmaDgrad128 = decltype(make_tiled_mma(
+    SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>{},
     Layout<Shape<_2, _1, _1>>{}));
 
 // kAlongM: the warp groups one above the other (128 x 256), else side by side (64 x 256).
@@ -60,7 +63,8 @@ int mismatches(const char* name) {
 int main() {
   const int bad = mismatches<MmaMN>("MN-major") + mismatches<MmaKK>("K-major") +
                   mismatches<MmaRows128, true>("128-row tiles") +
-                  mismatches<MmaWgrad128, true>("128-row weight-gradient tiles");
+                  mismatches<MmaWgrad128, true>("128-row weight-gradient tiles") +
+                  mismatches<MmaDgrad128, true>("128-row dgrad tiles");
   std::printf("%d mismatches\n", bad);
   return bad == 0 ? 0 : 1;
 }

@@ -132,14 +132,16 @@ std::string persistent_forward(const PersistentForwardArgs& args, void* workspac
 // the same bits as the chain's backward.
 // Tasks, numbered in this order, each waiting only for lower-numbered ones
 // (moe_persistent_backward_tasks.h):
-//   dgrad2 (64 rows x 256 F columns): dh = dy rows @ W_down^T in f32, the dy rows
-//     loaded straight from dy by their tokens (no gathered copy);
-//   SwiGLU's backward (64 rows): after the rows' dgrad2 tiles, the chain's
-//     swiglu_backward row by row (round(w h), d gate_up, d expert_weights);
-//   then expert by expert: its dgrad1 tasks (64 rows x 256 H columns: dx rows =
-//     d gate_up @ W_gate_up^T), then its weight gradients (64-row M tiles of
-//     dW_down, then of dW_gate_up, their 256-column N tiles in turn), after the
-//     expert's SwiGLU tasks, over its rows in 64-row K blocks, ascending;
+//   dgrad2 (a row block of 64 rows, 128 past 128 rows per expert, x 256 F columns):
+//     dh = dy rows @ W_down^T in f32, the dy rows loaded straight from dy by their
+//     tokens (no gathered copy);
+//   among them, SwiGLU's backward (a row block): after the rows' dgrad2 tiles, the
+//     chain's swiglu_backward row by row (round(w h), d gate_up, d expert_weights);
+//   then expert by expert: its dgrad1 tasks (a row block x 256 H columns: dx rows =
+//     d gate_up @ W_gate_up^T), then its weight gradients (M tiles of the row
+//     blocks' height of dW_down, then of dW_gate_up, each over a chunk of its
+//     256-column N tiles in turn), after the expert's SwiGLU tasks, over its rows
+//     in 64-row K blocks, ascending;
 //   the combine (2 tokens): after every dgrad1 task, dx = the sum over k ascending
 //     of each token's dx rows (f32, rounded once).
 // EP on one launch (`ranks` P > 1, virtual ranks on one device), as the forward:

@@ -25,11 +25,10 @@ using backward_tasks::tiles_of;
 static_assert(backward_tasks::kTileCols == kStageCols &&
               backward_tasks::kTileRows == kBlockRows);
 
-// The kernel comes in two layouts of shared memory, by the weight gradients' M tile
-// (kSlot rows, the rows of a stage slot's A region):
+// The kernel comes in two instantiations by its row blocks' height, kSlot (also the
+// weight gradients' M tile and the rows of a stage slot's A region):
 //   kSlot = 64: four 40 KB stages and two 8 KB store buffers per consumer warp group;
-//   kSlot = 128 (128-row M tiles; the 64-row tasks use the first half of a slot's A
-//     region): four 48 KB stages and one 8 KB store buffer per group.
+//   kSlot = 128: four 48 KB stages and one 8 KB store buffer per group.
 // Each group rounds its weight-gradient tile 64 x 64 at a time into its buffers, and
 // a TMA store writes each part out while the group goes on.
 constexpr int kStages = 4;
@@ -60,6 +59,27 @@ using MmaMN = decltype(make_tiled_mma(
     Layout<Shape<_1, _2, _1>>{}));
 using AccKK = decltype(partition_fragment_C(MmaKK{}, StageTile{}));
 using AccMN = decltype(partition_fragment_C(MmaMN{}, StageTile{}));
+// The dgrads of 128-row blocks (kSlot = 128): the warp groups one above the other,
+// 64 x 256 each, over A [128 rows, 64] and B [256, 64] stages, as the weight
+// gradients' 128-row tiles.
+using WideTile = Shape<Int<kWideRows>, Int<kStageCols>>;
+using MmaKKW = decltype(make_tiled_mma(
+    SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>{},
+    Layout<Shape<_2, _1, _1>>{}));
+using AccKKW = decltype(partition_fragment_C(MmaKKW{}, WideTile{}));
+// A dgrad task's MMA, tile and accumulators for row blocks of kRows.
+template <int kRows>
+struct Dgrad {
+  using Mma = MmaKK;
+  using Tile = StageTile;
+  using Acc = AccKK;
+};
+template <>
+struct Dgrad<kWideRows> {
+  using Mma = MmaKKW;
+  using Tile = WideTile;
+  using Acc = AccKKW;
+};
 
 // The weight gradients past 128 rows per expert: 128 x 256 tiles (the warp groups
 // one above the other, 64 x 256 each) over 64-row K blocks. A stage then holds A
@@ -150,6 +170,7 @@ struct Params {
   TmaRowsA tma_wh, tma_x_rows;
   TmaRowsB tma_dy_rows, tma_dgu;
   TmaRowsAW tma_wh_w, tma_x_rows_w;  // the A blocks of 128-row M tiles (kSlot = 128)
+  uint32_t wgrad_n;                  // N tiles per weight-gradient task (TaskList::wgrad_n)
   int64_t tokens, top_k, experts, hidden, ffn;
   // EP ranks: rank o holds tokens [o T/P, (o+1) T/P) (their dy, dx, weights and
   // d weights are its windows, reached through these pointer tables only) and
@@ -173,7 +194,7 @@ struct Params {
   float* dh;             // [R, F] scratch: dy rows @ W_down^T, f32
   Elem* wh;              // [R, F] scratch: round(w h), dW_down's A
   Elem* dgu;             // [R, 2F] scratch: d gate_up
-  Elem* dy_rows;         // [R, H] scratch: whole row blocks' dy rows, in row order
+  Elem* dy_rows;         // [R, H] scratch: the dy rows of whole 64-row K blocks, in row order
   uint32_t* block_ready;   // [row blocks]: dgrad2 tiles done, + 1 once SwiGLU's backward is
   uint32_t* expert_ready;  // [E]: the expert's row blocks through SwiGLU's backward
   uint32_t* dgrad1_done;   // dgrad1 tasks done, every rank's
@@ -212,7 +233,7 @@ __device__ __forceinline__ Elem* dx_row_out(const Params& p, const Windows& w, i
 
 struct Task {
   Kind kind;
-  int32_t tile;   // N tile (dgrad tasks) or combine task number
+  int32_t tile;   // N tile (dgrad tasks; a weight gradient's first) or combine task number
   int32_t mtile;  // M tile (weight-gradient tasks)
   int64_t block;  // row block (dgrad and SwiGLU tasks) or expert (weight gradients)
   RowBlock rb;    // its rows (a weight gradient's: all of the expert's rows)
@@ -236,7 +257,8 @@ int backward_wgrad_rows(const MoeShape& s) {
 int64_t max_tasks(const MoeShape& s) {
   const int64_t blocks = max_row_blocks(s.tokens * s.top_k, s.experts);
   return blocks * (tiles_of(s.ffn, kStageCols) + 1 + tiles_of(s.hidden, kStageCols)) +
-         s.experts * (int64_t(tiles_of(s.ffn, kBlockRows)) + tiles_of(s.hidden, kBlockRows)) +
+         s.experts * (int64_t(tiles_of(s.ffn, kBlockRows)) * tiles_of(s.hidden, kStageCols) +
+                      int64_t(tiles_of(s.hidden, kBlockRows)) * tiles_of(2 * s.ffn, kStageCols)) +
          tiles_of(s.tokens, kCombineTokens) + 1;
 }
 
@@ -251,18 +273,21 @@ __device__ __forceinline__ void load_wgrad_block(int ptid, char* tiles, int slot
                                                  int64_t N, const Elem* base, ARow a_row,
                                                  BRow b_row) {
   constexpr int kPer = kProducerThreads / kBlockRows;
+  // Whole loops for 64-row tiles (as before the 128-row tiles; 20 copies a thread),
+  // by 4 for 128-row tiles (fully unrolled, the producer spilled).
+  constexpr int kUnroll = kM == kBlockRows ? 32 : 4;
   const int r = ptid / kPer, part = ptid % kPer;
   const bool valid = r < rows;
   const Elem* a = valid ? a_row(r0 + r) + m0 : base;
   const Elem* b = valid ? b_row(r0 + r) + n0 : base;
   Tensor sA = make_tensor(make_smem_ptr(slot_a<kSlot>(tiles, slot)), SA{});
   Tensor sB = make_tensor(make_smem_ptr(slot_b<kSlot>(tiles, slot)), LayoutB{});
-#pragma unroll 4
+#pragma unroll kUnroll
   for (int c = part; c < kM / 8; c += kPer) {
     const bool ok = valid && m0 + 8 * c < M;
     cp_async_16(&sA(8 * c, r), ok ? a + 8 * c : base, ok);
   }
-#pragma unroll 4
+#pragma unroll kUnroll
   for (int c = part; c < kStageCols / 8; c += kPer) {
     const bool ok = valid && n0 + 8 * c < N;
     cp_async_16(&sB(8 * c, r), ok ? b + 8 * c : base, ok);
@@ -307,7 +332,7 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
       task.rb = {e, begin, end, min(end - begin, int64_t(kBlockRows))};
     }
     if (task.kind == Kind::kDgrad2 || task.kind == Kind::kSwiglu || task.kind == Kind::kDgrad1) {
-      task.rb = find_block(block_begin, p.experts, p.expert_begin, task.block);
+      task.rb = find_block<kSlot>(block_begin, p.experts, p.expert_begin, task.block);
     }
     hand_over(ptid, ctl, mail, task);
     if (task.kind == Kind::kEnd) break;
@@ -318,10 +343,11 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
       const bool second = task.kind == Kind::kDgrad2;
       const int64_t K = second ? H : 2 * F;
       const Elem* base = second ? win.dy[0] : p.dgu;
-      const ARows a = second ? ARows(ptid, rb, base, [&](int m) {
+      using Rows = ARowsOf<kSlot>;  // the row block's rows
+      const Rows a = second ? Rows(ptid, rb, base, [&](int m) {
                                  return dy_of_row(p, win, rb.row0 + m);
                                })
-                             : ARows(ptid, rb, base, [&](int m) {
+                            : Rows(ptid, rb, base, [&](int m) {
                                  return p.dgu + (rb.row0 + m) * 2 * F;
                                });
       auto issue_b = [&](Elem* b, uint64_t& full, int kb) {
@@ -341,7 +367,8 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
       stream_k_blocks<kSlot>(ptid, ctl, tiles, st, a, K, base, issue_b);
       continue;
     }
-    // A weight gradient: for each N tile, the expert's rows in ascending 64-row K blocks
+    // A weight gradient: for each of the task's N tiles, the expert's rows in ascending
+    // 64-row K blocks
     // (M tiles of 64, or 128 when wide). A whole block by TMA (wh and
     // the dy rows the SwiGLU tasks copied; the x rows and d gate_up); an expert's last,
     // partial block by cp.async (the rows past it are the next expert's: zeros instead).
@@ -350,14 +377,16 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
     const int64_t m0 = int64_t(task.mtile) * kSlot;
     const int64_t rows = rb.row_end - rb.row0;
     const int k_blocks = wgrad_k_blocks(rows);
-    const int n_tiles = static_cast<int>(tiles_of(N, kStageCols));
+    // The task's N tiles: [task.tile, task.tile + n_tiles).
+    const int n_tiles =
+        min(static_cast<int>(tiles_of(N, kStageCols)) - task.tile, static_cast<int>(p.wgrad_n));
     const Elem* a_rows = down ? p.wh : p.x_rows;  // [R, M]
     auto a_row = [&](int64_t r) { return a_rows + r * M; };
     auto b_row = [&](int64_t r) { return down ? dy_of_row(p, win, r) : p.dgu + r * N; };
 #pragma unroll 1
     for (int step = 0; step < n_tiles * k_blocks; ++step) {
       const int kb = step % k_blocks;
-      const int32_t nt = step / k_blocks;
+      const int32_t nt = task.tile + step / k_blocks;
       const int64_t n0 = int64_t(nt) * kStageCols;
       Barrier::wait(&ctl.empty[st.slot], st.phase);
       const int64_t r0 = rb.row0 + int64_t(kb) * kBlockRows;
@@ -410,13 +439,13 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
 // ---- Consumers
 
 // Calls store(m, n, v0, v1) for each pair of adjacent accumulators (columns n and
-// n + 1 of row m; n even) of this thread's part of the 64 x 256 tile.
-template <class Mma, class Acc, class Store>
+// n + 1 of row m; n even) of this thread's part of the Tile (64 x 256 or 128 x 256).
+template <class Mma, class Tile = StageTile, class Acc, class Store>
 __device__ __forceinline__ void for_each_pair(const Acc& acc, Store store) {
   const int ctid = threadIdx.x - kProducerThreads;
   Mma mma;
   auto thr = mma.get_thread_slice(ctid);
-  Tensor coord = thr.partition_C(make_identity_tensor(StageTile{}));
+  Tensor coord = thr.partition_C(make_identity_tensor(Tile{}));
 #pragma unroll
   for (int i = 0; i < size(acc); i += 2) {
     store(get<0>(coord(i)), get<1>(coord(i)), acc(i), acc(i + 1));
@@ -485,27 +514,46 @@ __device__ __forceinline__ void consumer_signal2(uint32_t* a, uint32_t* b) {
 }
 
 // SwiGLU's backward over a row block: a warp per row (swiglu_backward_row, as the
-// chain computes it). A whole block (64 rows) also copies its dy rows into dy_rows in
-// row order, where dW_down's TMA loads read them (its K blocks are the row blocks).
+// chain computes it). The rows of the weight gradients' whole 64-row K blocks (one
+// or two in a row block) also copy their dy rows into dy_rows in row order, where
+// dW_down's TMA loads read them.
 // A pair's combine weight and d weight live in the window of its token's rank.
+// The copy keeps kCopyBatch loads in flight a lane: one at a time, every 16 bytes
+// of a lane cost a round trip (the task trace put a 64-row SwiGLU task at 167 us at
+// qwen3-like); four, or four vectors in flight in swiglu_backward_row, made the
+// 128-row instantiation spill.
+constexpr int kCopyBatch = 2;
 template <typename W>
 __device__ void swiglu_task(const Params& p, const Windows& win, const RowBlock& rb) {
   const int ctid = threadIdx.x - kProducerThreads;
   const int warp = ctid >> 5, lane = ctid & 31;
   const int64_t F = p.ffn;
-  const bool whole = rb.rows() == kBlockRows;
   for (int64_t m = warp; m < rb.rows(); m += kConsumerThreads / 32) {
     const int64_t r = rb.row0 + m;
+    // Whether the row's 64-row K block of the weight gradients (those of its expert
+    // from rb.row0 on; a row block holds one or two) is whole.
+    const bool whole = rb.row0 + (m / kBlockRows + 1) * kBlockRows <= rb.row_end;
     const RankPlace q = pair_place(p.by_rank_tokens, p.top_k, p.row_pair[r]);
     const float w = to_float(static_cast<const W*>(win.w[q.rank])[q.local]);
     const float total = swiglu_backward_row<bf16, 4, 2>(
         p.gate_up + r * 2 * F, p.dh + r * F, w, F, lane, reinterpret_cast<bf16*>(p.wh + r * F),
         reinterpret_cast<bf16*>(p.dgu + r * 2 * F));
     if (lane == 0) static_cast<W*>(win.dw[q.rank])[q.local] = from_float<W>(total);
-    if (whole) {  // H % 8 == 0: 16-byte chunks
+    if (whole) {  // H % 8 == 0: 16-byte chunks; dy is read-only here (ld.global.nc)
       const auto* src = reinterpret_cast<const uint4*>(dy_of_row(p, win, r));
       auto* dst = reinterpret_cast<uint4*>(p.dy_rows + r * p.hidden);
-      for (int64_t c = lane; c < p.hidden / 8; c += 32) dst[c] = src[c];
+      const int64_t chunks = p.hidden / 8;
+      for (int64_t c = lane; c < chunks; c += 32 * kCopyBatch) {
+        uint4 v[kCopyBatch];
+#pragma unroll
+        for (int j = 0; j < kCopyBatch; ++j) {
+          if (c + 32 * j < chunks) v[j] = __ldg(src + c + 32 * j);
+        }
+#pragma unroll
+        for (int j = 0; j < kCopyBatch; ++j) {
+          if (c + 32 * j < chunks) dst[c + 32 * j] = v[j];
+        }
+      }
     }
   }
 }
@@ -577,28 +625,40 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         consumer_signal2(p.block_ready + task.block, p.expert_ready + rb.expert);
         break;
       case Kind::kDgrad2: {
-        AccKK acc;
-        mma_k_loop<MmaKK, LayoutA, LayoutBK, kSlot>(ctl, tiles, st,
-                                             static_cast<int>((H + kBlockK - 1) / kBlockK), acc);
+        using D = Dgrad<kSlot>;
+        typename D::Acc acc;
+        mma_k_loop<typename D::Mma, LayoutARows<kSlot>, LayoutBK, kSlot>(
+            ctl, tiles, st, static_cast<int>((H + kBlockK - 1) / kBlockK), acc);
         const int64_t rows = rb.rows(), f0 = int64_t(task.tile) * kStageCols;
-        for_each_pair<MmaKK>(acc, [&](int m, int n, float v0, float v1) {
+        auto put = [&](int m, int n, float v0, float v1) {
           const int64_t f = f0 + n;
           if (m < rows && f < F) {
             *reinterpret_cast<float2*>(p.dh + (rb.row0 + m) * F + f) = make_float2(v0, v1);
           }
-        });
+        };
+        for_each_pair<typename D::Mma, typename D::Tile>(acc, put);
         consumer_signal(p.block_ready + task.block);
         break;
       }
       case Kind::kDgrad1: {
-        AccKK acc;
-        mma_k_loop<MmaKK, LayoutA, LayoutBK, kSlot>(
+        using D = Dgrad<kSlot>;
+        typename D::Acc acc;
+        mma_k_loop<typename D::Mma, LayoutARows<kSlot>, LayoutBK, kSlot>(
             ctl, tiles, st, static_cast<int>((2 * F + kBlockK - 1) / kBlockK), acc);
         const int64_t rows = rb.rows(), h0 = int64_t(task.tile) * kStageCols;
-        store_tile_bf16(acc, [&](int m, int n, uint4 v) {
+        auto put = [&](int m, int n, uint4 v) {
           const int64_t h = h0 + n;  // H % 8 == 0: a chunk is in or out whole
           if (m < rows && h < H) *reinterpret_cast<uint4*>(dx_row_out(p, win, rb.row0 + m) + h) = v;
-        });
+        };
+        if constexpr (kSlot == kWideRows) {
+          // This warp group's 64 rows (64 g on), its columns 0-127 then 128-255.
+          const int m0 = 64 * ((threadIdx.x - kProducerThreads) / 128);
+          store_tile_bf16<0, 0, 16>(acc, [&](int m, int n, uint4 v) { put(m0 + m, n, v); });
+          store_tile_bf16<64, 0, 16>(acc,
+                                     [&](int m, int n, uint4 v) { put(m0 + m, n + 128, v); });
+        } else {
+          store_tile_bf16(acc, put);
+        }
         consumer_signal(p.dgrad1_done);
         break;
       }
@@ -606,7 +666,9 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         const bool down = task.kind == Kind::kWgradDown;
         const int64_t M = down ? F : H, N = down ? H : 2 * F;
         const int64_t rows = rb.row_end - rb.row0;
-        const int n_tiles = static_cast<int>(tiles_of(N, kStageCols));
+        // The task's N tiles: [task.tile, nt_end).
+        const int nt_end = min(static_cast<int>(tiles_of(N, kStageCols)),
+                               task.tile + static_cast<int>(p.wgrad_n));
         const TmaStore& tma = down ? p.tma_d_down : p.tma_d_gate_up;
         Tensor mD = tma.get_tma_tensor(make_shape(M, N, p.experts));
         const bool issuer = threadIdx.x % 128 == 0;
@@ -648,7 +710,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
           static_assert(kParts == 1);
           const int64_t mb = 2 * int64_t(task.mtile) + g;
 #pragma unroll 1
-          for (int nt = 0; nt < n_tiles; ++nt) {
+          for (int nt = task.tile; nt < nt_end; ++nt) {
             AccMNW acc;
             wgrad_k_loop<MmaMNW, LayoutAW, LayoutB, kSlot>(ctl, tiles, st, k_blocks, acc);
             const int64_t nb = 4 * int64_t(nt);
@@ -666,7 +728,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
           // 64-column parts in its two buffers.
           static_assert(kParts == 2);
 #pragma unroll 1
-          for (int nt = 0; nt < n_tiles; ++nt) {
+          for (int nt = task.tile; nt < nt_end; ++nt) {
             AccMN acc;
             wgrad_k_loop<MmaMN, LayoutAM, LayoutB, kSlot>(ctl, tiles, st, k_blocks, acc);
             store_parts(task.mtile, 4 * int64_t(nt) + 2 * g, [&](auto put) {
@@ -719,7 +781,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   using Scan = cub::BlockScan<int32_t, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  scan_row_blocks<kThreads, Scan>(p.expert_begin, p.experts, block_begin, scan_tmp);
+  scan_row_blocks<kThreads, Scan, kSlot>(p.expert_begin, p.experts, block_begin, scan_tmp);
 
   // This CTA's rank: the CTAs in P contiguous groups of (nearly) equal size.
   const int32_t rank = static_cast<int32_t>(int64_t(blockIdx.x) * p.ranks / gridDim.x);
@@ -727,7 +789,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegs>();
     const TaskList list(p.rank_tokens, p.experts, p.hidden, p.ffn, block_begin,
                         int64_t(rank) * p.rank_experts, int64_t(rank + 1) * p.rank_experts,
-                        kSlot);
+                        kSlot, TaskList::swiglu_lag(p.ffn, gridDim.x / p.ranks), p.wgrad_n);
     produce<kSlot>(p, win, ctl, tiles, block_begin, list, p.ticket + rank);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kBwdConsumerRegs>();
@@ -836,6 +898,7 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   p.x_rows = static_cast<const Elem*>(a.x_rows);
   const int64_t rows = s.tokens * s.top_k;
   const int wgrad_rows = backward_wgrad_rows(s);
+  p.wgrad_n = TaskList::wgrad_n(rows, s.experts);
   if (rows > 0) {  // no rows: no weight-gradient block is loaded
     if (reinterpret_cast<uintptr_t>(a.x_rows) % 16 != 0) {
       return "persistent MoE backward: the forward's x rows are not 16-byte aligned";

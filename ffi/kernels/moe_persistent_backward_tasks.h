@@ -13,8 +13,8 @@
 namespace mok::cuda::backward_tasks {
 
 constexpr int kTileCols = 256;     // the N tile of every GEMM task
-constexpr int kTileRows = 64;      // a row block; the weight gradients' M tile, or:
-constexpr int kWideRows = 128;     // their M tile past 128 rows per expert
+constexpr int kTileRows = 64;      // a row block and the weight gradients' M tile, or:
+constexpr int kWideRows = 128;     // both past 128 rows per expert
 constexpr int kCombineTokens = 2;  // tokens per combine task
 
 enum class Kind : int32_t { kDgrad2, kSwiglu, kDgrad1, kWgradDown, kWgradGateUp, kCombine, kEnd };
@@ -27,7 +27,7 @@ enum class Counter : int32_t { kNone, kBlockReady, kExpertReady, kDgrad1Done };
 
 struct TaskId {
   Kind kind;
-  int32_t tile;   // N tile (dgrad tasks) or combine task number
+  int32_t tile;   // N tile (dgrad tasks; a weight gradient's first) or combine task number
   int32_t mtile;  // M tile (weight-gradient tasks)
   int64_t block;  // row block (dgrad and SwiGLU tasks) or expert (weight gradients)
   Counter wait;   // the task may run once counter[wait_index] >= wait_target
@@ -45,15 +45,19 @@ MOK_HOST_DEVICE constexpr uint32_t tiles_of(int64_t n, int tile) {
 // [block_begin[e0], block_begin[e1]), and tokens [o T/P, (o+1) T/P); P = 1 is the
 // one-device backward (every expert, block and token).
 //   dgrad2 (row block x F tile of 256): dh = dy rows @ W_down^T, K = H, f32 to scratch
-//     (each expert's tasks in bands of row blocks, `band_order`);
+//     (each expert's tasks in bands of row blocks, `band_order`), and among them
 //   SwiGLU's backward (row block): after the block's dgrad2 tiles, wh, d gate_up and
-//     d expert_weights for its rows (the chain's swiglu_backward, row by row);
+//     d expert_weights for its rows (the chain's swiglu_backward, row by row). Row
+//     block b's task comes `lag` row blocks' worth of dgrad2 tasks after b's own
+//     (lag >= kBandBlocks: after every dgrad2 task of b's band), so that these
+//     memory-bound tasks run beside the dgrad2 GEMMs instead of in a phase of
+//     their own, and late enough that b's dgrad2 tasks are done when it is taken;
 //   then expert by expert (so that dgrad1's weight reads and the weight gradients'
 //   writes run side by side), the expert's
 //     dgrad1 tasks (row block x H tile of 256): dx rows = d gate_up @ W_gate_up^T,
 //       K = 2F (in bands of row blocks);
-//     weight gradients (M tile of `wgrad_rows`, 64 or 128, its 256-column N tiles one
-//       after another),
+//     weight gradients (M tile of `wgrad_rows`, 64 or 128, and `wn` of its 256-column
+//       N tiles, one after another; M tile by M tile, each's N tiles in chunks of wn),
 //       dW_down's then dW_gate_up's: dW_down = wh^T dy rows, dW_gate_up = x rows^T
 //       d gate_up, over the expert's rows in ascending 64-row K blocks;
 //   the combine (2 of the rank's tokens, numbered from 0 in each rank): after every
@@ -64,32 +68,64 @@ MOK_HOST_DEVICE constexpr uint32_t tiles_of(int64_t n, int tile) {
 // other ranks' dgrad1 tasks, which wait for nothing of another rank.
 struct TaskList {
   uint32_t nf, nh, mf, mh;
+  uint32_t n2f;          // dW_gate_up's N tiles (dW_down's: nh)
+  uint32_t wn;           // N tiles per weight-gradient task
+  uint32_t cd, cg;       // N chunks per M tile: dW_down's, dW_gate_up's
   int64_t e0, e1;        // the rank's experts
   uint32_t block0;       // its first row block
   uint32_t blocks;       // its row blocks
   uint32_t all_blocks;   // every rank's
-  uint32_t dgrad2_end, swiglu_end, experts_end, total;
+  uint32_t lag;          // in row blocks; at most `blocks`
+  uint32_t swiglu_end, experts_end, total;
+
+  // The SwiGLU tasks' lag for `ctas` CTAs taking a rank's tasks: a block's last
+  // dgrad2 task may sit kBandBlocks - 1 units after its own (its band's last), and
+  // two waves of dgrad2 tasks (nf per unit) after that, it has left the CTAs.
+  MOK_HOST_DEVICE static uint32_t swiglu_lag(int64_t ffn, int64_t ctas) {
+    const int64_t nf = tiles_of(ffn, kTileCols) > 0 ? tiles_of(ffn, kTileCols) : 1;
+    return static_cast<uint32_t>(kBandBlocks - 1 + (2 * ctas + nf - 1) / nf);
+  }
+
+  // N tiles per weight-gradient task: about kWgradStages stages (64-row K blocks x
+  // N tiles) at `rows` per expert on average, at least one N tile. Long tasks at
+  // few experts (an M tile of dW_gate_up over 112 N tiles and 64 K blocks) left a
+  // tail with most CTAs idle.
+  static constexpr int64_t kWgradStages = 256;
+  MOK_HOST_DEVICE static uint32_t wgrad_n(int64_t rows, int64_t experts) {
+    const int64_t per = experts > 0 ? rows / experts : 0;
+    const int64_t k = per / kTileRows > 1 ? per / kTileRows : 1;
+    const int64_t n = (kWgradStages + k - 1) / k;
+    return static_cast<uint32_t>(n < (1 << 20) ? n : (1 << 20));
+  }
 
   // The one-device list: every expert and token.
   MOK_HOST_DEVICE TaskList(int64_t tokens, int64_t experts, int64_t hidden, int64_t ffn,
-                           const int32_t* block_begin, int wgrad_rows = kTileRows)
-      : TaskList(tokens, experts, hidden, ffn, block_begin, 0, experts, wgrad_rows) {}
+                           const int32_t* block_begin, int wgrad_rows = kTileRows,
+                           uint32_t swiglu_lag_ = kBandBlocks, uint32_t wgrad_n_ = 1u << 20)
+      : TaskList(tokens, experts, hidden, ffn, block_begin, 0, experts, wgrad_rows,
+                 swiglu_lag_, wgrad_n_) {}
 
   // Rank o's of P: experts [e0, e1) and `rank_tokens` = T/P tokens.
   MOK_HOST_DEVICE TaskList(int64_t rank_tokens, int64_t experts, int64_t hidden, int64_t ffn,
                            const int32_t* block_begin, int64_t e0_, int64_t e1_,
-                           int wgrad_rows = kTileRows)
+                           int wgrad_rows = kTileRows, uint32_t swiglu_lag_ = kBandBlocks,
+                           uint32_t wgrad_n_ = 1u << 20)
       : nf(tiles_of(ffn, kTileCols)),
         nh(tiles_of(hidden, kTileCols)),
         mf(tiles_of(ffn, wgrad_rows)),
         mh(tiles_of(hidden, wgrad_rows)),
+        n2f(tiles_of(2 * ffn, kTileCols)),
+        wn(wgrad_n_ > 0 ? wgrad_n_ : 1),
+        cd((nh + wn - 1) / wn),
+        cg((n2f + wn - 1) / wn),
         e0(e0_),
         e1(e1_),
         block0(static_cast<uint32_t>(block_begin[e0_])),
         blocks(static_cast<uint32_t>(block_begin[e1_] - block_begin[e0_])),
         all_blocks(static_cast<uint32_t>(block_begin[experts])) {
-    dgrad2_end = blocks * nf;
-    swiglu_end = dgrad2_end + blocks;
+    const uint32_t at_least = swiglu_lag_ < kBandBlocks ? kBandBlocks : swiglu_lag_;
+    lag = at_least < blocks ? at_least : blocks;
+    swiglu_end = blocks * (nf + 1);
     experts_end = swiglu_end + group_begin(block_begin, e1);
     total = experts_end + tiles_of(rank_tokens, kCombineTokens);
   }
@@ -98,7 +134,7 @@ struct TaskList {
   // expert has weight-gradient tasks).
   MOK_HOST_DEVICE uint32_t group_begin(const int32_t* block_begin, int64_t e) const {
     return (static_cast<uint32_t>(block_begin[e]) - block0) * nh +
-           static_cast<uint32_t>(e - e0) * (mf + mh);
+           static_cast<uint32_t>(e - e0) * (mf * cd + mh * cg);
   }
 
   // The expert whose group holds task swiglu_end + i.
@@ -114,14 +150,30 @@ struct TaskList {
   // Task t (kEnd from `total` on). Blocks and experts are numbered over all ranks;
   // combine tasks within the rank.
   MOK_HOST_DEVICE TaskId at(uint32_t t, const int32_t* block_begin) const {
-    if (t < dgrad2_end) {
-      TaskId id{Kind::kDgrad2, 0, 0, 0, Counter::kNone, 0, 0};
-      band_order(block_begin + e0, e1 - e0, block0, t, nf, &id.tile, &id.block);
-      return id;
-    }
     if (t < swiglu_end) {
-      const int64_t b = block0 + (t - dgrad2_end);
-      return {Kind::kSwiglu, 0, 0, b, Counter::kBlockReady, b, nf};
+      // Units of one row block's worth: the first `lag` hold nf dgrad2 numbers each
+      // (band_order's i), the next blocks - lag nf dgrad2 numbers and then the
+      // SwiGLU task of the block `lag` before, and the last lag SwiGLU tasks follow.
+      const uint32_t head = lag * nf, mixed = (blocks - lag) * (nf + 1);
+      uint32_t dgrad2 = t, swiglu = 0;
+      bool is_swiglu = false;
+      if (t >= head + mixed) {
+        is_swiglu = true, swiglu = blocks - lag + (t - head - mixed);
+      } else if (t >= head) {
+        const uint32_t unit = lag + (t - head) / (nf + 1), k = (t - head) % (nf + 1);
+        if (k == nf) {
+          is_swiglu = true, swiglu = unit - lag;
+        } else {
+          dgrad2 = unit * nf + k;
+        }
+      }
+      if (is_swiglu) {
+        const int64_t b = block0 + swiglu;
+        return {Kind::kSwiglu, 0, 0, b, Counter::kBlockReady, b, nf};
+      }
+      TaskId id{Kind::kDgrad2, 0, 0, 0, Counter::kNone, 0, 0};
+      band_order(block_begin + e0, e1 - e0, block0, dgrad2, nf, &id.tile, &id.block);
+      return id;
     }
     if (t < experts_end) {
       const uint32_t i = t - swiglu_end;
@@ -135,9 +187,11 @@ struct TaskList {
         return id;
       }
       j -= blocks_e * nh;
-      const bool down = j < mf;
-      return {down ? Kind::kWgradDown : Kind::kWgradGateUp, 0, int32_t(down ? j : j - mf), e,
-              Counter::kExpertReady, e, blocks_e};
+      const bool down = j < mf * cd;
+      if (!down) j -= mf * cd;
+      const uint32_t chunks = down ? cd : cg;  // tile: the task's first N tile
+      return {down ? Kind::kWgradDown : Kind::kWgradGateUp, int32_t(j % chunks * wn),
+              int32_t(j / chunks), e, Counter::kExpertReady, e, blocks_e};
     }
     if (t < total) {
       return {Kind::kCombine, int32_t(t - experts_end), 0, 0, Counter::kDgrad1Done, 0,

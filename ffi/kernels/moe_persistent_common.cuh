@@ -5,8 +5,8 @@
 // cp.async), two consumer warp groups that run wgmma on the stages (BM x 256 per
 // stage), and the counters through which tasks wait for one another (release
 // increments, acquire loads). Row blocks are 64 rows (kBlockRows) unless a kernel
-// asks for BM rows (the forward's 128-row tiles). sm_90a device code; included by those two
-// files only.
+// asks for BM rows (both kernels' 128-row instantiations). sm_90a device code;
+// included by those two files only.
 #pragma once
 
 #include <cuda_runtime.h>

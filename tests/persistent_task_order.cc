@@ -99,6 +99,12 @@ int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& bloc
   };
   std::vector<uint32_t> next(P, 0);
   std::vector<bool> done(P, false);
+  struct Wgrad {
+    Kind kind = Kind::kEnd;
+    int64_t expert = -1;
+    int32_t m = 0, n = 0;
+  };
+  std::vector<Wgrad> last(P);  // each rank's last weight-gradient task
   for (int finished = 0; finished < P;) {
     bool moved = false;
     for (int o = 0; o < P; ++o) {
@@ -175,6 +181,27 @@ int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& bloc
         case Counter::kNone: break;
       }
       if (have < id.wait_target) continue;  // the rank waits; another may go on
+      if ((id.kind == Kind::kWgradDown || id.kind == Kind::kWgradGateUp)) {
+        // The weight gradient's loop over the smaller side is the inner one: after
+        // (m, n) comes (m + 1, n), or (0, n + wn) past the last M tile, when the M
+        // side (tiles of wgrad_rows) is at most the N side (tiles of 256); else
+        // (m, n + wn), or (m + 1, 0) past the last chunk.
+        const bool down = id.kind == Kind::kWgradDown;
+        const uint32_t mt = down ? mf : mh, nt = down ? nh : n2f;
+        Wgrad& prev = last[o];
+        if (prev.kind == id.kind && prev.expert == id.block) {
+          int32_t m = prev.m, n = prev.n;
+          if (mt * uint32_t(wgrad_rows) <= nt * 256u) {
+            if (++m == int32_t(mt)) m = 0, n += int32_t(wn);
+          } else if ((n += int32_t(wn)) >= int32_t(nt)) {
+            n = 0, ++m;
+          }
+          if (id.mtile != m || id.tile != n) fail(o, t, "weight-gradient tiles out of order");
+        } else if (id.mtile != 0 || id.tile != 0) {
+          fail(o, t, "a weight gradient starts past its first tile");
+        }
+        prev = {id.kind, id.block, id.mtile, id.tile};
+      }
       // What it counts when done (the kernel's consumers).
       switch (id.kind) {
         case Kind::kDgrad2: ++block_ready[id.block]; break;

@@ -57,9 +57,14 @@ MOK_HOST_DEVICE constexpr uint32_t tiles_of(int64_t n, int tile) {
 //     dgrad1 tasks (row block x H tile of 256): dx rows = d gate_up @ W_gate_up^T,
 //       K = 2F (in bands of row blocks);
 //     weight gradients (M tile of `wgrad_rows`, 64 or 128, and `wn` of its 256-column
-//       N tiles, one after another; M tile by M tile, each's N tiles in chunks of wn),
-//       dW_down's then dW_gate_up's: dW_down = wh^T dy rows, dW_gate_up = x rows^T
-//       d gate_up, over the expert's rows in ascending 64-row K blocks;
+//       N tiles, one after another), dW_down's then dW_gate_up's: dW_down = wh^T dy
+//       rows, dW_gate_up = x rows^T d gate_up, over the expert's rows in ascending
+//       64-row K blocks. Of the two loops over M tiles and N chunks, the one over
+//       the smaller side is the inner one (`m_inner`): consecutive tasks share the
+//       larger side's operand panel and read it at about the same time, and the
+//       smaller side's panels come back after few tasks, so that L2 serves both.
+//       (dW_gate_up at Mixtral's shapes, 32 M tiles x 112 N tiles over 4096 rows:
+//       with the N tiles inner, 112 panels of 2 MB were in flight at once);
 //   the combine (2 of the rank's tokens, numbered from 0 in each rank): after every
 //     rank's dgrad1 tasks (a token has rows at every rank's experts), dx = the sum
 //     of each token's dx rows over k ascending, f32, rounded once.
@@ -71,6 +76,7 @@ struct TaskList {
   uint32_t n2f;          // dW_gate_up's N tiles (dW_down's: nh)
   uint32_t wn;           // N tiles per weight-gradient task
   uint32_t cd, cg;       // N chunks per M tile: dW_down's, dW_gate_up's
+  bool down_m_inner, gu_m_inner;  // M tiles the inner loop (else N chunks)
   int64_t e0, e1;        // the rank's experts
   uint32_t block0;       // its first row block
   uint32_t blocks;       // its row blocks
@@ -89,8 +95,9 @@ struct TaskList {
   // N tiles per weight-gradient task: about kWgradStages stages (64-row K blocks x
   // N tiles) at `rows` per expert on average, at least one N tile. Long tasks at
   // few experts (an M tile of dW_gate_up over 112 N tiles and 64 K blocks) left a
-  // tail with most CTAs idle.
-  static constexpr int64_t kWgradStages = 256;
+  // tail with most CTAs idle, and with the M tiles the inner loop, the operand
+  // panels in flight grow with the tiles per task (one N tile at 64 K blocks).
+  static constexpr int64_t kWgradStages = 64;
   MOK_HOST_DEVICE static uint32_t wgrad_n(int64_t rows, int64_t experts) {
     const int64_t per = experts > 0 ? rows / experts : 0;
     const int64_t k = per / kTileRows > 1 ? per / kTileRows : 1;
@@ -118,6 +125,8 @@ struct TaskList {
         wn(wgrad_n_ > 0 ? wgrad_n_ : 1),
         cd((nh + wn - 1) / wn),
         cg((n2f + wn - 1) / wn),
+        down_m_inner(mf * static_cast<uint32_t>(wgrad_rows) <= nh * kTileCols),
+        gu_m_inner(mh * static_cast<uint32_t>(wgrad_rows) <= n2f * kTileCols),
         e0(e0_),
         e1(e1_),
         block0(static_cast<uint32_t>(block_begin[e0_])),
@@ -189,9 +198,12 @@ struct TaskList {
       j -= blocks_e * nh;
       const bool down = j < mf * cd;
       if (!down) j -= mf * cd;
-      const uint32_t chunks = down ? cd : cg;  // tile: the task's first N tile
-      return {down ? Kind::kWgradDown : Kind::kWgradGateUp, int32_t(j % chunks * wn),
-              int32_t(j / chunks), e, Counter::kExpertReady, e, blocks_e};
+      const uint32_t chunks = down ? cd : cg, mt = down ? mf : mh;
+      const bool m_inner = down ? down_m_inner : gu_m_inner;
+      const uint32_t m = m_inner ? j % mt : j / chunks, c = m_inner ? j / mt : j % chunks;
+      // tile: the task's first N tile
+      return {down ? Kind::kWgradDown : Kind::kWgradGateUp, int32_t(c * wn), int32_t(m), e,
+              Counter::kExpertReady, e, blocks_e};
     }
     if (t < total) {
       return {Kind::kCombine, int32_t(t - experts_end), 0, 0, Counter::kDgrad1Done, 0,

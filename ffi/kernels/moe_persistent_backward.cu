@@ -160,6 +160,55 @@ auto make_tma_rows_aw(const Elem* rows, int64_t C, int64_t R) {
 }
 using TmaRowsAW = decltype(make_tma_rows_aw(nullptr, 0, 0));
 
+// SwiGLU's backward streams its row block through the stages kSwRows rows at a
+// time: 256 columns of gate, of up (bf16) and of dh (f32) by TMA into the B tile's
+// 32 KB (rows [kSwRows, 256], row-major, unswizzled: a warp reads a row's 256
+// columns across its lanes), and the dy rows of whole weight-gradient K blocks by
+// cp.async, 256 columns in the A tile beside a SwiGLU chunk, or kDyPerB chunks in
+// the B tile once the row's SwiGLU chunks are done (H > F).
+constexpr int kSwRows = 16;
+constexpr int kSwBf16Bytes = kSwRows * kStageCols * 2;            // 8 KB
+constexpr int kSwStageBytes = 2 * kSwBf16Bytes + kSwRows * kStageCols * 4;  // gate, up, dh
+static_assert(kSwStageBytes <= kStageBBytes && kSwBf16Bytes <= kStageABytes);
+using TileSw = Shape<Int<kStageCols>, Int<kSwRows>>;
+using LayoutSw = Layout<TileSw, Stride<_1, Int<kStageCols>>>;
+template <class T>
+auto make_tma_rows_sw(const T* rows, int64_t C, int64_t R) {
+  return make_tma_atom(SM90_TMA_LOAD{}, rows_view(make_gmem_ptr(rows), C, R), LayoutSw{},
+                       TileSw{});
+}
+using TmaSwBf16 = decltype(make_tma_rows_sw<Elem>(nullptr, 0, 0));
+using TmaSwF32 = decltype(make_tma_rows_sw<float>(nullptr, 0, 0));
+
+// A SwiGLU task's stages for one group of kSwRows rows: nf with a SwiGLU chunk each
+// (256 columns of F; with dy chunk s in the A tile while s < nh), then, when the
+// group copies dy, its remaining chunks kDyPerB a stage in the B tile. Producer and
+// consumers walk the same list.
+struct SwigluStages {
+  static constexpr int kDyPerB = kStageBBytes / kSwBf16Bytes;  // 4
+  int nf, nh;
+  struct Stage {
+    int sw;      // SwiGLU chunk, or -1
+    int d0, dn;  // dy chunks [d0, d0 + dn)
+    bool dy_in_b;
+  };
+  __device__ int count(bool dy) const {
+    return nf + (dy && nh > nf ? (nh - nf + kDyPerB - 1) / kDyPerB : 0);
+  }
+  __device__ Stage at(int s, bool dy) const {
+    if (s < nf) return {s, s, dy && s < nh ? 1 : 0, false};
+    const int d0 = nf + (s - nf) * kDyPerB;
+    return {-1, d0, min(kDyPerB, nh - d0), true};
+  }
+};
+
+// Whether group q of a row block copies its dy rows: its rows' 64-row K block of the
+// weight gradients (those of the expert from rb.row0 on) is whole (a group lies in
+// one such block).
+__device__ __forceinline__ bool swiglu_group_dy(const RowBlock& rb, int q) {
+  return rb.row0 + (int64_t(q) * kSwRows / kBlockRows + 1) * kBlockRows <= rb.row_end;
+}
+
 struct Params {
   TmaK tma_down;     // W_down as (F, H, E)
   TmaK tma_gate_up;  // W_gate_up as (H, 2F, E)
@@ -170,6 +219,8 @@ struct Params {
   TmaRowsA tma_wh, tma_x_rows;
   TmaRowsB tma_dy_rows, tma_dgu;
   TmaRowsAW tma_wh_w, tma_x_rows_w;  // the A blocks of 128-row M tiles (kSlot = 128)
+  TmaSwBf16 tma_gate_up_sw;          // SwiGLU's stages: gate_up as (2F, R)
+  TmaSwF32 tma_dh_sw;                // and dh as (F, R)
   uint32_t wgrad_n;                  // N tiles per weight-gradient task (TaskList::wgrad_n)
   int64_t tokens, top_k, experts, hidden, ffn;
   // EP ranks: rank o holds tokens [o T/P, (o+1) T/P) (their dy, dx, weights and
@@ -294,6 +345,67 @@ __device__ __forceinline__ void load_wgrad_block(int ptid, char* tiles, int slot
   }
 }
 
+// A SwiGLU task's stages (SwigluStages): thread 0 loads the gate, up and dh chunks
+// by TMA; the dy chunks of a group that copies them come by cp.async, eight threads
+// a row, 16 bytes at a time, from the row's token's dy row.
+template <int kSlot>
+__device__ void stream_swiglu(int ptid, const Params& p, const Windows& win, Control& ctl,
+                              char* tiles, Ring<kStages>& st, const RowBlock& rb) {
+  const int64_t R = p.tokens * p.top_k, F = p.ffn, H = p.hidden;
+  const SwigluStages plan{static_cast<int>(tiles_of(F, kStageCols)),
+                          static_cast<int>(tiles_of(H, kStageCols))};
+  const int rho = ptid / 8, part = ptid % 8;  // this thread's row of a group, first piece
+  for (int q = 0; int64_t(q) * kSwRows < rb.rows(); ++q) {
+    const int64_t r0 = rb.row0 + int64_t(q) * kSwRows;
+    const bool dy = swiglu_group_dy(rb, q);
+    const bool mine = dy && int64_t(q) * kSwRows + rho < rb.rows();
+    const Elem* dy_src = mine ? dy_of_row(p, win, r0 + rho) : nullptr;
+    const int n = plan.count(dy);
+#pragma unroll 1
+    for (int s = 0; s < n; ++s) {
+      const SwigluStages::Stage sg = plan.at(s, dy);
+      Barrier::wait(&ctl.empty[st.slot], st.phase);
+      char* b = reinterpret_cast<char*>(slot_b<kSlot>(tiles, st.slot));
+      if (mine) {
+        Elem* d = sg.dy_in_b ? reinterpret_cast<Elem*>(b) : slot_a<kSlot>(tiles, st.slot);
+#pragma unroll 1
+        for (int i = 0; i < sg.dn; ++i) {
+          const int64_t c0 = int64_t(sg.d0 + i) * kStageCols;
+          Elem* row = d + (i * kSwRows + rho) * kStageCols;
+#pragma unroll
+          for (int k = part; k < kStageCols / 8; k += 8) {
+            if (c0 + 8 * k < H) cp_async_16(row + 8 * k, dy_src + c0 + 8 * k, true);
+          }
+        }
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
+      if (ptid == 0) {
+        uint64_t& full = ctl.full[st.slot];
+        if (sg.sw >= 0) {
+          Barrier::arrive_and_expect_tx(&full, kSwStageBytes);
+          // Columns [c0 + 256 sw, c0 + 256 (sw + 1)) of rows [r0, r0 + kSwRows) of a
+          // [R, cols] array (past cols or R: zeros; gate's may run into up's columns).
+          auto load = [&](const auto& tma, int64_t cols, int64_t c0, auto* smem) {
+            Tensor sm = make_tensor(make_smem_ptr(smem), LayoutSw{});
+            Tensor rows_t = tma.get_tma_tensor(make_shape(cols, R));
+            Tensor g = local_tile(domain_offset(make_coord(c0, r0), rows_t), TileSw{},
+                                  make_coord(sg.sw, 0));
+            auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sm),
+                                          group_modes<0, 2>(g));
+            copy(tma.with(full), tg, ts);
+          };
+          load(p.tma_gate_up_sw, 2 * F, 0, reinterpret_cast<Elem*>(b));
+          load(p.tma_gate_up_sw, 2 * F, F, reinterpret_cast<Elem*>(b + kSwBf16Bytes));
+          load(p.tma_dh_sw, F, 0, reinterpret_cast<float*>(b + 2 * kSwBf16Bytes));
+        } else {
+          Barrier::arrive(&full);  // no TMA bytes in this stage
+        }
+      }
+      st.advance();
+    }
+  }
+}
+
 template <int kSlot>
 __device__ void produce(const Params& p, const Windows& win, Control& ctl, char* tiles,
                         const int32_t* block_begin, const TaskList& list, uint32_t* ticket) {
@@ -336,7 +448,14 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
     }
     hand_over(ptid, ctl, mail, task);
     if (task.kind == Kind::kEnd) break;
-    if (task.kind == Kind::kSwiglu || task.kind == Kind::kCombine) continue;
+    if (task.kind == Kind::kCombine) continue;
+    if (task.kind == Kind::kSwiglu) {
+      // The block's dgrad2 tasks wrote dh with generic stores: after the acquire,
+      // order them before the TMA loads.
+      if (ptid == 0) asm volatile("fence.proxy.async.global;" ::: "memory");
+      stream_swiglu<kSlot>(ptid, p, win, ctl, tiles, st, task.rb);
+      continue;
+    }
 
     const RowBlock& rb = task.rb;
     if (task.kind == Kind::kDgrad2 || task.kind == Kind::kDgrad1) {
@@ -513,46 +632,94 @@ __device__ __forceinline__ void consumer_signal2(uint32_t* a, uint32_t* b) {
   }
 }
 
-// SwiGLU's backward over a row block: a warp per row (swiglu_backward_row, as the
-// chain computes it). The rows of the weight gradients' whole 64-row K blocks (one
-// or two in a row block) also copy their dy rows into dy_rows in row order, where
-// dW_down's TMA loads read them.
+// SwiGLU's backward over a row block, from the stages stream_swiglu fills: each
+// warp takes two rows of a group and computes swiglu_backward_vec on each lane's
+// columns in the order swiglu_backward_row gives them (256 columns a stage: lane l's
+// 4 l + 128 j, j = 0, 1), so the bits (d expert_weights' lane sums and xor tree
+// included) are the chain's. It writes wh, d gate_up and d expert_weights, and a
+// group in a whole weight-gradient K block copies its dy rows from the stages to
+// dy_rows in row order, where dW_down's TMA loads read them.
 // A pair's combine weight and d weight live in the window of its token's rank.
-// The copy keeps kCopyBatch loads in flight a lane: one at a time, every 16 bytes
-// of a lane cost a round trip (the task trace put a 64-row SwiGLU task at 167 us at
-// qwen3-like); four, or four vectors in flight in swiglu_backward_row, made the
-// 128-row instantiation spill.
-constexpr int kCopyBatch = 2;
-template <typename W>
-__device__ void swiglu_task(const Params& p, const Windows& win, const RowBlock& rb) {
+template <typename W, int kSlot>
+__device__ void swiglu_task(const Params& p, const Windows& win, Control& ctl, char* tiles,
+                            Ring<kStages>& st, const RowBlock& rb) {
+  constexpr int kRowsPerWarp = kSwRows / (kConsumerThreads / 32);
   const int ctid = threadIdx.x - kProducerThreads;
   const int warp = ctid >> 5, lane = ctid & 31;
-  const int64_t F = p.ffn;
-  for (int64_t m = warp; m < rb.rows(); m += kConsumerThreads / 32) {
-    const int64_t r = rb.row0 + m;
-    // Whether the row's 64-row K block of the weight gradients (those of its expert
-    // from rb.row0 on; a row block holds one or two) is whole.
-    const bool whole = rb.row0 + (m / kBlockRows + 1) * kBlockRows <= rb.row_end;
-    const RankPlace q = pair_place(p.by_rank_tokens, p.top_k, p.row_pair[r]);
-    const float w = to_float(static_cast<const W*>(win.w[q.rank])[q.local]);
-    const float total = swiglu_backward_row<bf16, 4, 2>(
-        p.gate_up + r * 2 * F, p.dh + r * F, w, F, lane, reinterpret_cast<bf16*>(p.wh + r * F),
-        reinterpret_cast<bf16*>(p.dgu + r * 2 * F));
-    if (lane == 0) static_cast<W*>(win.dw[q.rank])[q.local] = from_float<W>(total);
-    if (whole) {  // H % 8 == 0: 16-byte chunks; dy is read-only here (ld.global.nc)
-      const auto* src = reinterpret_cast<const uint4*>(dy_of_row(p, win, r));
-      auto* dst = reinterpret_cast<uint4*>(p.dy_rows + r * p.hidden);
-      const int64_t chunks = p.hidden / 8;
-      for (int64_t c = lane; c < chunks; c += 32 * kCopyBatch) {
-        uint4 v[kCopyBatch];
+  const int64_t F = p.ffn, H = p.hidden;
+  const SwigluStages plan{static_cast<int>(tiles_of(F, kStageCols)),
+                          static_cast<int>(tiles_of(H, kStageCols))};
+  for (int q = 0; int64_t(q) * kSwRows < rb.rows(); ++q) {
+    const bool dy = swiglu_group_dy(rb, q);
+    bool ok[kRowsPerWarp];
+    float w[kRowsPerWarp], dw[kRowsPerWarp];
+    RankPlace place[kRowsPerWarp];
 #pragma unroll
-        for (int j = 0; j < kCopyBatch; ++j) {
-          if (c + 32 * j < chunks) v[j] = __ldg(src + c + 32 * j);
-        }
+    for (int j = 0; j < kRowsPerWarp; ++j) {
+      const int64_t m = int64_t(q) * kSwRows + warp * kRowsPerWarp + j;
+      ok[j] = m < rb.rows();
+      dw[j] = 0.0f, w[j] = 0.0f, place[j] = {};
+      if (ok[j]) {
+        place[j] = pair_place(p.by_rank_tokens, p.top_k, p.row_pair[rb.row0 + m]);
+        w[j] = to_float(static_cast<const W*>(win.w[place[j].rank])[place[j].local]);
+      }
+    }
+    const int n = plan.count(dy);
+#pragma unroll 1
+    for (int s = 0; s < n; ++s) {
+      const SwigluStages::Stage sg = plan.at(s, dy);
+      Barrier::wait(&ctl.full[st.slot], st.phase);
+      const char* b = reinterpret_cast<const char*>(slot_b<kSlot>(tiles, st.slot));
 #pragma unroll
-        for (int j = 0; j < kCopyBatch; ++j) {
-          if (c + 32 * j < chunks) dst[c + 32 * j] = v[j];
+      for (int j = 0; j < kRowsPerWarp; ++j) {
+        if (!ok[j]) continue;
+        const int rho = warp * kRowsPerWarp + j;
+        const int64_t r = rb.row0 + int64_t(q) * kSwRows + rho;
+        if (sg.sw >= 0) {
+          const bf16* gs = reinterpret_cast<const bf16*>(b) + rho * kStageCols;
+          const bf16* us = reinterpret_cast<const bf16*>(b + kSwBf16Bytes) + rho * kStageCols;
+          const float* ds =
+              reinterpret_cast<const float*>(b + 2 * kSwBf16Bytes) + rho * kStageCols;
+          bf16* wh = reinterpret_cast<bf16*>(p.wh + r * F);
+          bf16* dg = reinterpret_cast<bf16*>(p.dgu + r * 2 * F);
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int c = 4 * lane + 128 * k;
+            const int64_t f = int64_t(sg.sw) * kStageCols + c;
+            if (f >= F) continue;
+            const Vec<bf16, 4> gv = load_vec<bf16, 4>(gs + c), uv = load_vec<bf16, 4>(us + c);
+            const float4 d4 = *reinterpret_cast<const float4*>(ds + c);
+            const Vec<float, 4> dv{{d4.x, d4.y, d4.z, d4.w}};
+            Vec<bf16, 4> hv, dgv, duv;
+            swiglu_backward_vec<bf16, 4>(gv, uv, dv, w[j], dw[j], hv, dgv, duv);
+            store_vec<bf16, 4>(wh + f, hv);
+            store_vec<bf16, 4>(dg + f, dgv);
+            store_vec<bf16, 4>(dg + F + f, duv);
+          }
         }
+        if (dy) {  // H % 8 == 0: 16-byte chunks
+          const Elem* d = sg.dy_in_b ? reinterpret_cast<const Elem*>(b)
+                                     : slot_a<kSlot>(tiles, st.slot);
+#pragma unroll 1
+          for (int i = 0; i < sg.dn; ++i) {
+            const int64_t c = int64_t(sg.d0 + i) * kStageCols + 8 * lane;
+            if (c < H) {
+              *reinterpret_cast<uint4*>(p.dy_rows + r * H + c) =
+                  *reinterpret_cast<const uint4*>(d + (i * kSwRows + rho) * kStageCols + 8 * lane);
+            }
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0) Barrier::arrive(&ctl.empty[st.slot]);
+      st.advance();
+    }
+#pragma unroll
+    for (int j = 0; j < kRowsPerWarp; ++j) {
+      if (!ok[j]) continue;
+      const float total = warp_sum_fixed(dw[j]);
+      if (lane == 0) {
+        static_cast<W*>(win.dw[place[j].rank])[place[j].local] = from_float<W>(total);
       }
     }
   }
@@ -621,7 +788,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         combine_task<W>(p, win, rank, task.tile);
         break;
       case Kind::kSwiglu:
-        swiglu_task<W>(p, win, rb);
+        swiglu_task<W, kSlot>(p, win, ctl, tiles, st, rb);
         consumer_signal2(p.block_ready + task.block, p.expert_ready + rb.expert);
         break;
       case Kind::kDgrad2: {
@@ -776,6 +943,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       prefetch_tma_descriptor(p.tma_dy_rows.get_tma_descriptor());
       prefetch_tma_descriptor(p.tma_wh_w.get_tma_descriptor());
       prefetch_tma_descriptor(p.tma_x_rows_w.get_tma_descriptor());
+      prefetch_tma_descriptor(p.tma_gate_up_sw.get_tma_descriptor());
+      prefetch_tma_descriptor(p.tma_dh_sw.get_tma_descriptor());
     }
     init_control(ctl);
   }
@@ -900,8 +1069,10 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   const int wgrad_rows = backward_wgrad_rows(s);
   p.wgrad_n = TaskList::wgrad_n(rows, s.experts);
   if (rows > 0) {  // no rows: no weight-gradient block is loaded
-    if (reinterpret_cast<uintptr_t>(a.x_rows) % 16 != 0) {
-      return "persistent MoE backward: the forward's x rows are not 16-byte aligned";
+    if (reinterpret_cast<uintptr_t>(a.x_rows) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(a.gate_up) % 16 != 0) {
+      return "persistent MoE backward: the forward's x rows or gate_up are not 16-byte "
+             "aligned";
     }
     p.tma_wh = make_tma_rows_a(b.wh, s.ffn, rows);
     p.tma_x_rows = make_tma_rows_a(p.x_rows, s.hidden, rows);
@@ -909,10 +1080,14 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
     p.tma_dy_rows = make_tma_rows_b(b.dy_rows, s.hidden, rows);
     p.tma_wh_w = make_tma_rows_aw(b.wh, s.ffn, rows);
     p.tma_x_rows_w = make_tma_rows_aw(p.x_rows, s.hidden, rows);
+    p.tma_gate_up_sw =
+        make_tma_rows_sw(static_cast<const Elem*>(a.gate_up), 2 * s.ffn, rows);
+    p.tma_dh_sw = make_tma_rows_sw(static_cast<const float*>(b.dh), s.ffn, rows);
     if (!encoded(p.tma_wh) || !encoded(p.tma_x_rows) || !encoded(p.tma_dgu) ||
-        !encoded(p.tma_dy_rows) || !encoded(p.tma_wh_w) || !encoded(p.tma_x_rows_w)) {
+        !encoded(p.tma_dy_rows) || !encoded(p.tma_wh_w) || !encoded(p.tma_x_rows_w) ||
+        !encoded(p.tma_gate_up_sw) || !encoded(p.tma_dh_sw)) {
       return "persistent MoE backward: cuTensorMapEncodeTiled failed for the rows of the "
-             "weight gradients";
+             "weight gradients or of SwiGLU's backward";
     }
   }
   p.gate_up = static_cast<const bf16*>(a.gate_up);

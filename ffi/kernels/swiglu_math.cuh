@@ -65,13 +65,35 @@ __device__ __forceinline__ float warp_sum_fixed(float v) {
   return v;
 }
 
-// SwiGLU's backward for one row, by one warp (every lane calls it): from the
-// rounded residual (gate row g, up row g + ffn), GEMM2's dgrad dh (f32) and the
-// row's combine weight w,
+// SwiGLU's backward for V elements of a row: from the rounded residual (gate g,
+// up u), GEMM2's dgrad dh (f32) and the row's combine weight w,
 //   h = round_x(silu(g) u); wh = round_x(w h) (dW_down's operand);
 //   dg = round_x(w dh u silu'(g)); du = round_x(w dh silu(g));
-// returns <dh, h> over the row: lane l sums its elements (V at a time from l V,
-// kU vectors per step) in order, then warp_sum_fixed adds the lanes.
+// and dw += dh h, element by element in order.
+template <typename X, int V>
+__device__ __forceinline__ void swiglu_backward_vec(const Vec<X, V>& gv, const Vec<X, V>& uv,
+                                                    const Vec<float, V>& dv, float w, float& dw,
+                                                    Vec<X, V>& hv, Vec<X, V>& dgv,
+                                                    Vec<X, V>& duv) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const float gf = to_float(gv.v[i]), uf = to_float(uv.v[i]);
+    const float s = sigmoid(gf);
+    const float silu = gf * s;
+    const float h = round_to<X>(silu * uf);
+    hv.v[i] = from_float<X>(w * h);
+    const float dhr = dv.v[i];
+    dw += dhr * h;  // <dy, o> = <dy @ Wd^T, h>
+    const float dhw = w * dhr;
+    dgv.v[i] = from_float<X>(dhw * uf * (s * (1.0f + gf * (1.0f - s))));
+    duv.v[i] = from_float<X>(dhw * silu);
+  }
+}
+
+// SwiGLU's backward for one row, by one warp (every lane calls it), gate row g, up
+// row g + ffn: swiglu_backward_vec over the row; returns <dh, h> over the row: lane l
+// sums its elements (V at a time from l V, kU vectors per step of 32 V kU) in
+// order, then warp_sum_fixed adds the lanes.
 template <typename X, int V, int kU>
 __device__ __forceinline__ float swiglu_backward_row(const X* __restrict__ g,
                                                      const float* __restrict__ dh, float w,
@@ -97,19 +119,7 @@ __device__ __forceinline__ float swiglu_backward_row(const X* __restrict__ g,
       const int64_t f = f0 + j * 32 * V;
       if (f >= ffn) continue;
       Vec<X, V> hv, dgv, duv;
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float gf = to_float(gv[j].v[i]), uf = to_float(uv[j].v[i]);
-        const float s = sigmoid(gf);
-        const float silu = gf * s;
-        const float h = round_to<X>(silu * uf);
-        hv.v[i] = from_float<X>(w * h);
-        const float dhr = dv[j].v[i];
-        dw += dhr * h;  // <dy, o> = <dy @ Wd^T, h>
-        const float dhw = w * dhr;
-        dgv.v[i] = from_float<X>(dhw * uf * (s * (1.0f + gf * (1.0f - s))));
-        duv.v[i] = from_float<X>(dhw * silu);
-      }
+      swiglu_backward_vec<X, V>(gv[j], uv[j], dv[j], w, dw, hv, dgv, duv);
       store_vec<X, V>(wh + f, hv);
       store_vec<X, V>(dg + f, dgv);
       store_vec<X, V>(du + f, duv);

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "mok/bf16.h"
 
@@ -65,6 +66,21 @@ __device__ __forceinline__ float warp_sum_fixed(float v) {
   return v;
 }
 
+// A value the GPU computed, as X: for bf16 the hardware's round-to-nearest-even
+// conversion (one instruction, where float_to_bf16 takes ~8), whose bits are
+// float_to_bf16's for every value but a NaN read from memory (the only NaN the GPU's
+// arithmetic produces is 0x7FFFFFFF, which both make 0x7FFF; see pack_bf16x2).
+template <typename X>
+__device__ __forceinline__ X from_computed(float v) {
+  if constexpr (std::is_same_v<X, bf16>) {
+    uint16_t b;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+    return bf16{b};
+  } else {
+    return from_float<X>(v);
+  }
+}
+
 // SwiGLU's backward for V elements of a row: from the rounded residual (gate g,
 // up u), GEMM2's dgrad dh (f32) and the row's combine weight w,
 //   h = round_x(silu(g) u); wh = round_x(w h) (dW_down's operand);
@@ -80,13 +96,13 @@ __device__ __forceinline__ void swiglu_backward_vec(const Vec<X, V>& gv, const V
     const float gf = to_float(gv.v[i]), uf = to_float(uv.v[i]);
     const float s = sigmoid(gf);
     const float silu = gf * s;
-    const float h = round_to<X>(silu * uf);
-    hv.v[i] = from_float<X>(w * h);
+    const float h = to_float(from_computed<X>(silu * uf));
+    hv.v[i] = from_computed<X>(w * h);
     const float dhr = dv.v[i];
     dw += dhr * h;  // <dy, o> = <dy @ Wd^T, h>
     const float dhw = w * dhr;
-    dgv.v[i] = from_float<X>(dhw * uf * (s * (1.0f + gf * (1.0f - s))));
-    duv.v[i] = from_float<X>(dhw * silu);
+    dgv.v[i] = from_computed<X>(dhw * uf * (s * (1.0f + gf * (1.0f - s))));
+    duv.v[i] = from_computed<X>(dhw * silu);
   }
 }
 

@@ -59,15 +59,17 @@ def persistent_cases():
     """The persistent kernels (forward and backward) forced on: rows past a 64-row
     block, H and F not multiples of the 64-wide tiles, capacity drops, T below a
     block; then the EP role on virtual ranks (each rank's windows its own), both
-    tile heights."""
+    tile heights; then the backward's 128-row blocks with H > F + 256, whose
+    SwiGLU tasks stream dy rows in stages of their own."""
     return [lambda: run(200, 2, 6, 128, 64, jnp.bfloat16, None),
             lambda: run(100, 2, 4, 136, 200, jnp.bfloat16, 0.5),
             lambda: run(3, 2, 3, 8, 8, jnp.bfloat16, None),
             lambda: run_virtual_ranks(96, 3, 8, 136, 200, 4),
-            lambda: run_virtual_ranks(512, 4, 8, 256, 128, 2)]
+            lambda: run_virtual_ranks(512, 4, 8, 256, 128, 2),
+            lambda: run(600, 2, 4, 520, 136, jnp.bfloat16, None)]
 
 
-PERSISTENT_CASES = 5
+PERSISTENT_CASES = 6
 
 
 def run_persistent(only=None):

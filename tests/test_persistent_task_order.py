@@ -9,7 +9,8 @@ tests/persistent_task_order.cc runs it over 304 routings (empty experts, one
 expert with every row, sizes off the tiles) and checks that every task appears
 once, waits for what its data needs, and that the tasks before it meet the wait,
 also with the SwiGLU tasks at several lags among the dgrad2 tasks and the weight
-gradients' N tiles in chunks of several sizes; then over 153 routings split in P = 2, 4, 8 EP ranks on one launch (each rank its
+gradients' N tiles in chunks of several sizes, and that each weight gradient's
+tiles come with the loop over its smaller side inside; then over 153 routings split in P = 2, 4, 8 EP ranks on one launch (each rank its
 own list, the combine waiting for every rank's dgrad1 tasks), run in turn, that
 every task belongs to its rank and the lists end without a deadlock. Over the same
 routings (some with experts of up to 40 row blocks, five bands), the forward's GEMM

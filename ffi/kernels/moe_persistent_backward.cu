@@ -384,7 +384,9 @@ __device__ void stream_swiglu(int ptid, const Params& p, const Windows& win, Con
         if (sg.sw >= 0) {
           Barrier::arrive_and_expect_tx(&full, kSwStageBytes);
           // Columns [c0 + 256 sw, c0 + 256 (sw + 1)) of rows [r0, r0 + kSwRows) of a
-          // [R, cols] array (past cols or R: zeros; gate's may run into up's columns).
+          // [R, cols] array (past cols or R: zeros; gate's may run into up's columns,
+          // and a block's last group into the next block's rows, which other CTAs may
+          // be writing: the consumers take neither).
           auto load = [&](const auto& tma, int64_t cols, int64_t c0, auto* smem) {
             Tensor sm = make_tensor(make_smem_ptr(smem), LayoutSw{});
             Tensor rows_t = tma.get_tma_tensor(make_shape(cols, R));

@@ -70,15 +70,17 @@ __device__ __forceinline__ float warp_sum_fixed(float v) {
 // conversion (one instruction, where float_to_bf16 takes ~8), whose bits are
 // float_to_bf16's for every value but a NaN read from memory (the only NaN the GPU's
 // arithmetic produces is 0x7FFFFFFF, which both make 0x7FFF; see pack_bf16x2).
+// Targets before sm_80 (the SIMT build) have no such conversion: float_to_bf16.
 template <typename X>
 __device__ __forceinline__ X from_computed(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (std::is_same_v<X, bf16>) {
     uint16_t b;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
     return bf16{b};
-  } else {
-    return from_float<X>(v);
   }
+#endif
+  return from_float<X>(v);
 }
 
 // SwiGLU's backward for V elements of a row: from the rounded residual (gate g,

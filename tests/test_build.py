@@ -1,8 +1,10 @@
-"""mok_jax.build_info, the fused transport's refusal of an NCCL it was not built for, and
-the reuse of a build from a new pip build environment."""
+"""mok_jax.build_info, the fused transport's refusal of an NCCL it was not built for, the
+reuse of a build from a new pip build environment, and the sources every CUDA build
+compiles assembling for a target before sm_80 (the SIMT build)."""
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -135,3 +137,35 @@ def test_a_build_from_a_new_pip_environment_recompiles_nothing(tmp_path):
         f.write("\n// changed\n")
     configure(second)
     assert any("handlers/moe_cpu.cc" in line for line in pending())
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def simt_sources():
+    """The sources of ffi/CMakeLists.txt's mok_cuda library outside its 90a block:
+    what a build without sm_90a compiles."""
+    cmake = (ROOT / "ffi" / "CMakeLists.txt").read_text()
+    block = re.search(r"add_library\(mok_cuda STATIC(.*?)\)", cmake, re.S)
+    assert block, "no add_library(mok_cuda STATIC ...) in ffi/CMakeLists.txt"
+    return block.group(1).split()
+
+
+@pytest.mark.slow  # compiles with nvcc
+def test_sources_of_every_cuda_build_assemble_for_sm_75(tmp_path):
+    """ffi/CMakeLists.txt builds these for every architecture list (a list without 90a
+    gets the SIMT GEMM path alone), so an instruction newer than the oldest target
+    (cvt.rn.bf16.f32 needs sm_80) must sit behind a __CUDA_ARCH__ guard; ptxas, not
+    the compiler's front end, is what refuses it."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    sources = simt_sources()
+    assert "kernels/moe_elementwise.cu" in sources
+    for source in sources:
+        done = subprocess.run(
+            [nvcc, "-arch=sm_75", "-std=c++20", "--expt-relaxed-constexpr",
+             "-diag-suppress=2908", "-I", str(ROOT / "ffi"), "-I", str(ROOT / "ffi" / "include"),
+             "-cubin", str(ROOT / "ffi" / source), "-o", str(tmp_path / "out.cubin")],
+            capture_output=True, text=True)
+        assert done.returncode == 0, f"{source} for sm_75:\n{done.stderr}"

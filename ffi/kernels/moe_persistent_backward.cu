@@ -219,7 +219,7 @@ struct Params {
   TmaRowsA tma_wh, tma_x_rows;
   TmaRowsB tma_dy_rows, tma_dgu;
   TmaRowsAW tma_wh_w, tma_x_rows_w;  // the A blocks of 128-row M tiles (kSlot = 128)
-  TmaSwBf16 tma_gate_up_sw;          // SwiGLU's stages: gate_up as (2F, R)
+  TmaSwBf16 tma_gate_up_sw;          // SwiGLU's stages: the forward's gate_up as (2F, R)
   TmaSwF32 tma_dh_sw;                // and dh as (F, R)
   uint32_t wgrad_n;                  // N tiles per weight-gradient task (TaskList::wgrad_n)
   int64_t tokens, top_k, experts, hidden, ffn;
@@ -238,7 +238,6 @@ struct Params {
   Elem* recv_win[kMaxRanks];           // rank o's dx rows by its pairs [T/P * K, H]
                                        // (P = 1: all rows in row order [R, H])
   const Elem* x_rows;    // [R, H] the forward's gathered x rows
-  const bf16* gate_up;   // [R, 2F] the forward's rounded gate and up
   const int64_t* expert_begin;
   const int32_t* row_pair;
   const int32_t* pair_row;
@@ -1092,7 +1091,6 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
              "weight gradients or of SwiGLU's backward";
     }
   }
-  p.gate_up = static_cast<const bf16*>(a.gate_up);
   p.expert_begin = a.expert_begin;
   p.row_pair = a.row_pair;
   p.pair_row = a.pair_row;

@@ -344,6 +344,21 @@ __device__ __forceinline__ void load_wgrad_block(int ptid, char* tiles, int slot
   }
 }
 
+// Columns [c0 + C col_tile, c0 + C (col_tile + 1)) of rows [r0, r0 + K) of a [R, cols]
+// array by `tma` (a (C, K) `tile` of rows_view) into `smem` laid out as `layout`, its
+// bytes counted on `full` (past cols or R: zeros).
+template <class Tma, class Tile, class SmemLayout, class T>
+__device__ __forceinline__ void load_rows_tile(const Tma& tma, uint64_t& full, int64_t cols,
+                                               int64_t R, int64_t c0, int64_t r0, Tile tile,
+                                               SmemLayout layout, T* smem, int32_t col_tile) {
+  Tensor sm = make_tensor(make_smem_ptr(smem), layout);
+  Tensor rows_t = tma.get_tma_tensor(make_shape(cols, R));
+  Tensor g = local_tile(domain_offset(make_coord(c0, r0), rows_t), tile, make_coord(col_tile, 0));
+  auto [tg, ts] =
+      tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sm), group_modes<0, 2>(g));
+  copy(tma.with(full), tg, ts);
+}
+
 // A SwiGLU task's stages (SwigluStages): thread 0 loads the gate, up and dh chunks
 // by TMA; the dy chunks of a group that copies them come by cp.async, eight threads
 // a row, 16 bytes at a time, from the row's token's dy row.
@@ -382,18 +397,11 @@ __device__ void stream_swiglu(int ptid, const Params& p, const Windows& win, Con
         uint64_t& full = ctl.full[st.slot];
         if (sg.sw >= 0) {
           Barrier::arrive_and_expect_tx(&full, kSwStageBytes);
-          // Columns [c0 + 256 sw, c0 + 256 (sw + 1)) of rows [r0, r0 + kSwRows) of a
-          // [R, cols] array (past cols or R: zeros; gate's may run into up's columns,
-          // and a block's last group into the next block's rows, which other CTAs may
-          // be writing: the consumers take neither).
+          // 256 columns sw of gate, up and dh for the group's rows (gate's may run
+          // into up's columns, and a block's last group into the next block's rows,
+          // which other CTAs may be writing: the consumers take neither).
           auto load = [&](const auto& tma, int64_t cols, int64_t c0, auto* smem) {
-            Tensor sm = make_tensor(make_smem_ptr(smem), LayoutSw{});
-            Tensor rows_t = tma.get_tma_tensor(make_shape(cols, R));
-            Tensor g = local_tile(domain_offset(make_coord(c0, r0), rows_t), TileSw{},
-                                  make_coord(sg.sw, 0));
-            auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sm),
-                                          group_modes<0, 2>(g));
-            copy(tma.with(full), tg, ts);
+            load_rows_tile(tma, full, cols, R, c0, r0, TileSw{}, LayoutSw{}, smem, sg.sw);
           };
           load(p.tma_gate_up_sw, 2 * F, 0, reinterpret_cast<Elem*>(b));
           load(p.tma_gate_up_sw, 2 * F, F, reinterpret_cast<Elem*>(b + kSwBf16Bytes));
@@ -487,11 +495,11 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
       stream_k_blocks<kSlot>(ptid, ctl, tiles, st, a, K, base, issue_b);
       continue;
     }
-    // A weight gradient: for each of the task's N tiles, the expert's rows in ascending
-    // 64-row K blocks
-    // (M tiles of 64, or 128 when wide). A whole block by TMA (wh and
-    // the dy rows the SwiGLU tasks copied; the x rows and d gate_up); an expert's last,
-    // partial block by cp.async (the rows past it are the next expert's: zeros instead).
+    // A weight gradient (M tiles of 64, or 128 when wide): for each of the task's N
+    // tiles, the expert's rows in ascending 64-row K blocks. A whole block by TMA (wh
+    // and the dy rows the SwiGLU tasks copied; the x rows and d gate_up); an expert's
+    // last, partial block by cp.async (the rows past it are the next expert's: zeros
+    // instead).
     const bool down = task.kind == Kind::kWgradDown;
     const int64_t M = down ? F : H, N = down ? H : 2 * F;
     const int64_t m0 = int64_t(task.mtile) * kSlot;
@@ -525,17 +533,9 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
         cutlass::arch::cpasync_barrier_arrive_noinc(&ctl.full[st.slot]);
         if (ptid == 0) {
           uint64_t& full = ctl.full[st.slot];
-          // Columns [col_tile C, (col_tile + 1) C) of rows [r0, r0 + K) of a [R, cols]
-          // array, (C, K) the tile.
           auto load = [&](const auto& tma, int64_t cols, auto tile, auto layout, Elem* smem,
                           int32_t col_tile) {
-            Tensor sm = make_tensor(make_smem_ptr(smem), layout);
-            Tensor rows_t = tma.get_tma_tensor(make_shape(cols, R));
-            Tensor g = local_tile(domain_offset(make_coord(0, r0), rows_t), tile,
-                                  make_coord(col_tile, 0));
-            auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sm),
-                                          group_modes<0, 2>(g));
-            copy(tma.with(full), tg, ts);
+            load_rows_tile(tma, full, cols, R, 0, r0, tile, layout, smem, col_tile);
           };
           Elem* sa = slot_a<kSlot>(tiles, st.slot);
           Elem* sb = slot_b<kSlot>(tiles, st.slot);

@@ -301,11 +301,34 @@ __device__ void copy_x_rows(const Params& p, const Windows& win, const Task& tas
   const int64_t c0 = chunks_per_row * task.tile / col_tiles;
   const int64_t c1 = chunks_per_row * (task.tile + 1) / col_tiles;
   const int64_t share = c1 - c0;
-  for (int64_t c = ctid; c < rb.rows() * share; c += kConsumerThreads) {
-    const int64_t m = c / share, k = (c0 + c % share) * 8;
-    const int64_t token = p.row_pair[rb.row0 + m] / p.top_k;
-    *reinterpret_cast<uint4*>(p.x_rows_out + (rb.row0 + m) * H + k) =
-        *reinterpret_cast<const uint4*>(x_row(p, win, token) + k);
+  // Four chunks in flight a thread: each chunk's row_pair and x loads are a
+  // dependent pair of global loads, and in turn they would take ~2 us each.
+  constexpr int kBatch = 4;
+  const int64_t total = rb.rows() * share;
+  for (int64_t b = ctid; b < total; b += kBatch * kConsumerThreads) {
+    uint4 v[kBatch];
+    const Elem* src[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int64_t c = b + i * kConsumerThreads;
+      src[i] = nullptr;
+      if (c < total) {
+        const int64_t m = c / share, k = (c0 + c % share) * 8;
+        src[i] = x_row(p, win, p.row_pair[rb.row0 + m] / p.top_k) + k;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (src[i] != nullptr) v[i] = __ldg(reinterpret_cast<const uint4*>(src[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int64_t c = b + i * kConsumerThreads;
+      if (src[i] != nullptr) {
+        const int64_t m = c / share, k = (c0 + c % share) * 8;
+        *reinterpret_cast<uint4*>(p.x_rows_out + (rb.row0 + m) * H + k) = v[i];
+      }
+    }
   }
 }
 
@@ -594,12 +617,13 @@ __device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, c
         ctl, tiles, st, static_cast<int>((K + kBlockK - 1) / kBlockK), acc, signal);
     signal();  // (done already in the K loop, but for an empty one)
     if (first) {
-      if (p.x_rows_out != nullptr) copy_x_rows(p, win, task, list.n1);
       if constexpr (BM == 64) {
         gemm1_epilogue(p, task, acc);
       } else {
         gemm1_epilogue(p, task, acc, buf);
       }
+      // After the epilogue: the accumulators are dead, the copy's loads in registers.
+      if (p.x_rows_out != nullptr) copy_x_rows(p, win, task, list.n1);
       unsignalled = p.h_ready + task.block;
     } else {
       if constexpr (BM == 64) {

@@ -142,6 +142,40 @@ def _check_expert_rows(persistent, counts, H, F, seed):
     np.testing.assert_array_equal(stats.tokens_per_expert, counts)
 
 
+@pytest.mark.parametrize("counts,F,tile_rows", [
+    ((3, 133, 264, 77), 128, 128),
+    ((3, 133, 264, 77), 520, 128),
+    ((3, 61, 64, 13), 128, 64),
+])
+def test_saved_x_rows_are_the_chains(persistent, counts, F, tile_rows):
+    """The forward's saved x rows (the backward's residual) are the chain's gathered
+    rows and x's rows in routing-plan order, bit for bit. The persistent forward's
+    GEMM1 tasks of a row block copy its rows, each a share of the columns: experts of
+    3 rows, blocks ending 5 rows past a multiple of 8 and on one, H = 200 (not a
+    multiple of the 64-column K block), blocks of one GEMM1 task and of five (more
+    than the four K blocks), both tile heights."""
+    from mok_jax._src import primitives as prim
+    T, H = sum(counts), 200
+    x, _, _, wgu, wd = _problem(T, 1, len(counts), H, F, seed=15)
+    ids = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    ids = jnp.asarray(np.random.default_rng(15).permutation(ids)[:, None])
+    w = jnp.ones((T, 1), jnp.float32)
+    assert _always_takes(T, 1, len(counts), H, F)[1]
+    assert _mok.persistent_tile_rows(T, 1, len(counts), H, F) == tile_rows
+    fwd = jax.jit(lambda *a: prim.moe_fwd_p.bind(
+        *a, recipe=int(mok_jax.Recipe.NATIVE), capacity=prim.NO_CAPACITY,
+        save_gate_up=True)[2])
+    got = persistent(lambda: fwd(x, ids, w, wgu, wd), True)
+    want = persistent(lambda: fwd(x, ids, w, wgu, wd), False)
+    assert got.shape == (T, H)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(want).view(np.uint16))
+    # Routing-plan row order: by expert, then token.
+    order = np.argsort(np.asarray(ids[:, 0]), kind="stable")
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(x)[order].view(np.uint16))
+
+
 def test_wide_tiles_at_the_block_edges(persistent):
     """128-row tiles with experts of exactly one block (128 rows), one row past it
     (129: a second block of one row, its epilogue's warp groups one partial and one

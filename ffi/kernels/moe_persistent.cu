@@ -301,8 +301,9 @@ __device__ void copy_x_rows(const Params& p, const Windows& win, const Task& tas
   const int64_t c0 = chunks_per_row * task.tile / col_tiles;
   const int64_t c1 = chunks_per_row * (task.tile + 1) / col_tiles;
   const int64_t share = c1 - c0;
-  // Four chunks in flight a thread: each chunk's row_pair and x loads are a
-  // dependent pair of global loads, and in turn they would take ~2 us each.
+  // Four chunks in flight a thread: a chunk's row_pair and x loads are a
+  // dependent pair of global loads; one chunk at a time paid both latencies per
+  // chunk (docs/performance.md, "The residuals' cost").
   constexpr int kBatch = 4;
   const int64_t total = rb.rows() * share;
   for (int64_t b = ctid; b < total; b += kBatch * kConsumerThreads) {

@@ -14,12 +14,14 @@ _spec.loader.exec_module(sass_k_loops)
 NAME = "_ZN3mok4cuda12_GLOBAL__N_122moe_forward_persistentINS_4bf16ELi128EEEvNS1_6ParamsE"
 
 
-def listing(moves, name=NAME, wgmma=True, spills=0, back_edge="@!P2 BRA 0x20"):
+def listing(moves, name=NAME, wgmma=True, spills=0, back_edge="@!P2 BRA 0x20", others=0):
     """One function: a task loop from 0x10 around a K loop from 0x20 whose body holds
-    `moves` register moves, `spills` local-memory stores and (if `wgmma`) four
-    HGMMAs, closed by `back_edge`."""
+    `moves` register moves into the accumulators (R24..R151 of a 64x256 wgmma),
+    `others` moves between other registers, `spills` local-memory stores and (if
+    `wgmma`) four HGMMAs, closed by `back_edge`."""
     body = ["YIELD", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R179+URZ], R52"]
     body += [f"IMAD.MOV.U32 R{52 + i}, RZ, RZ, R{162 + i}" for i in range(moves)]
+    body += [f"MOV R{152 + i % 20}, R{2 + i % 20}" for i in range(others)]
     body += [f"STL [R1+{4 * i:#x}], R{24 + i}" for i in range(spills)]
     if wgmma:
         body += ["HGMMA.64x256x16.F32.BF16 R24, gdesc[UR20].tnspB, R24, UP0"] * 3
@@ -46,6 +48,15 @@ def test_a_k_loop_with_few_moves_passes():
     lines = sass_k_loops.check(listing(moves=8), max_moves=16)
     assert len(lines) == 1 and lines[0].startswith("ok"), lines
     assert "8 moves" in lines[0]
+
+
+def test_moves_of_other_registers_do_not_count():
+    # R152 and up lie past the 128 accumulators from R24; R23 and below before them.
+    lines = sass_k_loops.check(listing(moves=0, others=40), max_moves=0)
+    assert len(lines) == 1 and lines[0].startswith("ok") and "0 moves" in lines[0], lines
+    one_in = listing(moves=0, others=40).replace("MOV R152, R2 ", "MOV R152, R151 ")
+    lines = sass_k_loops.check(one_in, max_moves=0)
+    assert len(lines) == 1 and lines[0].startswith("FAIL") and "2 moves" in lines[0], lines
 
 
 def test_the_innermost_loop_is_measured():

@@ -290,48 +290,51 @@ __device__ void produce(const Params& p, const Windows& win, Control<BM>& ctl, c
 // ---- Consumers: the two warp groups' wgmma on the stages, the epilogues from
 // their accumulators, and the combine.
 
-// The backward's gathered x rows (when it keeps them): each GEMM1 task of a row
-// block copies its share of the rows' 16-byte chunks (the block's column tiles
-// split them), whole rows by consecutive threads.
-__device__ void copy_x_rows(const Params& p, const Windows& win, const Task& task,
-                            uint32_t col_tiles) {
-  const int ctid = threadIdx.x - kProducerThreads;
-  const RowBlock& rb = task.rb;
-  const int64_t H = p.hidden, chunks_per_row = H / 8;
-  const int64_t c0 = chunks_per_row * task.tile / col_tiles;
-  const int64_t c1 = chunks_per_row * (task.tile + 1) / col_tiles;
-  const int64_t share = c1 - c0;
-  // Four chunks in flight a thread: a chunk's row_pair and x loads are a
-  // dependent pair of global loads; one chunk at a time paid both latencies per
-  // chunk (docs/performance.md, "The residuals' cost").
-  constexpr int kBatch = 4;
-  const int64_t total = rb.rows() * share;
-  for (int64_t b = ctid; b < total; b += kBatch * kConsumerThreads) {
-    uint4 v[kBatch];
-    const Elem* src[kBatch];
+// The backward's gathered x rows (when it keeps them), copied from GEMM1's A stages
+// while each K block's wgmmas run: the row block's GEMM1 tasks split its K blocks
+// (task `tile` of `col_tiles` takes [k_blocks tile / col_tiles, k_blocks (tile + 1) /
+// col_tiles)), and of each such stage consumer thread c copies 16-byte chunk c % 8 of
+// rows c / 8 + 32 i. Those rows share their swizzle (row m's chunk at byte m * 128 +
+// (chunk ^ m % 8) * 16), so the chunks lie 4096 bytes apart; eight consecutive threads
+// store a row's whole 128-byte segment.
+template <int BM>
+struct XRowsCopy {
+  static constexpr int kRows = BM / 32;  // rows a thread copies per stage
+  Elem* dst;       // the thread's first row of the block, at its chunk (nullptr: none)
+  int32_t lo, hi;  // the task's K blocks
+  int32_t col;     // the thread's chunk's column in a K block
+  uint32_t valid;  // bit i: row c / 8 + 32 i is one of the block's
+  // copy: a GEMM1 task of a forward that keeps the x rows.
+  __device__ XRowsCopy(const Params& p, const Task& task, uint32_t col_tiles, bool copy) {
+    const int ctid = threadIdx.x - kProducerThreads;
+    const int m0 = ctid >> 3;
+    col = (ctid & 7) * 8;
+    const int64_t k_blocks = (p.hidden + kBlockK - 1) / kBlockK;
+    lo = static_cast<int32_t>(k_blocks * task.tile / col_tiles);
+    hi = static_cast<int32_t>(k_blocks * (task.tile + 1) / col_tiles);
+    dst = copy ? p.x_rows_out + (task.rb.row0 + m0) * p.hidden + col : nullptr;
+    valid = 0;
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int64_t c = b + i * kConsumerThreads;
-      src[i] = nullptr;
-      if (c < total) {
-        const int64_t m = c / share, k = (c0 + c % share) * 8;
-        src[i] = x_row(p, win, p.row_pair[rb.row0 + m] / p.top_k) + k;
-      }
-    }
+    for (int i = 0; i < kRows; ++i) valid |= uint32_t(m0 + 32 * i < task.rb.rows()) << i;
+  }
+  __device__ __forceinline__ void operator()(const Params& p, int kb, const Elem* a) const {
+    if (dst == nullptr || kb < lo || kb >= hi || int64_t(kb) * kBlockK + col >= p.hidden) return;
+    const int ctid = threadIdx.x - kProducerThreads;
+    const int m0 = ctid >> 3;
+    const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(a)) + m0 * 128 +
+                         (((ctid & 7) ^ (m0 & 7)) * 16);
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      if (src[i] != nullptr) v[i] = __ldg(reinterpret_cast<const uint4*>(src[i]));
-    }
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int64_t c = b + i * kConsumerThreads;
-      if (src[i] != nullptr) {
-        const int64_t m = c / share, k = (c0 + c % share) * 8;
-        *reinterpret_cast<uint4*>(p.x_rows_out + (rb.row0 + m) * H + k) = v[i];
+    for (int i = 0; i < kRows; ++i) {
+      if ((valid >> i) & 1u) {
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(src + i * 4096));
+        *reinterpret_cast<uint4*>(dst + int64_t(32 * i) * p.hidden + int64_t(kb) * kBlockK) = v;
       }
     }
   }
-}
+};
 
 // 64-row tiles: a thread's accumulators are (2 x 2 x 16) of its warp group's
 // 64 x 128: values 0..31 the 64 gate columns, values 32..63 the up columns 64 to
@@ -614,8 +617,10 @@ __device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, c
     // registers and moves them in and out around every K block (138-142 moves in
     // the 128-row loop; scripts/sass_k_loops.py checks the loops).
     Acc<BM> acc;
+    const XRowsCopy<BM> x_rows(p, task, list.n1, first && p.x_rows_out != nullptr);
+    auto copy_x = [&](int kb, const Elem* a) { x_rows(p, kb, a); };
     mma_k_loop<typename Tiles<BM>::Mma, LayoutARows<BM>, LayoutB>(
-        ctl, tiles, st, static_cast<int>((K + kBlockK - 1) / kBlockK), acc, signal);
+        ctl, tiles, st, static_cast<int>((K + kBlockK - 1) / kBlockK), acc, signal, copy_x);
     signal();  // (done already in the K loop, but for an empty one)
     if (first) {
       if constexpr (BM == 64) {
@@ -623,8 +628,6 @@ __device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, c
       } else {
         gemm1_epilogue(p, task, acc, buf);
       }
-      // After the epilogue: the accumulators are dead, the copy's loads in registers.
-      if (p.x_rows_out != nullptr) copy_x_rows(p, win, task, list.n1);
       unsignalled = p.h_ready + task.block;
     } else {
       if constexpr (BM == 64) {

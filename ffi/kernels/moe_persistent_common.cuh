@@ -346,15 +346,22 @@ __device__ __forceinline__ void scan_row_blocks(const int64_t* expert_begin, int
 // flight across the next block's wait made the 128-row forward 11-19 % slower:
 // docs/performance.md). `issued` runs once, while the first K block's wgmmas are in
 // flight (work that can overlap them; it must not touch the accumulators).
+// `each(kb, a)` runs at every K block while its wgmmas are in flight, with the
+// stage's A tile `a` (it may read the tile, not write it).
 // BM: the rows of the stages' A tiles as laid out (those of SmemA unless a kernel
 // puts another A tile of the same bytes there).
 struct NothingWhileIssued {
   __device__ void operator()() const {}
 };
+struct NothingEachBlock {
+  __device__ void operator()(int, const Elem*) const {}
+};
 template <class Mma, class SmemA, class SmemB, int BM = decltype(size<0>(SmemA{}))::value,
-          class Ctl, int S, class Acc, class Issued = NothingWhileIssued>
+          class Ctl, int S, class Acc, class Issued = NothingWhileIssued,
+          class Each = NothingEachBlock>
 __device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<S>& st,
-                                           int k_blocks, Acc& acc, Issued issued = {}) {
+                                           int k_blocks, Acc& acc, Issued issued = {},
+                                           Each each = {}) {
   const int ctid = threadIdx.x - kProducerThreads;
   Mma mma;
   auto thr = mma.get_thread_slice(ctid);
@@ -376,6 +383,7 @@ __device__ __forceinline__ void mma_k_loop(Ctl& ctl, char* tiles, Ring<S>& st,
     }
     warpgroup_commit_batch();
     if (kb == 0) issued();
+    each(kb, stage_a<BM>(tiles, st.slot));
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     __syncwarp();

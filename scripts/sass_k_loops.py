@@ -12,8 +12,8 @@ branch over an HGMMA) is listed with its instruction and move count (register mo
 that read or write one of the loop's wgmma accumulators, and every local-memory load and
 store); a loop with more than --max-moves (default 0), and a wgmma found in no loop, fail
 the check (exit 1). Moves of other registers (the wgmma descriptors, the loop's
-pointers) are not counted. Needs cuobjdump (the CUDA toolkit's; scripts/gpu_ci.sh runs this on the GPU
-machine) and an extension built with sm_90a code.
+pointers) are not counted. Needs cuobjdump (the CUDA toolkit's; scripts/gpu_ci.sh runs
+this on the GPU machine) and an extension built with sm_90a code.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def wgmma_loops(code):
     of `code`: the shortest range from a backward branch's target to the branch that
     holds the HGMMA (the task loops around it are longer). Moves count register moves
     that name one of the loop's wgmma accumulators (f32: N / 2 registers a thread from
-    the HGMMA's first operand) and local-memory loads and stores (spilled accumulators). A wgmma in no loop is
-    reported as a loop of its own address with moves -1 (check() fails it)."""
+    the HGMMA's first operand) and local-memory loads and stores (spilled accumulators).
+    A wgmma in no loop is reported as a loop of its own address with moves -1 (check()
+    fails it)."""
     wgmmas = [a for a, s in code if "HGMMA" in s]
     ranges = []
     for address, text in code:

@@ -576,7 +576,8 @@ __device__ __forceinline__ uint32_t pick4(const uint32_t (&a)[4], int i) {
   return i == 0 ? a[0] : i == 1 ? a[1] : i == 2 ? a[2] : a[3];
 }
 
-// The 64 x 256 tile rounded to bf16 and stored 16 bytes at a time: store(m, n, v)
+// The 64 x 256 tile rounded to bf16 (the hardware's conversion, pack_bf16x2: these
+// are accumulators) and stored 16 bytes at a time: store(m, n, v)
 // for each 8-column chunk (n a multiple of 8) this thread holds after the exchange.
 // wgmma's C layout (checked on the host for both MMAs here): consumer thread c
 // (lane l, quad position q = l % 4) holds rows r = 16 (c % 128 / 32) + l / 4 and
@@ -598,16 +599,13 @@ __device__ __forceinline__ void store_tile_bf16(const Acc& acc, Store store) {
   const int lane = ctid & 31, q = lane & 3;
   const int r = 16 * ((ctid % 128) / 32) + lane / 4;
   const int n0 = decltype(size(acc))::value == 64 ? 128 * (ctid / 128) : 0;
-  auto pack = [](float a, float b) {
-    return uint32_t(float_to_bf16(a).bits) | (uint32_t(float_to_bf16(b).bits) << 16);
-  };
 #pragma unroll
   for (int j0 = kJBegin; j0 < kJBegin + kJCount; j0 += 4) {
     uint32_t top[4], bot[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      top[t] = pack(acc(kV0 + 4 * (j0 + t)), acc(kV0 + 4 * (j0 + t) + 1));
-      bot[t] = pack(acc(kV0 + 4 * (j0 + t) + 2), acc(kV0 + 4 * (j0 + t) + 3));
+      top[t] = pack_bf16x2(acc(kV0 + 4 * (j0 + t)), acc(kV0 + 4 * (j0 + t) + 1));
+      bot[t] = pack_bf16x2(acc(kV0 + 4 * (j0 + t) + 2), acc(kV0 + 4 * (j0 + t) + 3));
     }
     uint32_t rt[4], rb[4];
 #pragma unroll

@@ -74,10 +74,9 @@ bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype, b
 int persistent_forward_tile_rows(const MoeShape& shape);
 
 // Whether the persistent backward takes it: under ALWAYS only (where it can run).
-// AUTO keeps the chain's backward: from 16 to 4096 rows per expert the kernel is at
-// best even with it (docs/performance.md). A training step under AUTO runs the
-// persistent forward and the chain's backward, with the same bits as any other
-// combination.
+// AUTO keeps the chain's backward (docs/performance.md: where the kernel is faster,
+// and by how much). A training step under AUTO runs the persistent forward and the
+// chain's backward, with the same bits as any other combination.
 bool persistent_backward_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // EP ranks one launch serves at most.

@@ -576,9 +576,9 @@ __device__ __forceinline__ uint32_t pick4(const uint32_t (&a)[4], int i) {
   return i == 0 ? a[0] : i == 1 ? a[1] : i == 2 ? a[2] : a[3];
 }
 
-// The 64 x 256 tile rounded to bf16 (the hardware's conversion, pack_bf16x2: these
-// are accumulators) and stored 16 bytes at a time: store(m, n, v)
-// for each 8-column chunk (n a multiple of 8) this thread holds after the exchange.
+// The 64 x 256 tile rounded to bf16 (pack_bf16x2, the hardware's conversion: these
+// are accumulators) and stored 16 bytes at a time: store(m, n, v) for each 8-column
+// chunk (n a multiple of 8) this thread holds after the exchange.
 // wgmma's C layout (checked on the host for both MMAs here): consumer thread c
 // (lane l, quad position q = l % 4) holds rows r = 16 (c % 128 / 32) + l / 4 and
 // r + 8; its values 4j + {0, 1} are columns n0 + 8j + 2q + {0, 1} of row r and

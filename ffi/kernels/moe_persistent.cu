@@ -319,10 +319,8 @@ struct XRowsCopy {
   }
   __device__ __forceinline__ void operator()(const Params& p, int kb, const Elem* a) const {
     if (dst == nullptr || kb < lo || kb >= hi || int64_t(kb) * kBlockK + col >= p.hidden) return;
-    const int ctid = threadIdx.x - kProducerThreads;
-    const int m0 = ctid >> 3;
-    const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(a)) + m0 * 128 +
-                         (((ctid & 7) ^ (m0 & 7)) * 16);
+    const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(a)) +
+                         sw128_chunk_offset(threadIdx.x - kProducerThreads);
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       if ((valid >> i) & 1u) {

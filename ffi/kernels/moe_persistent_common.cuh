@@ -159,6 +159,13 @@ __device__ __forceinline__ Elem* stage_b(char* tiles, int stage) {
   return reinterpret_cast<Elem*>(tiles + S * stage_a_bytes(BM) + stage * kStageBBytes);
 }
 
+// Byte offset, in a tile with the 128-byte swizzle (LayoutARows: row m's 16-byte
+// chunk c at byte m * 128 + (c ^ m % 8) * 16), of chunk t % 8 of row t / 8.
+__device__ __forceinline__ uint32_t sw128_chunk_offset(int t) {
+  const int m = t >> 3;
+  return static_cast<uint32_t>(m * 128 + (((t & 7) ^ (m & 7)) * 16));
+}
+
 // The A rows of a row block one producer thread loads: 16-byte chunks ptid + 128 j
 // (j < BM / 16) of a K block's BM rows x 8 chunks, that is column chunk ptid % 8 of
 // rows ptid / 8 + 16 j. In the 128-byte swizzle (LayoutARows: row m's chunk c at
@@ -177,7 +184,7 @@ struct ARowsOf {
   __device__ ARowsOf(int ptid, const RowBlock& rb, const Elem* base, RowStart row_start) {
     const int m0 = ptid >> 3;
     kc = (ptid & 7) * 8;
-    dst = static_cast<uint32_t>(m0 * 128 + (((ptid & 7) ^ (m0 & 7)) * 16));
+    dst = sw128_chunk_offset(ptid);
     valid = 0;
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {

@@ -4,8 +4,9 @@ weight gradients, the dx combine) give the kernel chains' bits on the GPU.
 
 `_mok.set_persistent_kernels(OFF)` makes the handlers run the chains (gathers,
 grouped GEMMs, SwiGLU, combines as separate kernels), `ALWAYS` the persistent
-kernels wherever they can run (the default, `AUTO`, picks the forward's for few
-rows per expert only, 64 or 128 with no residuals, and the chain's backward); y,
+kernels wherever they can run (the default, `AUTO`, picks them for few rows per
+expert only: the forward's up to 64, or 128 with no residuals, the backward's up
+to 64 over 64 or more experts); y,
 the residuals and every gradient must be equal bit for bit.
 """
 
@@ -260,7 +261,9 @@ def test_no_tokens_give_zero_weight_gradients(persistent):
 
 def test_auto_mode_takes_few_rows_per_expert_only():
     """AUTO's forward: the persistent kernel up to 64 rows per expert, and up to 128
-    for a forward that keeps no residuals (inference); the chain past that."""
+    for a forward that keeps no residuals (inference); the chain past that. AUTO's
+    backward: the persistent kernel up to 64 rows per expert over at least 64
+    experts; OFF: never."""
     assert _mok.set_persistent_kernels(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
     for residuals in (False, True):
         assert _mok.persistent_shape(256, 8, 128, 2048, 768, residuals)    # 16 rows per expert
@@ -274,11 +277,24 @@ def test_auto_mode_takes_few_rows_per_expert_only():
     assert _mok.persistent_shape(1024, 4, 32, 1024, 1024)               # 128
     assert not _mok.persistent_shape(1025, 8, 128, 2048, 768, residuals=True)
     assert not _mok.persistent_shape(2048, 8, 128, 2048, 768, residuals=True)
-    # The backward's kernel only where asked for: AUTO keeps the chain's backward.
-    assert not _mok.persistent_backward_shape(256, 8, 128, 2048, 768)
+    # The backward's kernel up to 64 rows per expert over 64 or more experts.
+    assert _mok.persistent_backward_shape(256, 8, 128, 2048, 768)      # 16 rows, E = 128
+    assert _mok.persistent_backward_shape(1024, 8, 128, 2048, 768)     # 64
+    assert _mok.persistent_backward_shape(512, 8, 64, 2048, 1024)      # 64, E = 64
+    assert not _mok.persistent_backward_shape(1025, 8, 128, 2048, 768)  # just over 64
+    assert not _mok.persistent_backward_shape(256, 8, 63, 2048, 1024)   # 33 rows, E = 63
+    assert not _mok.persistent_backward_shape(256, 2, 8, 4096, 14336)   # 64 rows, E = 8
+    assert not _mok.persistent_backward_shape(256, 8, 128, 2048, 764)   # F % 8 != 0
+    _mok.set_persistent_kernels(_mok.PersistentMode.OFF)
+    try:
+        assert not _mok.persistent_backward_shape(256, 8, 128, 2048, 768)
+    finally:
+        _mok.set_persistent_kernels(_mok.PersistentMode.AUTO)
     _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
     try:
         assert _mok.persistent_backward_shape(256, 8, 128, 2048, 768)
+        assert _mok.persistent_backward_shape(256, 2, 8, 4096, 14336)
+        assert _mok.persistent_backward_shape(16384, 8, 128, 2048, 768)
         assert not _mok.persistent_backward_shape(256, 8, 128, 2048, 764)
     finally:
         _mok.set_persistent_kernels(_mok.PersistentMode.AUTO)

@@ -38,6 +38,12 @@ constexpr int64_t kNarrowTileRowsPerExpert = 64;
 // (docs/performance.md).
 constexpr int64_t kAutoRowsPerExpert = kNarrowTileRowsPerExpert;
 constexpr int64_t kAutoRowsPerExpertNoResiduals = 128;
+// Auto mode's backward: the persistent kernel up to kAutoRowsPerExpert rows per
+// expert over at least this many experts. Forward+backward with it took 0.94-1.00x
+// the time with the chain's backward at 16-64 rows per expert over 64 and 128
+// experts, and 1.15x over 8 experts of F = 14336 (64 rows each); between 8 and 64
+// experts it is not measured, so the chain's runs (docs/performance.md).
+constexpr int64_t kAutoBackwardMinExperts = 64;
 // Past 64 rows per expert the kernel takes 128-row tiles, for E up to this:
 // the row-block prefix sums (4 bytes an expert) share shared memory with four 48 KB
 // stages and the staging buffers; they would fit up to E = 4083, 2048 keeps a margin.
@@ -782,7 +788,13 @@ int persistent_forward_tile_rows(const MoeShape& s) {
 
 bool persistent_backward_supported(const MoeShape& s, Recipe recipe, DType x_dtype) {
   const auto mode = static_cast<PersistentMode>(persistent_mode.load(std::memory_order_relaxed));
-  return mode == PersistentMode::kAlways && persistent_can_run(s, recipe, x_dtype);
+  if (mode == PersistentMode::kOff) return false;
+  if (mode == PersistentMode::kAuto &&
+      (s.tokens * s.top_k > kAutoRowsPerExpert * s.experts ||
+       s.experts < kAutoBackwardMinExperts)) {
+    return false;
+  }
+  return persistent_can_run(s, recipe, x_dtype);
 }
 
 size_t persistent_forward_workspace_bytes(const MoeShape& s, int ranks) {

@@ -50,8 +50,8 @@ namespace mok::cuda {
 
 // When the persistent kernels (the forward's and the backward's) run: never (the
 // kernel chains), where they are the faster ones (the default, AUTO: the forward at
-// most 64 rows per expert, 128 without residuals; docs/performance.md), or wherever
-// they can. AUTO leaves the backward's kernel out (persistent_backward_supported).
+// most 64 rows per expert, 128 without residuals, the backward at most 64 over 64 or
+// more experts; docs/performance.md), or wherever they can.
 enum class PersistentMode : int { kOff = 0, kAuto = 1, kAlways = 2 };
 
 // Sets the mode for every later call in this process and returns the previous one.
@@ -73,10 +73,10 @@ bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype, b
 // E <= 2048: the 48 KB stages leave room for the experts' row-block prefix sums).
 int persistent_forward_tile_rows(const MoeShape& shape);
 
-// Whether the persistent backward takes it: under ALWAYS only (where it can run).
-// AUTO keeps the chain's backward (docs/performance.md: where the kernel is faster,
-// and by how much). A training step under AUTO runs the persistent forward and the
-// chain's backward, with the same bits as any other combination.
+// Whether the persistent backward takes it under the current mode: under AUTO where
+// experts average at most 64 rows and there are at least 64 experts (where it was
+// measured faster than the chain's backward; docs/performance.md). Any combination
+// of the two passes' paths gives the same bits.
 bool persistent_backward_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // EP ranks one launch serves at most.

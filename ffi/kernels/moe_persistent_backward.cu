@@ -558,6 +558,15 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
 
 // ---- Consumers
 
+// One 8-byte store of (a, b) to global memory at dst (8-byte aligned). Written as
+// st.global.v2: a float2 assigned through a pointer reaches the PTX as two 4-byte
+// stores here, so each of dgrad2's f32 dh stores was two, each writing 8 rows x 4
+// lanes x 4 bytes, 8 bytes apart. The accumulator pairs sit in register pairs, so
+// the vector store needs no moves.
+__device__ __forceinline__ void store_f32x2(float* dst, float a, float b) {
+  asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}
+
 // Calls store(m, n, v0, v1) for each pair of adjacent accumulators (columns n and
 // n + 1 of row m; n even) of this thread's part of the Tile (64 x 256 or 128 x 256).
 template <class Mma, class Tile = StageTile, class Acc, class Store>
@@ -799,7 +808,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         auto put = [&](int m, int n, float v0, float v1) {
           const int64_t f = f0 + n;
           if (m < rows && f < F) {
-            *reinterpret_cast<float2*>(p.dh + (rb.row0 + m) * F + f) = make_float2(v0, v1);
+            store_f32x2(p.dh + (rb.row0 + m) * F + f, v0, v1);
           }
         };
         for_each_pair<typename D::Mma, typename D::Tile>(acc, put);

@@ -573,7 +573,7 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
   for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
     const uint4 o = sum_pair_rows(p.pair_row, static_cast<const W*>(p.weights), t, p.top_k,
                                   p.ranks == 1, win.recv[0], rows, H, c);
-    *reinterpret_cast<uint4*>(win.y[rank] + local * H + c) = o;
+    store_global_16(win.y[rank] + local * H + c, o);
   }
 }
 

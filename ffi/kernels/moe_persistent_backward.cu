@@ -558,15 +558,6 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
 
 // ---- Consumers
 
-// One 8-byte store of (a, b) to global memory at dst (8-byte aligned). Written as
-// st.global.v2: a float2 assigned through a pointer reaches the PTX as two 4-byte
-// stores here, so each of dgrad2's f32 dh stores was two, each writing 8 rows x 4
-// lanes x 4 bytes, 8 bytes apart. The accumulator pairs sit in register pairs, so
-// the vector store needs no moves.
-__device__ __forceinline__ void store_f32x2(float* dst, float a, float b) {
-  asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
-}
-
 // Calls store(m, n, v0, v1) for each pair of adjacent accumulators (columns n and
 // n + 1 of row m; n even) of this thread's part of the Tile (64 x 256 or 128 x 256).
 template <class Mma, class Tile = StageTile, class Acc, class Store>
@@ -640,6 +631,13 @@ __device__ __forceinline__ void consumer_signal2(uint32_t* a, uint32_t* b) {
   }
 }
 
+// Four bf16 values (dst 8-byte aligned: F % 8 == 0) in one store.
+__device__ __forceinline__ void store_bf16x4(bf16* dst, const Vec<bf16, 4>& v) {
+  uint2 w;
+  memcpy(&w, &v, sizeof(w));
+  store_global_8(dst, w.x, w.y);
+}
+
 // SwiGLU's backward over a row block, from the stages stream_swiglu fills: each
 // warp takes two rows of a group and computes swiglu_backward_vec on each lane's
 // columns in the order swiglu_backward_row gives them (256 columns a stage: lane l's
@@ -700,9 +698,9 @@ __device__ void swiglu_task(const Params& p, const Windows& win, Control& ctl, c
             const Vec<float, 4> dv{{d4.x, d4.y, d4.z, d4.w}};
             Vec<bf16, 4> hv, dgv, duv;
             swiglu_backward_vec<bf16, 4>(gv, uv, dv, w[j], dw[j], hv, dgv, duv);
-            store_vec<bf16, 4>(wh + f, hv);
-            store_vec<bf16, 4>(dg + f, dgv);
-            store_vec<bf16, 4>(dg + F + f, duv);
+            store_bf16x4(wh + f, hv);
+            store_bf16x4(dg + f, dgv);
+            store_bf16x4(dg + F + f, duv);
           }
         }
         if (dy) {  // H % 8 == 0: 16-byte chunks
@@ -757,7 +755,7 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
   for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
     const uint4 o = sum_pair_rows<void>(p.pair_row, nullptr, t, K, p.ranks == 1, win.recv[0],
                                         rows, H, c);
-    *reinterpret_cast<uint4*>(win.dx[rank] + local * H + c) = o;
+    store_global_16(win.dx[rank] + local * H + c, o);
   }
 }
 
@@ -808,7 +806,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         auto put = [&](int m, int n, float v0, float v1) {
           const int64_t f = f0 + n;
           if (m < rows && f < F) {
-            store_f32x2(p.dh + (rb.row0 + m) * F + f, v0, v1);
+            store_global_8(p.dh + (rb.row0 + m) * F + f, __float_as_uint(v0), __float_as_uint(v1));
           }
         };
         for_each_pair<typename D::Mma, typename D::Tile>(acc, put);

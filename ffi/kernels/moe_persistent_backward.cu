@@ -588,11 +588,9 @@ __device__ __forceinline__ uint32_t pick4(const uint32_t (&a)[4], int i) {
 // reads lane (q ^ k)'s pair of group q), after which lane q holds all 8 columns
 // of group j0 + q for both rows: a warp's store writes 8 rows x 64 bytes
 // (whole sectors) instead of 8 rows x 16 bytes. kV0 = 64 h: the same for the
-// values of columns 128 h .. 128 h + 127 of a warp group's 64 x 256 (the wide weight
-// gradients' accumulators, one warp group above the other), given as n from 0.
-// kJBegin, kJCount: only the column groups j0 in [kJBegin, kJBegin + kJCount) (8
-// groups: a 64-column part).
-template <int kV0 = 0, int kJBegin = 0, int kJCount = 16, class Acc, class Store>
+// values of columns 128 h .. 128 h + 127 of a warp group's 64 x 256 (the 128-row
+// tiles' accumulators, one warp group above the other), given as n from 0.
+template <int kV0 = 0, class Acc, class Store>
 __device__ __forceinline__ void store_tile_bf16(const Acc& acc, Store store) {
   static_assert(decltype(size(acc))::value == kV0 + 64 || decltype(size(acc))::value == 128);
   const int ctid = threadIdx.x - kProducerThreads;
@@ -600,7 +598,7 @@ __device__ __forceinline__ void store_tile_bf16(const Acc& acc, Store store) {
   const int r = 16 * ((ctid % 128) / 32) + lane / 4;
   const int n0 = decltype(size(acc))::value == 64 ? 128 * (ctid / 128) : 0;
 #pragma unroll
-  for (int j0 = kJBegin; j0 < kJBegin + kJCount; j0 += 4) {
+  for (int j0 = 0; j0 < 16; j0 += 4) {
     uint32_t top[4], bot[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
@@ -618,6 +616,36 @@ __device__ __forceinline__ void store_tile_bf16(const Acc& acc, Store store) {
     store(r, n, make_uint4(pick4(rt, q), pick4(rt, q ^ 1), pick4(rt, q ^ 2), pick4(rt, q ^ 3)));
     store(r + 8, n,
           make_uint4(pick4(rb, q), pick4(rb, q ^ 1), pick4(rb, q ^ 2), pick4(rb, q ^ 3)));
+  }
+}
+
+// Columns 8 kJBegin .. 8 kJBegin + 63 of this thread's rows of the tile (from value
+// kV0 on, as in store_tile_bf16) rounded to bf16 (pack_bf16x2) into `part`, a 64 x 64
+// store part laid out as LayoutC (row m's 16-byte chunk c at byte 128 m + 16 (c ^ m % 8):
+// tests/wgmma_c_layout.cu checks it), by stmatrix: a quad's packed pairs of a column
+// group are the rows of an 8 x 8 matrix as stmatrix takes them, so four matrices (two
+// groups, rows r and r + 8) go in one instruction, with no exchange between lanes;
+// lane l gives the address of row l % 8 of matrix l / 8. Each matrix's eight rows
+// fill the 32 banks once.
+template <int kV0, int kJBegin, class Acc>
+__device__ __forceinline__ void stage_part(const Acc& acc, Elem* part) {
+  static_assert(decltype(size(acc))::value == kV0 + 64 || decltype(size(acc))::value == 128);
+  const int ctid = threadIdx.x - kProducerThreads;
+  const int lane = ctid & 31, i = lane >> 3;
+  const int m = 16 * ((ctid % 128) / 32) + 8 * (i & 1) + (lane & 7);
+  const uint32_t row = static_cast<uint32_t>(__cvta_generic_to_shared(part)) + 128 * m;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    constexpr int kV = kV0 + 4 * kJBegin;
+    const int c = 2 * t + (i >> 1);  // this lane's chunk (column group) in the part
+    const uint32_t at = row + ((c ^ (lane & 7)) << 4);
+    asm volatile(
+        "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(at),
+        "r"(pack_bf16x2(acc(kV + 8 * t), acc(kV + 8 * t + 1))),
+        "r"(pack_bf16x2(acc(kV + 8 * t + 2), acc(kV + 8 * t + 3))),
+        "r"(pack_bf16x2(acc(kV + 8 * t + 4), acc(kV + 8 * t + 5))),
+        "r"(pack_bf16x2(acc(kV + 8 * t + 6), acc(kV + 8 * t + 7)))
+        : "memory");
   }
 }
 
@@ -826,9 +854,8 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         if constexpr (kSlot == kWideRows) {
           // This warp group's 64 rows (64 g on), its columns 0-127 then 128-255.
           const int m0 = 64 * ((threadIdx.x - kProducerThreads) / 128);
-          store_tile_bf16<0, 0, 16>(acc, [&](int m, int n, uint4 v) { put(m0 + m, n, v); });
-          store_tile_bf16<64, 0, 16>(acc,
-                                     [&](int m, int n, uint4 v) { put(m0 + m, n + 128, v); });
+          store_tile_bf16<0>(acc, [&](int m, int n, uint4 v) { put(m0 + m, n, v); });
+          store_tile_bf16<64>(acc, [&](int m, int n, uint4 v) { put(m0 + m, n + 128, v); });
         } else {
           store_tile_bf16(acc, put);
         }
@@ -847,20 +874,16 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         const bool issuer = threadIdx.x % 128 == 0;
         // The group's kParts 64 x 64 parts from (M block mb, 64-column block nb) on, one
         // in each of its buffers: once the group's last stores have read the buffers,
-        // write(put) fills them (put(i, m, n, v): 16 bytes at (m, n) of part i), and one
-        // thread stores each part (clipped at M and N; a part wholly past either is
-        // skipped, and so are all when the first is: the same for the whole group).
+        // write(part) fills them (part(i): buffer i), and one thread stores each part
+        // (clipped at M and N; a part wholly past either is skipped, and so are all when
+        // the first is: the same for the whole group).
         auto store_parts = [&](int64_t mb, int64_t nb, auto write) {
           if (nb * kBlockK >= N || mb * kBlockRows >= M) return;
-          auto part = [&](int i) {
-            return make_tensor(make_smem_ptr(buffers + i * (kPartBytes / sizeof(Elem))),
-                               LayoutC{});
-          };
+          auto buffer = [&](int i) { return buffers + i * (kPartBytes / sizeof(Elem)); };
+          auto part = [&](int i) { return make_tensor(make_smem_ptr(buffer(i)), LayoutC{}); };
           if (issuer) tma_store_wait<0>();
           cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
-          write([&](int i, int m, int n, uint4 v) {
-            *reinterpret_cast<uint4*>(&part(i)(m, n)) = v;
-          });
+          write(buffer);
           tma_store_fence();  // the parts' writes, then the TMA's reads
           cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
           if (issuer) {
@@ -887,14 +910,10 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
             AccMNW acc;
             wgrad_k_loop<MmaMNW, LayoutAW, LayoutB, kSlot>(ctl, tiles, st, k_blocks, acc);
             const int64_t nb = 4 * int64_t(nt);
-            auto at = [](auto put, int n0) {  // part 0, n relative to its first column
-              return [=](int m, int n, uint4 v) { put(0, m, n - n0, v); };
-            };
-            store_parts(mb, nb, [&](auto put) { store_tile_bf16<0, 0, 8>(acc, at(put, 0)); });
-            store_parts(mb, nb + 1, [&](auto put) { store_tile_bf16<0, 8, 8>(acc, at(put, 64)); });
-            store_parts(mb, nb + 2, [&](auto put) { store_tile_bf16<64, 0, 8>(acc, at(put, 0)); });
-            store_parts(mb, nb + 3,
-                        [&](auto put) { store_tile_bf16<64, 8, 8>(acc, at(put, 64)); });
+            store_parts(mb, nb, [&](auto buffer) { stage_part<0, 0>(acc, buffer(0)); });
+            store_parts(mb, nb + 1, [&](auto buffer) { stage_part<0, 8>(acc, buffer(0)); });
+            store_parts(mb, nb + 2, [&](auto buffer) { stage_part<64, 0>(acc, buffer(0)); });
+            store_parts(mb, nb + 3, [&](auto buffer) { stage_part<64, 8>(acc, buffer(0)); });
           }
         } else {
           // 64 x 256 tiles: this warp group's half, columns 128 g .. 128 g + 127, as two
@@ -904,11 +923,9 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
           for (int nt = task.tile; nt < nt_end; ++nt) {
             AccMN acc;
             wgrad_k_loop<MmaMN, LayoutAM, LayoutB, kSlot>(ctl, tiles, st, k_blocks, acc);
-            store_parts(task.mtile, 4 * int64_t(nt) + 2 * g, [&](auto put) {
-              store_tile_bf16(acc, [&](int m, int n, uint4 v) {
-                const int c = n - 128 * g;  // a chunk lies in one part
-                put(c / 64, m, c % 64, v);
-              });
+            store_parts(task.mtile, 4 * int64_t(nt) + 2 * g, [&](auto buffer) {
+              stage_part<0, 0>(acc, buffer(0));
+              stage_part<0, 8>(acc, buffer(1));
             });
           }
         }

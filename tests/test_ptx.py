@@ -1,13 +1,15 @@
 """Kernels' stores in PTX: 16-byte vector stores must stay 16-byte stores.
 
-nvcc has three times turned a vector store into smaller ones (gather_rows_kernel for
-bf16 rows longer than 1024 and the backward's former dy gather for f32 rows longer
-than 512, one store per element; the SwiGLU GEMM epilogue's uint4 stores, four
-4-byte stores each): the results stay right, so no numerical test sees it, and the
-kernels run slower (the row kernels at a fifth of the memory's speed). These tests
-compile ffi/kernels/moe_elementwise.cu and gemm_tc_rows_swiglu.cu to PTX with the
-nvcc on PATH (CI has one; skipped without) and check every vectorised instantiation
-of the pure row-moving kernels and both SwiGLU GEMM instances.
+nvcc has several times turned a vector store into smaller ones (gather_rows_kernel
+for bf16 rows longer than 1024 and the backward's former dy gather for f32 rows
+longer than 512, one store per element; the SwiGLU GEMM epilogue's uint4 stores,
+four 4-byte stores each; three kinds of the persistent backward's stores): the
+results stay right, so no numerical test sees it, and the kernels run slower (the
+row kernels at a fifth of the memory's speed). These tests compile
+ffi/kernels/moe_elementwise.cu, gemm_tc_rows_swiglu.cu and
+moe_persistent_backward.cu to PTX with the nvcc on PATH (CI has one; skipped
+without) and check every vectorised instantiation of the pure row-moving kernels,
+the SwiGLU GEMM instance and the persistent backward's instances.
 """
 
 import collections
@@ -94,24 +96,47 @@ def test_the_check_sees_element_wise_stores():
         True, True, False, False]
 
 
-@pytest.mark.slow  # compiles with nvcc
-def test_swiglu_gemm_epilogue_stores_only_16_byte_vectors(tmp_path):
-    """GEMM1's SwiGLU epilogue (ffi/kernels/swiglu_epilogue.cuh) writes h and the
-    gate/up residual as 16-byte stores; the rest of those kernels (CUTLASS's TMA
-    main loop) stores nothing to global memory itself."""
+def cutlass_includes():
+    """The CUTLASS/CuTe include folders of the nvidia-cutlass package (skips without
+    nvcc or the package)."""
     if nvcc is None:
         pytest.skip("no nvcc on PATH")
     spec = importlib.util.find_spec("cutlass_library")  # the nvidia-cutlass package
     if spec is None:
         pytest.skip("no CUTLASS headers (pip install nvidia-cutlass, in the test extra)")
     pkg = spec.submodule_search_locations[0]
-    includes = [os.path.join(pkg, "source", "include"),
-                os.path.join(pkg, "source", "tools", "util", "include")]
+    return [os.path.join(pkg, "source", "include"),
+            os.path.join(pkg, "source", "tools", "util", "include")]
+
+
+@pytest.mark.slow  # compiles with nvcc
+def test_swiglu_gemm_epilogue_stores_only_16_byte_vectors(tmp_path):
+    """GEMM1's SwiGLU epilogue (ffi/kernels/swiglu_epilogue.cuh) writes h and the
+    gate/up residual as 16-byte stores; the rest of those kernels (CUTLASS's TMA
+    main loop) stores nothing to global memory itself."""
     source = os.path.join(ROOT, "ffi", "kernels", "gemm_tc_rows_swiglu.cu")
-    text = compile_ptx(source, tmp_path / "swiglu.ptx", includes)
+    text = compile_ptx(source, tmp_path / "swiglu.ptx", cutlass_includes())
     kernels = {name: collections.Counter(m.group(1) for m in STORE.finditer(body))
                for name, body in entries(text)
                if "device_kernel" in name and "SwigluEpilogue" in name}
     assert len(kernels) == 1, list(kernels)  # the one (cooperative) instance
     for name, stores in kernels.items():
         assert stores and all(VECTOR.search(k) and ".v4" in k for k in stores), (name, stores)
+
+
+@pytest.mark.slow  # compiles with nvcc
+def test_persistent_backward_stores_only_vectors_to_global_memory(tmp_path):
+    """The persistent backward's global stores (its SwiGLU task's wh and d gate_up
+    rows, dgrad2's f32 dh pairs, the combine's dx rows and the dy rows) are 8- and
+    16-byte vector stores in every instance; nvcc had compiled the first three to
+    2- and 4-byte stores. (dgrad1's dx rows and the d expert_weights go through
+    generic pointers, the weight gradients through TMA.)"""
+    source = os.path.join(ROOT, "ffi", "kernels", "moe_persistent_backward.cu")
+    text = compile_ptx(source, tmp_path / "backward.ptx", cutlass_includes())
+    kernels = {name: collections.Counter(m.group(1) for m in STORE.finditer(body))
+               for name, body in entries(text) if "moe_backward_persistent" in name}
+    assert len(kernels) == 4, list(kernels)  # bf16 and f32 weights, 64- and 128-row blocks
+    for name, stores in kernels.items():
+        assert sum(n for k, n in stores.items() if ".v2" in k) >= 32, (name, stores)
+        scalar = {k: n for k, n in stores.items() if not VECTOR.search(k)}
+        assert not scalar, (name, stores)

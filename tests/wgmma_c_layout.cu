@@ -7,6 +7,9 @@
 // tiles and the backward's 128-row weight-gradient and dgrad tiles (two warp groups
 // along M, 64 x 256 each): rows r = 64 (c / 128) + 16 (c % 128 / 32) + l / 4 and
 // r + 8; value 4j + v is column 8j + 2q + v % 2 of row r + 8 (v / 2).
+// And the backward's 64 x 64 weight-gradient store parts (LayoutC, the TMA store's
+// 128-byte swizzle), which stage_part addresses by hand: row m's 16-byte chunk c at
+// element 64 m + 8 (c ^ m % 8).
 // Exits non-zero and prints the first mismatches otherwise.
 #include <cstdio>
 #include <type_traits>
@@ -60,11 +63,28 @@ int mismatches(const char* name) {
   return bad;
 }
 
+int part_mismatches() {
+  using PartTile = Shape<_64, _64>;
+  using LayoutC = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{}, PartTile{}));
+  alignas(1024) static bfloat16_t part[64 * 64];
+  Tensor t = make_tensor(make_smem_ptr(part), LayoutC{});
+  int bad = 0;
+  for (int m = 0; m < 64; ++m) {
+    for (int n = 0; n < 64; ++n) {
+      const long at = &t(m, n) - part, want = 64 * m + 8 * ((n / 8) ^ (m % 8)) + n % 8;
+      if (at != want && ++bad <= 4) {
+        std::printf("store part: (%d, %d) at element %ld, want %ld\n", m, n, at, want);
+      }
+    }
+  }
+  return bad;
+}
+
 int main() {
   const int bad = mismatches<MmaMN>("MN-major") + mismatches<MmaKK>("K-major") +
                   mismatches<MmaRows128, true>("128-row tiles") +
                   mismatches<MmaWgrad128, true>("128-row weight-gradient tiles") +
-                  mismatches<MmaDgrad128, true>("128-row dgrad tiles");
+                  mismatches<MmaDgrad128, true>("128-row dgrad tiles") + part_mismatches();
   std::printf("%d mismatches\n", bad);
   return bad == 0 ? 0 : 1;
 }

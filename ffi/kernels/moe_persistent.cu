@@ -427,19 +427,25 @@ struct TileStore {
 template <int J0, class Pack>
 __device__ __forceinline__ void staged_pass(Elem* buf, Pack pack, const TileStore& tile,
                                             const StagedRows& dst, int64_t col, int64_t cols) {
-  const int t = threadIdx.x % 128, lane = t & 31, q = lane & 3;
+  const int t = threadIdx.x % 128, lane = t & 31, i = lane >> 3;
   const int g = (threadIdx.x - kProducerThreads) / 128;
-  const int r = 16 * (t / 32) + lane / 4;
-  uint32_t* words = reinterpret_cast<uint32_t*>(buf);
   if (t == 0) tma_store_wait<0>();  // the group's last TMA store has read the buffer
   cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);  // the last pass's reads done
+  // By stmatrix: a quad's packed pairs of column group j are the rows of an 8 x 8
+  // matrix as stmatrix takes them (wgmma's C layout: lane l holds columns
+  // 8j + 2 (l % 4) + {0, 1} of rows l / 4 and l / 4 + 8 of its warp's 16), so one
+  // stmatrix.x4 stores groups j and j + 1 of both rows; lane l gives the address of
+  // row l % 8 of matrix l / 8 (matrices: group j top, bottom, group j + 1 top, bottom).
+  const int m = 16 * (t / 32) + 8 * (i & 1) + (lane & 7);
+  const uint32_t row = static_cast<uint32_t>(__cvta_generic_to_shared(buf)) + 128 * m;
 #pragma unroll
-  for (int jj = 0; jj < 8; ++jj) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = r + 8 * h;
-      words[m * 32 + ((jj ^ (m & 7)) * 4) + q] = pack(J0 + jj, 2 * h);
-    }
+  for (int jj = 0; jj < 8; jj += 2) {
+    const int c = jj + (i >> 1);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                     row + ((c ^ (m & 7)) << 4)),
+                 "r"(pack(J0 + jj, 0)), "r"(pack(J0 + jj, 2)), "r"(pack(J0 + jj + 1, 0)),
+                 "r"(pack(J0 + jj + 1, 2))
+                 : "memory");
   }
   if (tile.map != nullptr) {
     tma_store_fence();  // the writes, then the TMA's reads
@@ -573,7 +579,7 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
   for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
     const uint4 o = sum_pair_rows(p.pair_row, static_cast<const W*>(p.weights), t, p.top_k,
                                   p.ranks == 1, win.recv[0], rows, H, c);
-    *reinterpret_cast<uint4*>(win.y[rank] + local * H + c) = o;
+    store_global_16(win.y[rank] + local * H + c, o);
   }
 }
 

@@ -558,15 +558,6 @@ __device__ void produce(const Params& p, const Windows& win, Control& ctl, char*
 
 // ---- Consumers
 
-// One 8-byte store of (a, b) to global memory at dst (8-byte aligned). Written as
-// st.global.v2: a float2 assigned through a pointer reaches the PTX as two 4-byte
-// stores here, so each of dgrad2's f32 dh stores was two, each writing 8 rows x 4
-// lanes x 4 bytes, 8 bytes apart. The accumulator pairs sit in register pairs, so
-// the vector store needs no moves.
-__device__ __forceinline__ void store_f32x2(float* dst, float a, float b) {
-  asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
-}
-
 // Calls store(m, n, v0, v1) for each pair of adjacent accumulators (columns n and
 // n + 1 of row m; n even) of this thread's part of the Tile (64 x 256 or 128 x 256).
 template <class Mma, class Tile = StageTile, class Acc, class Store>
@@ -581,53 +572,69 @@ __device__ __forceinline__ void for_each_pair(const Acc& acc, Store store) {
   }
 }
 
-__device__ __forceinline__ uint32_t pick4(const uint32_t (&a)[4], int i) {
-  return i == 0 ? a[0] : i == 1 ? a[1] : i == 2 ? a[2] : a[3];
+// The warp's 16 rows x 64 columns of a tile's accumulators (this thread's values
+// kV .. kV + 31) rounded to bf16 (pack_bf16x2, the hardware's conversion: these are
+// accumulators) into 16 rows of 128 bytes of shared memory from `rows` on, 16-byte
+// chunk c of row mm at 128 mm + 16 (c ^ mm % 8) (the 128-byte swizzle), by four
+// stmatrix.x4 a thread. wgmma's C layout (checked on the host for every MMA here,
+// tests/wgmma_c_layout.cu): consumer thread c (lane l, quad position q = l % 4)
+// holds rows r = 16 (c % 128 / 32) + l / 4 and r + 8 of its warp group's 64 (64 x
+// 256 tiles: columns from 128 (c / 128) on; 128 x 256: rows from 64 (c / 128) on),
+// its values 4j + {0, 1} at columns 8j + 2q + {0, 1} of row r and 4j + {2, 3} the
+// same of row r + 8. So a quad's packed pairs of a column group j are the rows of an
+// 8 x 8 matrix as stmatrix takes them: one instruction stores four (groups j and
+// j + 1, rows r and r + 8), with no exchange between lanes; lane l gives the address
+// of row l % 8 of matrix l / 8. Each matrix's eight rows fill the 32 banks once.
+template <int kV, class Acc>
+__device__ __forceinline__ void stmatrix_slice(const Acc& acc, uint32_t rows) {
+  static_assert(kV % 32 == 0 && kV + 32 <= decltype(size(acc))::value);
+  const int lane = (threadIdx.x - kProducerThreads) & 31, i = lane >> 3;
+  const uint32_t row = rows + 128 * (8 * (i & 1) + (lane & 7));
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const int c = 2 * t + (i >> 1);  // the chunk (column group) of this lane's matrix
+    asm volatile(
+        "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+            row + ((c ^ (lane & 7)) << 4)),
+        "r"(pack_bf16x2(acc(kV + 8 * t), acc(kV + 8 * t + 1))),
+        "r"(pack_bf16x2(acc(kV + 8 * t + 2), acc(kV + 8 * t + 3))),
+        "r"(pack_bf16x2(acc(kV + 8 * t + 4), acc(kV + 8 * t + 5))),
+        "r"(pack_bf16x2(acc(kV + 8 * t + 6), acc(kV + 8 * t + 7)))
+        : "memory");
+  }
 }
 
-// The 64 x 256 tile rounded to bf16 (pack_bf16x2, the hardware's conversion: these
-// are accumulators) and stored 16 bytes at a time: store(m, n, v) for each 8-column
-// chunk (n a multiple of 8) this thread holds after the exchange.
-// wgmma's C layout (checked on the host for both MMAs here): consumer thread c
-// (lane l, quad position q = l % 4) holds rows r = 16 (c % 128 / 32) + l / 4 and
-// r + 8; its values 4j + {0, 1} are columns n0 + 8j + 2q + {0, 1} of row r and
-// 4j + {2, 3} the same of row r + 8, n0 = 128 (c / 128). So a quad holds 8
-// columns of a row as four pairs. For four groups j0..j0+3 at a time, the quad
-// exchanges its packed pairs (round k: lane q sends its pair of group q ^ k and
-// reads lane (q ^ k)'s pair of group q), after which lane q holds all 8 columns
-// of group j0 + q for both rows: a warp's store writes 8 rows x 64 bytes
-// (whole sectors) instead of 8 rows x 16 bytes. kV0 = 64 h: the same for the
-// values of columns 128 h .. 128 h + 127 of a warp group's 64 x 256 (the wide weight
-// gradients' accumulators, one warp group above the other), given as n from 0.
-// kJBegin, kJCount: only the column groups j0 in [kJBegin, kJBegin + kJCount) (8
-// groups: a 64-column part).
-template <int kV0 = 0, int kJBegin = 0, int kJCount = 16, class Acc, class Store>
-__device__ __forceinline__ void store_tile_bf16(const Acc& acc, Store store) {
-  static_assert(decltype(size(acc))::value == kV0 + 64 || decltype(size(acc))::value == 128);
-  const int ctid = threadIdx.x - kProducerThreads;
-  const int lane = ctid & 31, q = lane & 3;
-  const int r = 16 * ((ctid % 128) / 32) + lane / 4;
-  const int n0 = decltype(size(acc))::value == 64 ? 128 * (ctid / 128) : 0;
+// A weight-gradient store part: the warp group's 64 rows x the 64 columns of values
+// kV .. kV + 31 into `part`, 64 x 64 laid out as LayoutC (row m's chunk c at byte
+// 128 m + 16 (c ^ m % 8); tests/wgmma_c_layout.cu checks it), each warp its 16 rows.
+template <int kV, class Acc>
+__device__ __forceinline__ void stage_part(const Acc& acc, Elem* part) {
+  const int warp = (threadIdx.x - kProducerThreads) / 32 % 4;
+  stmatrix_slice<kV>(acc, static_cast<uint32_t>(__cvta_generic_to_shared(part)) + 2048 * warp);
+}
+
+// The warp's 16 rows x the 64 columns of values kV .. kV + 31 through the warp's
+// 2 KB of shared memory `stage`, read back 16 bytes a lane, eight lanes a row:
+// put(mm, c, v) for row mm (0-15) and 8-column chunk c (0-7) of the warp's slice.
+// Only the warp touches `stage`; the caller makes sure no earlier reader (a TMA
+// store) still needs it.
+template <int kV, class Acc, class Put>
+__device__ __forceinline__ void warp_part_out(const Acc& acc, Elem* stage, Put put) {
+  const int lane = (threadIdx.x - kProducerThreads) & 31;
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stage));
+  stmatrix_slice<kV>(acc, base);
+  __syncwarp();
 #pragma unroll
-  for (int j0 = kJBegin; j0 < kJBegin + kJCount; j0 += 4) {
-    uint32_t top[4], bot[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      top[t] = pack_bf16x2(acc(kV0 + 4 * (j0 + t)), acc(kV0 + 4 * (j0 + t) + 1));
-      bot[t] = pack_bf16x2(acc(kV0 + 4 * (j0 + t) + 2), acc(kV0 + 4 * (j0 + t) + 3));
-    }
-    uint32_t rt[4], rb[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int peer = (lane & ~3) | (q ^ k);
-      rt[k] = __shfl_sync(0xffffffffu, pick4(top, q ^ k), peer);
-      rb[k] = __shfl_sync(0xffffffffu, pick4(bot, q ^ k), peer);
-    }
-    const int n = n0 + 8 * (j0 + q);
-    store(r, n, make_uint4(pick4(rt, q), pick4(rt, q ^ 1), pick4(rt, q ^ 2), pick4(rt, q ^ 3)));
-    store(r + 8, n,
-          make_uint4(pick4(rb, q), pick4(rb, q ^ 1), pick4(rb, q ^ 2), pick4(rb, q ^ 3)));
+  for (int u = 0; u < 4; ++u) {
+    const int mm = 4 * u + (lane >> 3), c = lane & 7;
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(base + 128 * mm + ((c ^ (mm & 7)) << 4))
+                 : "memory");
+    put(mm, c, v);
   }
+  __syncwarp();
 }
 
 // Every consumer thread's writes done, then release increments of both counters.
@@ -638,6 +645,13 @@ __device__ __forceinline__ void consumer_signal2(uint32_t* a, uint32_t* b) {
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a) : "memory");
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(b) : "memory");
   }
+}
+
+// Four bf16 values (dst 8-byte aligned: F % 8 == 0) in one store.
+__device__ __forceinline__ void store_bf16x4(bf16* dst, const Vec<bf16, 4>& v) {
+  uint2 w;
+  memcpy(&w, &v, sizeof(w));
+  store_global_8(dst, w.x, w.y);
 }
 
 // SwiGLU's backward over a row block, from the stages stream_swiglu fills: each
@@ -700,9 +714,9 @@ __device__ void swiglu_task(const Params& p, const Windows& win, Control& ctl, c
             const Vec<float, 4> dv{{d4.x, d4.y, d4.z, d4.w}};
             Vec<bf16, 4> hv, dgv, duv;
             swiglu_backward_vec<bf16, 4>(gv, uv, dv, w[j], dw[j], hv, dgv, duv);
-            store_vec<bf16, 4>(wh + f, hv);
-            store_vec<bf16, 4>(dg + f, dgv);
-            store_vec<bf16, 4>(dg + F + f, duv);
+            store_bf16x4(wh + f, hv);
+            store_bf16x4(dg + f, dgv);
+            store_bf16x4(dg + F + f, duv);
           }
         }
         if (dy) {  // H % 8 == 0: 16-byte chunks
@@ -757,7 +771,7 @@ __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, 
   for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
     const uint4 o = sum_pair_rows<void>(p.pair_row, nullptr, t, K, p.ranks == 1, win.recv[0],
                                         rows, H, c);
-    *reinterpret_cast<uint4*>(win.dx[rank] + local * H + c) = o;
+    store_global_16(win.dx[rank] + local * H + c, o);
   }
 }
 
@@ -808,7 +822,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         auto put = [&](int m, int n, float v0, float v1) {
           const int64_t f = f0 + n;
           if (m < rows && f < F) {
-            store_f32x2(p.dh + (rb.row0 + m) * F + f, v0, v1);
+            store_global_8(p.dh + (rb.row0 + m) * F + f, __float_as_uint(v0), __float_as_uint(v1));
           }
         };
         for_each_pair<typename D::Mma, typename D::Tile>(acc, put);
@@ -821,18 +835,28 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         mma_k_loop<typename D::Mma, LayoutARows<kSlot>, LayoutBK, kSlot>(
             ctl, tiles, st, static_cast<int>((2 * F + kBlockK - 1) / kBlockK), acc);
         const int64_t rows = rb.rows(), h0 = int64_t(task.tile) * kStageCols;
-        auto put = [&](int m, int n, uint4 v) {
-          const int64_t h = h0 + n;  // H % 8 == 0: a chunk is in or out whole
-          if (m < rows && h < H) *reinterpret_cast<uint4*>(dx_row_out(p, win, rb.row0 + m) + h) = v;
+        // This warp's 16 rows of the warp group's: 64 rows (64 g on) x 256 columns in
+        // 128-row tiles, 64 rows x columns 128 g .. 128 g + 127 in 64-row ones; 64
+        // columns at a time through the warp's 2 KB of the group's store buffers, once
+        // the group's last TMA store has read them.
+        const int warp = (threadIdx.x - kProducerThreads) / 32;
+        const int m0 = (kSlot == kWideRows ? 64 * g : 0) + 16 * (warp % 4);
+        const int64_t n0 = h0 + (kSlot == kWideRows ? 0 : 128 * g);
+        Elem* const stage = buffers + (warp % 4) * 1024;
+        if (threadIdx.x % 128 == 0) tma_store_wait<0>();
+        cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
+        auto put_at = [&](int64_t n1) {
+          return [&, n1](int mm, int c, uint4 v) {
+            const int m = m0 + mm;
+            const int64_t h = n1 + 8 * c;  // H % 8 == 0: a chunk is in or out whole
+            if (m < rows && h < H) store_global_16(dx_row_out(p, win, rb.row0 + m) + h, v);
+          };
         };
+        warp_part_out<0>(acc, stage, put_at(n0));
+        warp_part_out<32>(acc, stage, put_at(n0 + 64));
         if constexpr (kSlot == kWideRows) {
-          // This warp group's 64 rows (64 g on), its columns 0-127 then 128-255.
-          const int m0 = 64 * ((threadIdx.x - kProducerThreads) / 128);
-          store_tile_bf16<0, 0, 16>(acc, [&](int m, int n, uint4 v) { put(m0 + m, n, v); });
-          store_tile_bf16<64, 0, 16>(acc,
-                                     [&](int m, int n, uint4 v) { put(m0 + m, n + 128, v); });
-        } else {
-          store_tile_bf16(acc, put);
+          warp_part_out<64>(acc, stage, put_at(n0 + 128));
+          warp_part_out<96>(acc, stage, put_at(n0 + 192));
         }
         consumer_signal(p.dgrad1_done);
         break;
@@ -849,20 +873,16 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         const bool issuer = threadIdx.x % 128 == 0;
         // The group's kParts 64 x 64 parts from (M block mb, 64-column block nb) on, one
         // in each of its buffers: once the group's last stores have read the buffers,
-        // write(put) fills them (put(i, m, n, v): 16 bytes at (m, n) of part i), and one
-        // thread stores each part (clipped at M and N; a part wholly past either is
-        // skipped, and so are all when the first is: the same for the whole group).
+        // write(part) fills them (part(i): buffer i), and one thread stores each part
+        // (clipped at M and N; a part wholly past either is skipped, and so are all when
+        // the first is: the same for the whole group).
         auto store_parts = [&](int64_t mb, int64_t nb, auto write) {
           if (nb * kBlockK >= N || mb * kBlockRows >= M) return;
-          auto part = [&](int i) {
-            return make_tensor(make_smem_ptr(buffers + i * (kPartBytes / sizeof(Elem))),
-                               LayoutC{});
-          };
+          auto buffer = [&](int i) { return buffers + i * (kPartBytes / sizeof(Elem)); };
+          auto part = [&](int i) { return make_tensor(make_smem_ptr(buffer(i)), LayoutC{}); };
           if (issuer) tma_store_wait<0>();
           cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
-          write([&](int i, int m, int n, uint4 v) {
-            *reinterpret_cast<uint4*>(&part(i)(m, n)) = v;
-          });
+          write(buffer);
           tma_store_fence();  // the parts' writes, then the TMA's reads
           cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
           if (issuer) {
@@ -889,14 +909,10 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
             AccMNW acc;
             wgrad_k_loop<MmaMNW, LayoutAW, LayoutB, kSlot>(ctl, tiles, st, k_blocks, acc);
             const int64_t nb = 4 * int64_t(nt);
-            auto at = [](auto put, int n0) {  // part 0, n relative to its first column
-              return [=](int m, int n, uint4 v) { put(0, m, n - n0, v); };
-            };
-            store_parts(mb, nb, [&](auto put) { store_tile_bf16<0, 0, 8>(acc, at(put, 0)); });
-            store_parts(mb, nb + 1, [&](auto put) { store_tile_bf16<0, 8, 8>(acc, at(put, 64)); });
-            store_parts(mb, nb + 2, [&](auto put) { store_tile_bf16<64, 0, 8>(acc, at(put, 0)); });
-            store_parts(mb, nb + 3,
-                        [&](auto put) { store_tile_bf16<64, 8, 8>(acc, at(put, 64)); });
+            store_parts(mb, nb, [&](auto buffer) { stage_part<0>(acc, buffer(0)); });
+            store_parts(mb, nb + 1, [&](auto buffer) { stage_part<32>(acc, buffer(0)); });
+            store_parts(mb, nb + 2, [&](auto buffer) { stage_part<64>(acc, buffer(0)); });
+            store_parts(mb, nb + 3, [&](auto buffer) { stage_part<96>(acc, buffer(0)); });
           }
         } else {
           // 64 x 256 tiles: this warp group's half, columns 128 g .. 128 g + 127, as two
@@ -906,11 +922,9 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
           for (int nt = task.tile; nt < nt_end; ++nt) {
             AccMN acc;
             wgrad_k_loop<MmaMN, LayoutAM, LayoutB, kSlot>(ctl, tiles, st, k_blocks, acc);
-            store_parts(task.mtile, 4 * int64_t(nt) + 2 * g, [&](auto put) {
-              store_tile_bf16(acc, [&](int m, int n, uint4 v) {
-                const int c = n - 128 * g;  // a chunk lies in one part
-                put(c / 64, m, c % 64, v);
-              });
+            store_parts(task.mtile, 4 * int64_t(nt) + 2 * g, [&](auto buffer) {
+              stage_part<0>(acc, buffer(0));
+              stage_part<32>(acc, buffer(1));
             });
           }
         }

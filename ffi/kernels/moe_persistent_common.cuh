@@ -104,6 +104,21 @@ __device__ __forceinline__ void store_pair(Elem* dst, float a, float b) {
   *reinterpret_cast<uint32_t*>(dst) = pack_bf16x2(a, b);
 }
 
+// 8 and 16 bytes to global memory at dst (aligned to the size) in one store,
+// written as PTX: nvcc compiled a float2, a uint4 and a Vec<bf16, 4> assigned
+// through a pointer in these kernels to two or four 4-byte stores, or four 2-byte
+// ones (dgrad2's dh, the combines' rows, the SwiGLU backward's rows), each warp
+// store then writing pieces of twice or four times as many sectors.
+// tests/test_ptx.py checks the kernels' global stores.
+__device__ __forceinline__ void store_global_8(void* dst, uint32_t a, uint32_t b) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(dst), "r"(a), "r"(b) : "memory");
+}
+__device__ __forceinline__ void store_global_16(void* dst, const uint4& v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // Roles: warp group 0 loads (the producer), warp groups 1 and 2 compute (the
 // consumers). Named barriers (0 is __syncthreads; consumer warp group g's own is
 // kWarpGroupSync + g):

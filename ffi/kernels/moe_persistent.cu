@@ -441,11 +441,8 @@ __device__ __forceinline__ void staged_pass(Elem* buf, Pack pack, const TileStor
 #pragma unroll
   for (int jj = 0; jj < 8; jj += 2) {
     const int c = jj + (i >> 1);
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
-                     row + ((c ^ (m & 7)) << 4)),
-                 "r"(pack(J0 + jj, 0)), "r"(pack(J0 + jj, 2)), "r"(pack(J0 + jj + 1, 0)),
-                 "r"(pack(J0 + jj + 1, 2))
-                 : "memory");
+    stmatrix_x4(row + ((c ^ (m & 7)) << 4), pack(J0 + jj, 0), pack(J0 + jj, 2),
+                pack(J0 + jj + 1, 0), pack(J0 + jj + 1, 2));
   }
   if (tile.map != nullptr) {
     tma_store_fence();  // the writes, then the TMA's reads

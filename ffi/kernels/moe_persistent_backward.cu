@@ -593,14 +593,10 @@ __device__ __forceinline__ void stmatrix_slice(const Acc& acc, uint32_t rows) {
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
     const int c = 2 * t + (i >> 1);  // the chunk (column group) of this lane's matrix
-    asm volatile(
-        "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
-            row + ((c ^ (lane & 7)) << 4)),
-        "r"(pack_bf16x2(acc(kV + 8 * t), acc(kV + 8 * t + 1))),
-        "r"(pack_bf16x2(acc(kV + 8 * t + 2), acc(kV + 8 * t + 3))),
-        "r"(pack_bf16x2(acc(kV + 8 * t + 4), acc(kV + 8 * t + 5))),
-        "r"(pack_bf16x2(acc(kV + 8 * t + 6), acc(kV + 8 * t + 7)))
-        : "memory");
+    stmatrix_x4(row + ((c ^ (lane & 7)) << 4), pack_bf16x2(acc(kV + 8 * t), acc(kV + 8 * t + 1)),
+                pack_bf16x2(acc(kV + 8 * t + 2), acc(kV + 8 * t + 3)),
+                pack_bf16x2(acc(kV + 8 * t + 4), acc(kV + 8 * t + 5)),
+                pack_bf16x2(acc(kV + 8 * t + 6), acc(kV + 8 * t + 7)));
   }
 }
 
@@ -610,7 +606,8 @@ __device__ __forceinline__ void stmatrix_slice(const Acc& acc, uint32_t rows) {
 template <int kV, class Acc>
 __device__ __forceinline__ void stage_part(const Acc& acc, Elem* part) {
   const int warp = (threadIdx.x - kProducerThreads) / 32 % 4;
-  stmatrix_slice<kV>(acc, static_cast<uint32_t>(__cvta_generic_to_shared(part)) + 2048 * warp);
+  stmatrix_slice<kV>(acc, static_cast<uint32_t>(__cvta_generic_to_shared(part)) +
+                              warp * (kPartBytes / 4));
 }
 
 // The warp's 16 rows x the 64 columns of values kV .. kV + 31 through the warp's
@@ -842,7 +839,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
         const int warp = (threadIdx.x - kProducerThreads) / 32;
         const int m0 = (kSlot == kWideRows ? 64 * g : 0) + 16 * (warp % 4);
         const int64_t n0 = h0 + (kSlot == kWideRows ? 0 : 128 * g);
-        Elem* const stage = buffers + (warp % 4) * 1024;
+        Elem* const stage = buffers + (warp % 4) * (kPartBytes / 4 / sizeof(Elem));
         if (threadIdx.x % 128 == 0) tma_store_wait<0>();
         cutlass::arch::NamedBarrier::sync(128, kWarpGroupSync + g);
         auto put_at = [&](int64_t n1) {

@@ -119,6 +119,17 @@ __device__ __forceinline__ void store_global_16(void* dst, const uint4& v) {
                : "memory");
 }
 
+// Four 8 x 8 matrices of 16-bit values into shared memory (stmatrix.x4): register i of
+// lane l holds two values of row l / 4 of matrix i (columns 2 (l % 4) and + 1), the
+// layout of a quad's packed pair in wgmma's accumulators; lane l gives the shared
+// address (16-byte aligned) of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void stmatrix_x4(uint32_t at, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(at),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // Roles: warp group 0 loads (the producer), warp groups 1 and 2 compute (the
 // consumers). Named barriers (0 is __syncthreads; consumer warp group g's own is
 // kWarpGroupSync + g):

@@ -1,11 +1,11 @@
 """Layout facts the persistent kernels' hand-written epilogues rely on, checked on
 the host with CuTe (nvcc and CUTLASS's headers; skipped without them).
 
-`store_tile_bf16` (ffi/kernels/moe_persistent_backward.cu) exchanges packed pairs
-within each quad of lanes on the strength of where wgmma leaves each accumulator,
-and `stage_part` writes the weight-gradient store parts at swizzled addresses it
-computes itself; tests/wgmma_c_layout.cu asks CuTe for every thread's coordinates
-and for the parts' layout, and compares.
+`stmatrix_slice` (ffi/kernels/moe_persistent_backward.cu) and the forward's
+`staged_pass` hand a quad's packed pairs to stmatrix on the strength of where
+wgmma leaves each accumulator, and `stage_part` writes the weight-gradient store
+parts at swizzled addresses it computes itself; tests/wgmma_c_layout.cu asks CuTe
+for every thread's coordinates and for the parts' layout, and compares.
 """
 
 import importlib.util

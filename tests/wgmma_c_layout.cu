@@ -1,6 +1,6 @@
 // Host program (tests/test_cute_layouts.py compiles and runs it): the wgmma
 // accumulator layouts the persistent kernels' hand-written epilogues rely on.
-// moe_persistent_backward.cu's store_tile_bf16, for the two tiled MMAs of that kernel
+// moe_persistent_backward.cu's stmatrix_slice, for the two tiled MMAs of that kernel
 // (64 x 256 tiles, two warp groups along N): consumer thread c (lane l, q = l % 4)
 // holds rows r = 16 (c % 128 / 32) + l / 4 and r + 8; its value 4j + v is column
 // 128 (c / 128) + 8j + 2q + v % 2 of row r + 8 (v / 2). moe_persistent.cu's 128-row

@@ -842,6 +842,9 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
       reinterpret_cast<uintptr_t>(a.w_down) % 16 != 0) {
     return "persistent MoE forward: the expert weights are not 16-byte aligned";
   }
+  if (reinterpret_cast<uintptr_t>(a.y) % 16 != 0) {  // the combine's 16-byte stores
+    return "persistent MoE forward: y is not 16-byte aligned";
+  }
   p.tma1 = make_tma1(static_cast<const Elem*>(a.w_gate_up), s.hidden, s.ffn, s.experts);
   p.tma2 = make_tma2(static_cast<const Elem*>(a.w_down), s.hidden, s.ffn, s.experts);
   if (!encoded(p.tma1) || !encoded(p.tma2)) {

@@ -1059,6 +1059,9 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
     return "persistent MoE backward: the expert weights or their gradients are not 16-byte "
            "aligned";
   }
+  if (reinterpret_cast<uintptr_t>(a.dx) % 16 != 0) {  // dgrad1's and the combine's stores
+    return "persistent MoE backward: dx is not 16-byte aligned";
+  }
   if (max_tasks(s) >= (int64_t(1) << 32)) return "persistent MoE backward: 2^32 tasks or more";
   Params p{};
   p.tokens = s.tokens;

@@ -46,7 +46,8 @@ constexpr int64_t kAutoRowsPerExpertNoResiduals = 128;
 constexpr int64_t kAutoBackwardMinExperts = 64;
 // Past 64 rows per expert the kernel takes 128-row tiles, for E up to this:
 // the row-block prefix sums (4 bytes an expert) share shared memory with four 48 KB
-// stages and the staging buffers; they would fit up to E = 4083, 2048 keeps a margin.
+// stages, the staging buffers and 3 KB of static shared memory; they would fit up to
+// E = 4095, 2048 keeps a margin.
 constexpr int64_t kMaxExpertsWideTiles = 2048;
 
 // B's atoms (64 N x 8 K) K first: each 64-column slab of a stage is 64 K rows of
@@ -650,9 +651,14 @@ __device__ void consume(const Params& p, const Windows& win, Control<BM>& ctl, c
 template <typename W, int BM>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_forward_persistent(const __grid_constant__ Params p) {
-  extern __shared__ char smem_raw[];
-  char* tiles = reinterpret_cast<char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) & ~uintptr_t(kSmemAlign - 1));
+  // 1024-byte aligned (the 128-byte swizzle's period) by its declaration, so that the
+  // stages' shared addresses are constants plus offsets (no run-time rounding of a
+  // generic pointer in every K loop); checked below.
+  extern __shared__ __align__(kSmemAlign) char smem_raw[];
+  char* tiles = smem_raw;
+  if ((static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & (kSmemAlign - 1)) != 0) {
+    __trap();  // never: a launch error rather than misplaced swizzle atoms
+  }
   Elem* staging = reinterpret_cast<Elem*>(tiles + tile_bytes(Tiles<BM>::kStages, BM));
   int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + smem_tile_bytes<BM>());  // [E + 1]
   __shared__ Control<BM> ctl;
@@ -835,6 +841,9 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
   if (reinterpret_cast<uintptr_t>(a.w_gate_up) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(a.w_down) % 16 != 0) {
     return "persistent MoE forward: the expert weights are not 16-byte aligned";
+  }
+  if (reinterpret_cast<uintptr_t>(a.y) % 16 != 0) {  // the combine's 16-byte stores
+    return "persistent MoE forward: y is not 16-byte aligned";
   }
   p.tma1 = make_tma1(static_cast<const Elem*>(a.w_gate_up), s.hidden, s.ffn, s.experts);
   p.tma2 = make_tma2(static_cast<const Elem*>(a.w_down), s.hidden, s.ffn, s.experts);

@@ -314,33 +314,37 @@ int64_t max_tasks(const MoeShape& s) {
 
 // ---- Producer
 
-// One K block of a weight-gradient tile by cp.async: A [kM M, 64 rows] M-major (SA)
-// from the A rows, B [256 N, 64 rows] N-major (LayoutB) from the B rows; thread ptid
-// takes row ptid / 2 and every other 16-byte chunk of it (zeros past the rows, M or N).
+// One K block of a weight-gradient tile by cp.async (an expert's last block, with
+// fewer than 64 rows; whole blocks go by TMA): A [kM M, 64 rows] M-major (SA) from the
+// A rows, B [256 N, 64 rows] N-major (LayoutB) from the B rows, zeros past the rows,
+// M or N. Eight threads a row, 16-byte chunk ptid % 8 of every 128 bytes of it, rows
+// ptid / 8 + 16 i: a warp's copy reads four whole 128-byte lines (and writes each
+// into shared memory in one wavefront), where two threads a row read 32 bytes of
+// each of 16 rows.
 template <int kSlot, int kM, class SA, class ARow, class BRow>
 __device__ __forceinline__ void load_wgrad_block(int ptid, char* tiles, int slot, int64_t r0,
                                                  int64_t rows, int64_t m0, int64_t M, int64_t n0,
                                                  int64_t N, const Elem* base, ARow a_row,
                                                  BRow b_row) {
-  constexpr int kPer = kProducerThreads / kBlockRows;
-  // Whole loops for 64-row tiles (as before the 128-row tiles; 20 copies a thread),
-  // by 4 for 128-row tiles (fully unrolled, the producer spilled).
-  constexpr int kUnroll = kM == kBlockRows ? 32 : 4;
-  const int r = ptid / kPer, part = ptid % kPer;
-  const bool valid = r < rows;
-  const Elem* a = valid ? a_row(r0 + r) + m0 : base;
-  const Elem* b = valid ? b_row(r0 + r) + n0 : base;
+  constexpr int kRowsAtOnce = kProducerThreads / 8;
+  const int c0 = ptid % 8;
   Tensor sA = make_tensor(make_smem_ptr(slot_a<kSlot>(tiles, slot)), SA{});
   Tensor sB = make_tensor(make_smem_ptr(slot_b<kSlot>(tiles, slot)), LayoutB{});
-#pragma unroll kUnroll
-  for (int c = part; c < kM / 8; c += kPer) {
-    const bool ok = valid && m0 + 8 * c < M;
-    cp_async_16(&sA(8 * c, r), ok ? a + 8 * c : base, ok);
-  }
-#pragma unroll kUnroll
-  for (int c = part; c < kStageCols / 8; c += kPer) {
-    const bool ok = valid && n0 + 8 * c < N;
-    cp_async_16(&sB(8 * c, r), ok ? b + 8 * c : base, ok);
+#pragma unroll 1
+  for (int r = ptid / 8; r < kBlockRows; r += kRowsAtOnce) {
+    const bool valid = r < rows;
+    const Elem* a = valid ? a_row(r0 + r) + m0 : base;
+    const Elem* b = valid ? b_row(r0 + r) + n0 : base;
+#pragma unroll
+    for (int c = c0; c < kM / 8; c += 8) {
+      const bool ok = valid && m0 + 8 * c < M;
+      cp_async_16(&sA(8 * c, r), ok ? a + 8 * c : base, ok);
+    }
+#pragma unroll
+    for (int c = c0; c < kStageCols / 8; c += 8) {
+      const bool ok = valid && n0 + 8 * c < N;
+      cp_async_16(&sB(8 * c, r), ok ? b + 8 * c : base, ok);
+    }
   }
 }
 
@@ -934,9 +938,14 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
 template <typename W, int kSlot>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_backward_persistent(const __grid_constant__ Params p) {
-  extern __shared__ char smem_raw[];
-  char* tiles = reinterpret_cast<char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) & ~uintptr_t(kSmemAlign - 1));
+  // 1024-byte aligned (the 128-byte swizzle's period) by its declaration, so that the
+  // stages' shared addresses are constants plus offsets (no run-time rounding of a
+  // generic pointer in every K loop); checked below.
+  extern __shared__ __align__(kSmemAlign) char smem_raw[];
+  char* tiles = smem_raw;
+  if ((static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & (kSmemAlign - 1)) != 0) {
+    __trap();  // never: a launch error rather than misplaced swizzle atoms
+  }
   // The store buffers: 2 groups x group_parts(kSlot) x 8 KB.
   Elem* store_tile = reinterpret_cast<Elem*>(tiles + tile_bytes(kStages, kSlot));
   int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + tiles_bytes(kSlot));  // [E + 1]
@@ -1049,6 +1058,9 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
       reinterpret_cast<uintptr_t>(a.d_w_down) % 16 != 0) {
     return "persistent MoE backward: the expert weights or their gradients are not 16-byte "
            "aligned";
+  }
+  if (reinterpret_cast<uintptr_t>(a.dx) % 16 != 0) {  // dgrad1's and the combine's stores
+    return "persistent MoE backward: dx is not 16-byte aligned";
   }
   if (max_tasks(s) >= (int64_t(1) << 32)) return "persistent MoE backward: 2^32 tasks or more";
   Params p{};

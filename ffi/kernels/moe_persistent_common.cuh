@@ -445,11 +445,11 @@ bool encoded(const Tma& tma) {
   return false;
 }
 
-// Dynamic shared memory of a persistent kernel: `tiles` bytes from a 1024-byte
-// boundary (the swizzle's period: the stages and any epilogue tiles), then the
-// row-block prefix sums of E experts.
+// Dynamic shared memory of a persistent kernel: `tiles` bytes (the stages and any
+// epilogue tiles; the kernels declare the array 1024-byte aligned, the swizzle's
+// period, and check it), then the row-block prefix sums of E experts.
 inline size_t dynamic_smem_bytes(int tiles, int64_t experts) {
-  return tiles + kSmemAlign + (experts + 1) * sizeof(int32_t);
+  return tiles + (experts + 1) * sizeof(int32_t);
 }
 
 // Launches kernel(p) with one CTA of kThreads per SM, every CTA resident at once:

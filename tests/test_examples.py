@@ -78,6 +78,21 @@ def resumed_run(tmp_path_factory):
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("warmup,steps", [(1, 1), (4, 10), (40, 400)])
+def test_schedule_warms_up_from_the_first_step(warmup, steps):
+    """lr * (s + 1) / warmup over the warm-up (the first step learns: --steps 1
+    trains), lr at step warmup - 1, lr * min_lr_ratio at --steps."""
+    cfg = lm.Config(lr=1e-3, warmup=warmup, steps=steps, min_lr_ratio=0.1)
+    tx, schedule = lm.make_optimizer(cfg)
+    for s in range(warmup):
+        np.testing.assert_allclose(float(schedule(s)), 1e-3 * (s + 1) / warmup, rtol=1e-5)
+    np.testing.assert_allclose(float(schedule(steps)), 1e-4, rtol=1e-5)
+    assert all(float(schedule(s)) <= 1e-3 * (1 + 1e-6) for s in range(steps + 1))
+    w = {"w": jnp.ones((2, 2))}
+    updates, _ = tx.update({"w": jnp.full((2, 2), 0.5)}, tx.init(w), w)
+    assert float(jnp.abs(updates["w"]).min()) > 0  # the first update moves the weights
+
+
 @pytest.mark.slow
 def test_tiny_training_eval_loss_falls(straight_run):
     _, log = straight_run

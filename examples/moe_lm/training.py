@@ -56,13 +56,16 @@ def weight_copies(params: nnx.State, dtype) -> nnx.State:
 
 def make_optimizer(cfg: Config):
     """``(tx, schedule)``: AdamW (b2 0.95, weight decay on matrices only) after
-    global-norm clipping, and its learning rate per step (linear warm-up, then
-    cosine decay to ``lr * min_lr_ratio``)."""
+    global-norm clipping, and its learning rate per step: a linear warm-up,
+    ``lr * (step + 1) / warmup`` for the first ``warmup`` steps (so the first
+    step learns and step ``warmup - 1`` is at ``lr``), then cosine decay to
+    ``lr * min_lr_ratio`` at ``steps``."""
     import optax
 
+    warmup = max(cfg.warmup, 1)
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, warmup_steps=cfg.warmup, decay_steps=max(cfg.steps, cfg.warmup + 1),
-        end_value=cfg.lr * cfg.min_lr_ratio)
+        cfg.lr / warmup, cfg.lr, warmup_steps=warmup - 1,
+        decay_steps=max(cfg.steps, warmup), end_value=cfg.lr * cfg.min_lr_ratio)
     # No weight decay on norms (vectors); matrices and expert stacks decay.
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),

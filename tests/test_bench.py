@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -305,6 +306,26 @@ def test_time_queued_is_per_call_time_of_each_batch():
     assert len(calls) == 6 and len(times) == 2
     # A batch is three 20 ms sleeps: 20 ms and some after dividing by three, not 60.
     assert all(20.0 <= t < 40.0 for t in times), times
+
+
+def test_time_queued_lets_each_calls_outputs_go():
+    """At most the call in flight and the one before it hold outputs (at the ep
+    shape a batch of five weight-gradient sets would not fit an 80 GB GPU)."""
+    live = weakref.WeakSet()
+    held = []
+
+    class Out:
+        pass
+
+    def compiled(x):
+        held.append(len(live))
+        out = Out()
+        live.add(out)
+        return out
+
+    bench.measure.time_queued(compiled, [jnp.zeros(2)], queue=5, repeats=2)
+    assert len(held) == 10 and max(held) <= 1, held
+    assert len(live) == 0
 
 
 def test_torch_queued_timing_synchronizes_once_per_batch():

@@ -69,14 +69,19 @@ def time_queued(compiled: Callable, args: Sequence[jax.Array], *, queue: int,
     calls back to back and blocks once on the last, and its time is divided by
     `queue`. The host's dispatch of one call overlaps the device's run of the one
     before, as in a training loop, so this is the device-bound time per call; the
-    blocked runs of time_step also pay each call's round trip to the host."""
+    blocked runs of time_step also pay each call's round trip to the host.
+    Each call's outputs are let go when the next is dispatched (freed once it
+    has run), as a training loop lets them go: holding all of a batch's would
+    need `queue` sets of weight gradients in memory at once."""
     times_ms = []
     for _ in range(repeats):
         start = time.perf_counter()
-        outs = [compiled(*args) for _ in range(queue)]
-        jax.block_until_ready(outs[-1])
+        out = None
+        for _ in range(queue):
+            out = compiled(*args)
+        jax.block_until_ready(out)
         times_ms.append((time.perf_counter() - start) * 1e3 / queue)
-        del outs
+        del out
     return times_ms
 
 

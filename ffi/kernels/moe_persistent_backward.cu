@@ -938,14 +938,7 @@ __device__ void consume(const Params& p, const Windows& win, Control& ctl, char*
 template <typename W, int kSlot>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_backward_persistent(const __grid_constant__ Params p) {
-  // 1024-byte aligned (the 128-byte swizzle's period) by its declaration, so that the
-  // stages' shared addresses are constants plus offsets (no run-time rounding of a
-  // generic pointer in every K loop); checked below.
-  extern __shared__ __align__(kSmemAlign) char smem_raw[];
-  char* tiles = smem_raw;
-  if ((static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & (kSmemAlign - 1)) != 0) {
-    __trap();  // never: a launch error rather than misplaced swizzle atoms
-  }
+  char* tiles = aligned_dynamic_smem();
   // The store buffers: 2 groups x group_parts(kSlot) x 8 KB.
   Elem* store_tile = reinterpret_cast<Elem*>(tiles + tile_bytes(kStages, kSlot));
   int32_t* block_begin = reinterpret_cast<int32_t*>(tiles + tiles_bytes(kSlot));  // [E + 1]

@@ -78,6 +78,17 @@ constexpr int tile_bytes(int stages, int bm = kBlockRows) {
   return stages * (stage_a_bytes(bm) + kStageBBytes);
 }
 constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes
+
+// A kernel's dynamic shared memory, 1024-byte aligned (the swizzle's period) by its
+// declaration, so that the stages' shared addresses are constants plus offsets (no
+// run-time rounding of a generic pointer in every K loop); checked.
+__device__ __forceinline__ char* aligned_dynamic_smem() {
+  extern __shared__ __align__(kSmemAlign) char smem_raw[];
+  if ((static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & (kSmemAlign - 1)) != 0) {
+    __trap();  // never: a launch error rather than misplaced swizzle atoms
+  }
+  return smem_raw;
+}
 using StageTile = Shape<Int<kBlockRows>, Int<kStageCols>>;
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
 

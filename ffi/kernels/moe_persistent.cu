@@ -40,7 +40,8 @@ constexpr int64_t kAutoRowsPerExpert = kNarrowTileRowsPerExpert;
 constexpr int64_t kAutoRowsPerExpertNoResiduals = 128;
 // Auto mode over at least kAutoManyExperts experts: both passes persistent up to
 // kAutoRowsPerExpertManyExperts rows per expert. Forward+backward with both took
-// 0.94-1.00x the chain's at 16-64 rows per expert over 64 and 128 experts, and
+// 0.94-1.00x the chain's at 16-64 rows per expert over 64 and 128 experts, 0.94-1.03x
+// at 128-256 (548afd5's kernels) and 0.95x at the ep shape (256; b32c591's), but
 // 1.15x over 8 experts of F = 14336 (64 rows each); between 8 and 64 experts it is
 // not measured, so the chain's backward runs there (docs/performance.md).
 constexpr int64_t kAutoManyExperts = 64;

@@ -69,7 +69,7 @@ bool persistent_can_run(const MoeShape& shape, Recipe recipe, DType x_dtype);
 bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype, bool residuals);
 
 // The rows of the persistent forward's GEMM tiles at this shape: 64 where experts
-// average at most 64 rows (the weights streamed: AUTO's range), else 128 (for
+// average at most 64 rows (the weights streamed), else 128 (for
 // E <= 2048: the 48 KB stages leave room for the experts' row-block prefix sums).
 int persistent_forward_tile_rows(const MoeShape& shape);
 

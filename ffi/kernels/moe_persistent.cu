@@ -30,8 +30,9 @@ constexpr int kMaxRanks = kMaxPersistentRanks;  // EP ranks of one launch
 // Where the persistent forward tiles by 64 rows (streaming the weights): experts
 // average at most this many rows.
 constexpr int64_t kNarrowTileRowsPerExpert = 64;
-// Auto mode: the persistent kernel where experts average at most this many rows, or
-// kAutoRowsPerExpertNoResiduals for a forward that writes no residuals (inference).
+// Auto mode over fewer than kAutoManyExperts experts: the persistent forward where
+// experts average at most this many rows, or kAutoRowsPerExpertNoResiduals for a
+// forward that writes no residuals (inference).
 // At 65-128 rows its 128-row tiles beat the chain's CUTLASS GEMMs (128x256 tiles
 // with warp specialisation) without the residuals' stores and are even with them;
 // past 128 the chain is faster at some widths and slower at others, no rule yet
@@ -40,10 +41,11 @@ constexpr int64_t kAutoRowsPerExpert = kNarrowTileRowsPerExpert;
 constexpr int64_t kAutoRowsPerExpertNoResiduals = 128;
 // Auto mode over at least kAutoManyExperts experts: both passes persistent up to
 // kAutoRowsPerExpertManyExperts rows per expert. Forward+backward with both took
-// 0.94-1.00x the chain's at 16-64 rows per expert over 64 and 128 experts, 0.94-1.03x
-// at 128-256 (548afd5's kernels) and 0.95x at the ep shape (256; b32c591's), but
-// 1.15x over 8 experts of F = 14336 (64 rows each); between 8 and 64 experts it is
-// not measured, so the chain's backward runs there (docs/performance.md).
+// 0.94-1.00x the chain's at 16-64 rows per expert over 64 and 128 experts and
+// 0.90-1.05x at 128-256 rows over 64 and 128 (b32c591's kernels; the forward alone,
+// without residuals, 0.78-0.92x), but 1.15x over 8 experts of F = 14336 (64 rows
+// each); between 8 and 64 experts it is not measured, so the chain's backward runs
+// there (docs/performance.md).
 constexpr int64_t kAutoManyExperts = 64;
 constexpr int64_t kAutoRowsPerExpertManyExperts = 256;
 // Past 64 rows per expert the kernel takes 128-row tiles, for E up to this:

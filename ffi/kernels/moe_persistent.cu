@@ -30,20 +30,24 @@ constexpr int kMaxRanks = kMaxPersistentRanks;  // EP ranks of one launch
 // Where the persistent forward tiles by 64 rows (streaming the weights): experts
 // average at most this many rows.
 constexpr int64_t kNarrowTileRowsPerExpert = 64;
-// Auto mode: the persistent kernel where experts average at most this many rows, or
-// kAutoRowsPerExpertNoResiduals for a forward that writes no residuals (inference).
+// Auto mode over fewer than kAutoManyExperts experts: the persistent forward where
+// experts average at most this many rows, or kAutoRowsPerExpertNoResiduals for a
+// forward that writes no residuals (inference).
 // At 65-128 rows its 128-row tiles beat the chain's CUTLASS GEMMs (128x256 tiles
 // with warp specialisation) without the residuals' stores and are even with them;
 // past 128 the chain is faster at some widths and slower at others, no rule yet
 // (docs/performance.md).
 constexpr int64_t kAutoRowsPerExpert = kNarrowTileRowsPerExpert;
 constexpr int64_t kAutoRowsPerExpertNoResiduals = 128;
-// Auto mode's backward: the persistent kernel up to kAutoRowsPerExpert rows per
-// expert over at least this many experts. Forward+backward with it took 0.94-1.00x
-// the time with the chain's backward at 16-64 rows per expert over 64 and 128
-// experts, and 1.15x over 8 experts of F = 14336 (64 rows each); between 8 and 64
-// experts it is not measured, so the chain's runs (docs/performance.md).
-constexpr int64_t kAutoBackwardMinExperts = 64;
+// Auto mode over at least kAutoManyExperts experts: both passes persistent up to
+// kAutoRowsPerExpertManyExperts rows per expert. Forward+backward with both took
+// 0.94-1.00x the chain's at 16-64 rows per expert over 64 and 128 experts and
+// 0.90-1.05x at 128-256 rows over 64 and 128 (b32c591's kernels; the forward alone,
+// without residuals, 0.78-0.92x), but 1.15x over 8 experts of F = 14336 (64 rows
+// each); between 8 and 64 experts it is not measured, so the chain's backward runs
+// there (docs/performance.md).
+constexpr int64_t kAutoManyExperts = 64;
+constexpr int64_t kAutoRowsPerExpertManyExperts = 256;
 // Past 64 rows per expert the kernel takes 128-row tiles, for E up to this:
 // the row-block prefix sums (4 bytes an expert) share shared memory with four 48 KB
 // stages, the staging buffers and 3 KB of static shared memory; they would fit up to
@@ -776,7 +780,9 @@ bool persistent_can_run(const MoeShape& s, Recipe recipe, DType x_dtype) {
 bool persistent_supported(const MoeShape& s, Recipe recipe, DType x_dtype, bool residuals) {
   const auto mode = static_cast<PersistentMode>(persistent_mode.load(std::memory_order_relaxed));
   if (mode == PersistentMode::kOff) return false;
-  const int64_t auto_rows = residuals ? kAutoRowsPerExpert : kAutoRowsPerExpertNoResiduals;
+  const int64_t auto_rows =
+      std::max(residuals ? kAutoRowsPerExpert : kAutoRowsPerExpertNoResiduals,
+               s.experts >= kAutoManyExperts ? kAutoRowsPerExpertManyExperts : int64_t(0));
   if (mode == PersistentMode::kAuto && s.tokens * s.top_k > auto_rows * s.experts) return false;
   return persistent_can_run(s, recipe, x_dtype);
 }
@@ -792,8 +798,8 @@ bool persistent_backward_supported(const MoeShape& s, Recipe recipe, DType x_dty
   const auto mode = static_cast<PersistentMode>(persistent_mode.load(std::memory_order_relaxed));
   if (mode == PersistentMode::kOff) return false;
   if (mode == PersistentMode::kAuto &&
-      (s.tokens * s.top_k > kAutoRowsPerExpert * s.experts ||
-       s.experts < kAutoBackwardMinExperts)) {
+      (s.tokens * s.top_k > kAutoRowsPerExpertManyExperts * s.experts ||
+       s.experts < kAutoManyExperts)) {
     return false;
   }
   return persistent_can_run(s, recipe, x_dtype);

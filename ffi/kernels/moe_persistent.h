@@ -49,9 +49,9 @@
 namespace mok::cuda {
 
 // When the persistent kernels (the forward's and the backward's) run: never (the
-// kernel chains), where they are the faster ones (the default, AUTO: the forward at
-// most 64 rows per expert, 128 without residuals, the backward at most 64 over 64 or
-// more experts; docs/performance.md), or wherever they can.
+// kernel chains), where they are the faster ones (the default, AUTO: both at most
+// 256 rows per expert over 64 or more experts; over fewer, the forward at most 64
+// rows per expert, 128 without residuals; docs/performance.md), or wherever they can.
 enum class PersistentMode : int { kOff = 0, kAuto = 1, kAlways = 2 };
 
 // Sets the mode for every later call in this process and returns the previous one.
@@ -69,13 +69,13 @@ bool persistent_can_run(const MoeShape& shape, Recipe recipe, DType x_dtype);
 bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype, bool residuals);
 
 // The rows of the persistent forward's GEMM tiles at this shape: 64 where experts
-// average at most 64 rows (the weights streamed: AUTO's range), else 128 (for
+// average at most 64 rows (the weights streamed), else 128 (for
 // E <= 2048: the 48 KB stages leave room for the experts' row-block prefix sums).
 int persistent_forward_tile_rows(const MoeShape& shape);
 
 // Whether the persistent backward takes it under the current mode: under AUTO where
-// experts average at most 64 rows and there are at least 64 experts (where it was
-// measured faster than the chain's backward; docs/performance.md). Any combination
+// experts average at most 256 rows and there are at least 64 experts (where it was
+// measured at or under the chain's backward; docs/performance.md). Any combination
 // of the two passes' paths gives the same bits.
 bool persistent_backward_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
 

@@ -75,8 +75,8 @@ int persistent_forward_tile_rows(const MoeShape& shape);
 
 // Whether the persistent backward takes it under the current mode: under AUTO where
 // experts average at most 256 rows and there are at least 64 experts (where it was
-// measured at or under the chain's backward; docs/performance.md). Any combination
-// of the two passes' paths gives the same bits.
+// measured even with or faster than the chain's backward; docs/performance.md). Any
+// combination of the two passes' paths gives the same bits.
 bool persistent_backward_supported(const MoeShape& shape, Recipe recipe, DType x_dtype);
 
 // EP ranks one launch serves at most.

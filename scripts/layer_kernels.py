@@ -133,8 +133,8 @@ def main(argv=None) -> int:
                         help="with --load-max: expert N takes that load instead of expert 0")
     parser.add_argument("--persistent", choices=("OFF", "AUTO", "ALWAYS"), default="AUTO",
                         help="when each pass runs as its persistent kernel: never (the "
-                             "kernel chains), where mok_jax picks it (default: the "
-                             "forward's at few rows per expert), or wherever it can")
+                             "kernel chains), where mok_jax picks it (default: at few "
+                             "rows per expert), or wherever it can")
     parser.add_argument("--torch", action="store_true",
                         help="also the kernels of the bench's torch baselines (the eager "
                              "layer and the grouped GEMMs alone, bf16, the bench's routing; "

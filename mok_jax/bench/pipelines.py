@@ -39,8 +39,9 @@ IMPL_ABOUT = {
                  "grouped GEMMs, combines as separate kernels; not in the default list)",
     "moe_persistent": "mok_jax.moe with both passes always the persistent kernels where "
                       "they can run (one launch per pass after the routing plan; moe "
-                      "picks the forward's for few rows per expert only and the chain's "
-                      "backward; same bits; not in the default list)",
+                      "picks them for few rows per expert only: both passes up to 256 "
+                      "over 64 or more experts, over fewer the forward alone; same "
+                      "bits; not in the default list)",
     **{name: f"mok_jax._src.ep.moe_on_virtual_ranks(ranks={p}): the persistent kernels as "
              f"{p} EP ranks in one launch per pass on one GPU, each with its own windows "
              "(T and E divisible by the ranks; the same bits as moe; compare with "

@@ -142,8 +142,8 @@ NB_MODULE(_mok, m) {
       nb::arg("tokens"), nb::arg("top_k"), nb::arg("experts"), nb::arg("hidden"),
       nb::arg("ffn"),
       "Whether a bf16 one-device backward of these sizes on this device runs as the "
-      "persistent kernel under the current mode (ALWAYS only: AUTO keeps the chain's "
-      "backward, the faster one today).");
+      "persistent kernel under the current mode (under AUTO: at most 256 rows per "
+      "expert over 64 or more experts, where it is the faster one).");
 #endif
   nb::enum_<mok::DType>(m, "DType", "Element types the kernels accept.", nb::is_arithmetic())
       .value("F32", mok::DType::kF32)

@@ -52,9 +52,10 @@ std::string quantize_rows_fp8(const RowQuant& p, cudaStream_t stream);
 
 // SwiGLU forward and the quantized h: gate_up_f32 [R, 2 * ffn_pad] (gate at
 // column f, up at ffn_pad + f, the fp8 GEMM1's padded output) gives h = silu(g) u
-// in f32 (today's formula), its e4m3 values hq [R, ffn_pad] (zero past ffn) and
-// scales (ffn_pad / 128 per row, laid out as RowQuant's: row-major, or per group
-// with group_begin set); gate_up_out [R, 2 * ffn] (bf16) when not null.
+// in f32 (as moe_elementwise.cu's swiglu_forward), its e4m3 values hq [R, ffn_pad]
+// (zero past ffn) and scales (ffn_pad / 128 per row, laid out as RowQuant's:
+// row-major, or per group with group_begin set); gate_up_out [R, 2 * ffn] (bf16)
+// when not null.
 std::string swiglu_forward_quantize_fp8(const float* gate_up_f32, const int64_t* num_rows,
                                         int64_t max_rows, int64_t ffn, int64_t ffn_pad,
                                         void* gate_up_out, uint8_t* hq, float* h_scales,

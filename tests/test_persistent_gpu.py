@@ -288,7 +288,7 @@ def test_auto_mode_takes_few_rows_per_expert_only():
     assert _mok.persistent_backward_shape(4096, 8, 128, 2048, 768)     # 256
     assert _mok.persistent_backward_shape(2048, 8, 64, 2048, 1024)     # 256, E = 64
     assert not _mok.persistent_backward_shape(4097, 8, 128, 2048, 768)  # just over 256
-    assert not _mok.persistent_backward_shape(256, 8, 63, 2048, 1024)   # 33 rows, E = 63
+    assert not _mok.persistent_backward_shape(256, 8, 63, 2048, 1024)   # 32.5 rows, E = 63
     assert not _mok.persistent_backward_shape(256, 2, 8, 4096, 14336)   # 64 rows, E = 8
     assert not _mok.persistent_backward_shape(256, 8, 128, 2048, 764)   # F % 8 != 0
     _mok.set_persistent_kernels(_mok.PersistentMode.OFF)

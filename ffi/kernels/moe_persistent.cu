@@ -48,6 +48,15 @@ constexpr int64_t kAutoRowsPerExpertNoResiduals = 128;
 // there (docs/performance.md).
 constexpr int64_t kAutoManyExperts = 64;
 constexpr int64_t kAutoRowsPerExpertManyExperts = 256;
+// ... and up to kAutoRowsPerExpertSmallExperts rows per expert for small experts,
+// H·F at most kAutoSmallExpertElements: there the chain's gathers and combines
+// (bytes ∝ R·H against GEMM FLOPs ∝ R·H·F) and its SwiGLU kernels (∝ R·F) weigh
+// most, and forward+backward on the persistent kernels, which have none of them, took
+// 0.94-0.97x the chain's time at 512 and 1024 rows per expert over 64 and 128
+// experts of H = 2048, F = 768 and 1024, but 1.00x at 2048 rows (b32c591's kernels,
+// one H100; docs/performance.md).
+constexpr int64_t kAutoSmallExpertElements = int64_t(2048) * 1024;
+constexpr int64_t kAutoRowsPerExpertSmallExperts = 1024;
 // Past 64 rows per expert the kernel takes 128-row tiles, for E up to this:
 // the row-block prefix sums (4 bytes an expert) share shared memory with four 48 KB
 // stages, the staging buffers and 3 KB of static shared memory; they would fit up to
@@ -777,12 +786,24 @@ bool persistent_can_run(const MoeShape& s, Recipe recipe, DType x_dtype) {
   return info.cc == 90;
 }
 
+namespace {
+
+// AUTO's bound on both passes' rows per expert over kAutoManyExperts or more
+// experts (0 below them).
+int64_t auto_rows_per_expert_many_experts(const MoeShape& s) {
+  if (s.experts < kAutoManyExperts) return 0;
+  return s.hidden * s.ffn <= kAutoSmallExpertElements ? kAutoRowsPerExpertSmallExperts
+                                                      : kAutoRowsPerExpertManyExperts;
+}
+
+}  // namespace
+
 bool persistent_supported(const MoeShape& s, Recipe recipe, DType x_dtype, bool residuals) {
   const auto mode = static_cast<PersistentMode>(persistent_mode.load(std::memory_order_relaxed));
   if (mode == PersistentMode::kOff) return false;
   const int64_t auto_rows =
       std::max(residuals ? kAutoRowsPerExpert : kAutoRowsPerExpertNoResiduals,
-               s.experts >= kAutoManyExperts ? kAutoRowsPerExpertManyExperts : int64_t(0));
+               auto_rows_per_expert_many_experts(s));
   if (mode == PersistentMode::kAuto && s.tokens * s.top_k > auto_rows * s.experts) return false;
   return persistent_can_run(s, recipe, x_dtype);
 }
@@ -798,7 +819,7 @@ bool persistent_backward_supported(const MoeShape& s, Recipe recipe, DType x_dty
   const auto mode = static_cast<PersistentMode>(persistent_mode.load(std::memory_order_relaxed));
   if (mode == PersistentMode::kOff) return false;
   if (mode == PersistentMode::kAuto &&
-      (s.tokens * s.top_k > kAutoRowsPerExpertManyExperts * s.experts ||
+      (s.tokens * s.top_k > auto_rows_per_expert_many_experts(s) * s.experts ||
        s.experts < kAutoManyExperts)) {
     return false;
   }

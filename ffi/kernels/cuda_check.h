@@ -4,9 +4,13 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 namespace mok::cuda {
+
+// Whether p may be the base of 16-byte vector accesses and TMA descriptors.
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 inline std::string cuda_error(const char* what, cudaError_t err) {
   return std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";

@@ -593,7 +593,7 @@ std::string quantize_weight_fp8(const WeightQuant& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(fp8_blocks(p.q)), static_cast<unsigned>(fp8_blocks(p.p)),
                   static_cast<unsigned>(p.experts));
   const bool vec_in = (p.ld | p.col_offset | p.q | p.src_expert_stride) % 8 == 0 &&
-                      reinterpret_cast<uintptr_t>(p.src) % 16 == 0;
+                      aligned16(p.src);
   if (vec_in) {
     quantize_weight_kernel<true><<<grid, kThreads, 0, stream>>>(p);
   } else {
@@ -612,7 +612,7 @@ std::string fp8_padded_begin(const int64_t* expert_begin, int64_t experts, int64
 
 std::string quantize_transposed_fp8(const TransposeQuant& p, cudaStream_t stream) {
   if (p.dst_ld % kFp8Block != 0) return "quantize_transposed_fp8: padded rows not aligned";
-  if (reinterpret_cast<uintptr_t>(p.dst) % 16 != 0) {
+  if (!aligned16(p.dst)) {
     return "quantize_transposed_fp8: dst must be 16-byte aligned";
   }
   if (p.cols == 0 || p.dst_ld == 0) return {};
@@ -621,7 +621,7 @@ std::string quantize_transposed_fp8(const TransposeQuant& p, cudaStream_t stream
   const dim3 grid(static_cast<unsigned>((p.cols + kTCols - 1) / kTCols),
                   static_cast<unsigned>(row_blocks));
   TransposeQuant launch = p;
-  launch.vec = (p.ld | p.cols) % 8 == 0 && reinterpret_cast<uintptr_t>(p.src) % 16 == 0;
+  launch.vec = (p.ld | p.cols) % 8 == 0 && aligned16(p.src);
   quantize_transposed_kernel<<<grid, kThreads, 0, stream>>>(launch);
   MOK_CUDA_RETURN_IF_LAUNCH_FAILED("quantize_transposed_kernel");
   return {};

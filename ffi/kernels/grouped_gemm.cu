@@ -100,7 +100,6 @@ std::string run_swiglu_gemm(const SwigluGemm& p, void* interleaved, void* worksp
   }
   // The epilogue stores 16-byte vectors (F % 128 == 0 keeps rows aligned; the bases
   // must be too): otherwise the unfused path runs.
-  const auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   if (!aligned16(p.h) || (p.gate_up_out != nullptr && !aligned16(p.gate_up_out))) return {};
   DeviceInfo info;
   MOK_RETURN_IF_MESSAGE(current_device_info(&info));

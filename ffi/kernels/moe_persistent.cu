@@ -858,11 +858,10 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
   p.ffn = s.ffn;
   // The TMA descriptors need 16-byte aligned bases and 16-byte strides (H and F are
   // multiples of 8: persistent_supported).
-  if (reinterpret_cast<uintptr_t>(a.w_gate_up) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(a.w_down) % 16 != 0) {
+  if (!aligned16(a.w_gate_up) || !aligned16(a.w_down)) {
     return "persistent MoE forward: the expert weights are not 16-byte aligned";
   }
-  if (reinterpret_cast<uintptr_t>(a.y) % 16 != 0) {  // the combine's 16-byte stores
+  if (!aligned16(a.y)) {  // the combine's 16-byte stores
     return "persistent MoE forward: y is not 16-byte aligned";
   }
   p.tma1 = make_tma1(static_cast<const Elem*>(a.w_gate_up), s.hidden, s.ffn, s.experts);

@@ -1045,14 +1045,12 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   size_t need = 0;
   const Scratch b = carve(workspace, s, a.ranks, &need);
   if (need > workspace_bytes) return "persistent MoE backward: workspace too small";
-  if (reinterpret_cast<uintptr_t>(a.w_gate_up) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(a.w_down) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(a.d_w_gate_up) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(a.d_w_down) % 16 != 0) {
+  if (!aligned16(a.w_gate_up) || !aligned16(a.w_down) || !aligned16(a.d_w_gate_up) ||
+      !aligned16(a.d_w_down)) {
     return "persistent MoE backward: the expert weights or their gradients are not 16-byte "
            "aligned";
   }
-  if (reinterpret_cast<uintptr_t>(a.dx) % 16 != 0) {  // dgrad1's and the combine's stores
+  if (!aligned16(a.dx)) {  // dgrad1's and the combine's stores
     return "persistent MoE backward: dx is not 16-byte aligned";
   }
   if (max_tasks(s) >= (int64_t(1) << 32)) return "persistent MoE backward: 2^32 tasks or more";
@@ -1093,8 +1091,7 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   const int wgrad_rows = backward_wgrad_rows(s);
   p.wgrad_n = TaskList::wgrad_n(rows, s.experts);
   if (rows > 0) {  // no rows: no weight-gradient block is loaded
-    if (reinterpret_cast<uintptr_t>(a.x_rows) % 16 != 0 ||
-        reinterpret_cast<uintptr_t>(a.gate_up) % 16 != 0) {
+    if (!aligned16(a.x_rows) || !aligned16(a.gate_up)) {
       return "persistent MoE backward: the forward's x rows or gate_up are not 16-byte "
              "aligned";
     }

@@ -222,8 +222,6 @@ int team_warps(DType dtype, int64_t dim) {
   return int64_t(32) * w * kVectorsPerThread * n < dim ? 0 : w;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 constexpr int64_t kMaxGrid = 1 << 16;
 
 template <typename T, int W>

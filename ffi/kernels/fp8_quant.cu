@@ -6,6 +6,7 @@
 
 #include "cuda_check.h"
 #include "mok/bf16.h"
+#include "swiglu_math.cuh"
 
 namespace mok::cuda {
 namespace {
@@ -35,8 +36,10 @@ __device__ __forceinline__ uint32_t q8x4(const float v[4], float s, int valid = 
   return lo | hi << 16;
 }
 
-// Two f32 values as a bf16 pair (a in the low half), rounded as float_to_bf16.
-__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
+// Two f32 values read from memory as a bf16 pair (a in the low half), rounded as
+// float_to_bf16 (swiglu_math.cuh's pack_bf16x2, the hardware's conversion, is for
+// computed values only: a NaN read from memory may carry another payload).
+__device__ __forceinline__ uint32_t pack_read_bf16x2(float a, float b) {
   return uint32_t(float_to_bf16(a).bits) | uint32_t(float_to_bf16(b).bits) << 16;
 }
 
@@ -213,8 +216,6 @@ quantize_rows_kernel(const X* __restrict__ src, int64_t rows, int64_t halves, in
   }
 }
 
-__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
-
 // One warp per row, its 128-blocks of h kBlocksInFlight at a time; h as in
 // swiglu_forward (moe_elementwise.cu).
 __global__ void __launch_bounds__(kThreads)
@@ -270,8 +271,8 @@ swiglu_quantize_kernel(const float* __restrict__ gate_up, const int64_t* __restr
               const float* gk = g[k];
               const float* uk = u[k];
               uint2 wg, wu;
-              wg.x = pack_bf16x2(gk[0], gk[1]), wg.y = pack_bf16x2(gk[2], gk[3]);
-              wu.x = pack_bf16x2(uk[0], uk[1]), wu.y = pack_bf16x2(uk[2], uk[3]);
+              wg.x = pack_read_bf16x2(gk[0], gk[1]), wg.y = pack_read_bf16x2(gk[2], gk[3]);
+              wu.x = pack_read_bf16x2(uk[0], uk[1]), wu.y = pack_read_bf16x2(uk[2], uk[3]);
               *reinterpret_cast<uint2*>(out_g) = wg;
               *reinterpret_cast<uint2*>(out_u) = wu;
             }

@@ -42,7 +42,15 @@ __device__ __forceinline__ Vec<float, V> load_floats_cg(const float* p) {
   return out;
 }
 
-__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+// The logistic function from the hardware's approximations: ex2.approx for the
+// exponential (a few ulp; __expf) and rcp.approx for the reciprocal (__fdividef),
+// two MUFU and two FMUL, where expf and IEEE division take about 16 instructions
+// with range checks and a slow path. CPU and GPU agree to rounding, not bit for bit
+// (docs/contract.md); every CUDA path takes this one definition, so the kernel chain
+// and the persistent kernels still give the same bits. g = -inf gives 0 (silu NaN,
+// as before), g = +inf gives 1, NaN stays NaN; below g = -87.3 (1 + e^-g > 2^126)
+// __fdividef gives 0 where the IEEE quotient is a number under 2^-126.
+__device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
 
 // Two floats rounded to bf16, `a` in the low half, by the hardware's
 // round-to-nearest-even conversion: one instruction for both, where float_to_bf16

@@ -1,0 +1,122 @@
+"""scripts/bench_ab.py, the A/B of builds in alternating bench processes: its ratios on
+bench JSON files written here, and its runs with a stand-in bench module in each build."""
+
+import importlib.util
+import json
+import os
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    "bench_ab", os.path.join(ROOT, "scripts", "bench_ab.py"))
+bench_ab = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_ab)
+
+
+def record(shape, impl, pas, median, queued, status="ok"):
+    return {"shape": shape, "impl": impl, "pass": pas, "recipe": "native", "status": status,
+            "median_ms": median if status == "ok" else None,
+            "queued_ms": queued if status == "ok" else None}
+
+
+def write(outdir, tag, rnd, records):
+    with open(os.path.join(outdir, f"{tag}_{rnd}.json"), "w") as f:
+        json.dump({"records": records}, f)
+
+
+def row_of(rows, key):
+    (row,) = [r for r in rows if r["key"] == key]
+    return row
+
+
+def test_ratios_are_sums_of_the_rounds_over_the_base(tmp_path):
+    write(tmp_path, "old", 1, [record("s", "moe", "fwd", 2.0, 1.8)])
+    write(tmp_path, "old", 2, [record("s", "moe", "fwd", 4.0, 3.8)])
+    write(tmp_path, "new", 1, [record("s", "moe", "fwd", 1.5, 1.0)])
+    write(tmp_path, "new", 2, [record("s", "moe", "fwd", 3.5, 2.0)])
+    rows = bench_ab.compare(bench_ab.load(str(tmp_path)), "old")
+    e = row_of(rows, ("s", "moe", "fwd", "native"))["builds"]
+    assert e["new"]["blocked"] == [1.5, 3.5]
+    assert e["new"]["blocked_ratio"] == pytest.approx(5.0 / 6.0)
+    assert e["new"]["queued_ratio"] == pytest.approx(3.0 / 5.6)
+    assert e["old"]["blocked_ratio"] == pytest.approx(1.0)
+    text = bench_ab.format_table(rows, "old")
+    assert "s, moe, fwd, native | new | 1.500, 3.500 | 1.000, 2.000 | 0.833 | 0.536" in text
+
+
+def test_failed_or_missing_records_have_no_ratio(tmp_path):
+    write(tmp_path, "old", 1, [record("s", "moe", "fwd", 2.0, 2.0),
+                               record("s", "moe", "fwdbwd", 6.0, 6.0)])
+    write(tmp_path, "old", 2, [record("s", "moe", "fwd", 2.0, 2.0),
+                               record("s", "moe", "fwdbwd", 6.0, 6.0)])
+    write(tmp_path, "new", 1, [record("s", "moe", "fwd", 1.0, 1.0),
+                               record("s", "moe", "fwdbwd", 0, 0, status="error")])
+    # new's second process wrote nothing: one round against two
+    rows = bench_ab.compare(bench_ab.load(str(tmp_path)), "old")
+    fwd = row_of(rows, ("s", "moe", "fwd", "native"))["builds"]["new"]
+    bwd = row_of(rows, ("s", "moe", "fwdbwd", "native"))["builds"]["new"]
+    assert fwd["blocked"] == [1.0] and fwd["blocked_ratio"] is None
+    assert bwd["blocked"] is None and bwd["queued_ratio"] is None
+    assert "| new | - | - | n/a | n/a" in bench_ab.format_table(rows, "old")
+    with pytest.raises(ValueError, match="base build 'gone' has no runs"):
+        bench_ab.compare(bench_ab.load(str(tmp_path)), "gone")
+
+
+# A stand-in for mok_jax.bench: one record whose median is its build's number, and a
+# line in the shared order log, so the test sees which build ran when and from where.
+FAKE = textwrap.dedent("""
+    import json, os, sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    speed = float(open(os.path.join(here, "speed.txt")).read())
+    with open(os.environ["AB_ORDER_LOG"], "a") as log:
+        log.write(os.path.basename(os.path.dirname(here)) + " " + os.getcwd() + "\\n")
+    out = sys.argv[sys.argv.index("--json") + 1]
+    rec = {"shape": sys.argv[1], "impl": "moe", "pass": "fwd", "recipe": "native",
+           "status": "ok", "median_ms": speed, "queued_ms": speed / 2}
+    json.dump({"records": [rec]}, open(out, "w"))
+""")
+
+
+def fake_build(tmp_path, name, speed):
+    pkg = tmp_path / name / "fakebench"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(FAKE)
+    (pkg / "speed.txt").write_text(str(speed))
+    return str(tmp_path / name)
+
+
+def test_runs_alternate_the_builds_each_from_its_own_directory(tmp_path, monkeypatch, capsys):
+    a, b = fake_build(tmp_path, "buildA", 2.0), fake_build(tmp_path, "buildB", 3.0)
+    out = tmp_path / "out"
+    order = tmp_path / "order.log"
+    monkeypatch.setenv("AB_ORDER_LOG", str(order))
+    rc = bench_ab.main([str(out), "--build", f"a={a}", "--build", f"b={b}", "--rounds", "2",
+                        "--module", "fakebench", "--", "shapeX"])
+    assert rc == 0
+    lines = order.read_text().split()
+    assert lines[0::2] == ["buildA", "buildB", "buildA", "buildB"]
+    assert set(lines[1::2]) == {str(out)}
+    assert sorted(os.listdir(out)) == ["a_1.json", "a_1.txt", "a_2.json", "a_2.txt",
+                                       "b_1.json", "b_1.txt", "b_2.json", "b_2.txt"]
+    text = capsys.readouterr().out
+    assert "shapeX, moe, fwd, native | b | 3.000, 3.000 | 1.500, 1.500 | 1.500 | 1.500" in text
+    # The table again from the files alone, against b.
+    assert bench_ab.main([str(out), "--compare", "--base", "b"]) == 0
+    assert "| a | 2.000, 2.000 | 1.000, 1.000 | 0.667 | 0.667" in capsys.readouterr().out
+
+
+def test_bad_arguments_are_refused(tmp_path, capsys):
+    d = str(tmp_path)
+    for argv, message in (
+            ([d, "--build", f"a={d}"], "two --build"),
+            ([d, "--build", f"a_b={d}", "--build", f"c={d}"], "without underscores"),
+            ([d, "--build", f"a={d}/missing", "--build", f"b={d}"], "is not a directory"),
+            ([d, "--build", f"a={d}", "--build", f"a={d}"], "tags repeat"),
+            ([d, "--build", f"a={d}", "--build", f"b={d}", "--", "--json", "x"], "--json"),
+            ([d, "--compare"], "needs --base")):
+        with pytest.raises(SystemExit):
+            bench_ab.main(argv)
+        assert message in capsys.readouterr().err

@@ -72,12 +72,14 @@ def compare(runs: dict, base: str) -> list[dict]:
         raise ValueError(f"base build {base!r} has no runs; builds: {sorted(runs)}")
     keys = sorted({k for rounds in runs.values() for per in rounds.values() for k in per})
     rows = []
+    fields = (("median_ms", "blocked"), ("queued_ms", "queued"))
     for key in keys:
         row = {"key": key, "builds": {}}
+        refs = {field: _values(runs[base], key, field) for field, _ in fields}
         for tag, rounds in runs.items():
             entry = {}
-            for field, name in (("median_ms", "blocked"), ("queued_ms", "queued")):
-                mine, ref = _values(rounds, key, field), _values(runs[base], key, field)
+            for field, name in fields:
+                mine, ref = _values(rounds, key, field), refs[field]
                 entry[name] = mine
                 ok = mine is not None and ref is not None and len(mine) == len(ref)
                 entry[name + "_ratio"] = sum(mine) / sum(ref) if ok and sum(ref) > 0 else None
@@ -146,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="store_true",
                     help="no runs: the table from OUTDIR's JSON files")
     args = ap.parse_args(argv)
-    if "--json" in bench_args:
+    # Absolute: each process runs in OUTDIR and is given its JSON path.
+    args.outdir = os.path.abspath(args.outdir)
+    if any(a == "--json" or a.startswith("--json=") for a in bench_args):
         ap.error("the bench's --json is set per process; leave it out of BENCH_ARGS")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")

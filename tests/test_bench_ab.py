@@ -93,7 +93,8 @@ def test_runs_alternate_the_builds_each_from_its_own_directory(tmp_path, monkeyp
     out = tmp_path / "out"
     order = tmp_path / "order.log"
     monkeypatch.setenv("AB_ORDER_LOG", str(order))
-    rc = bench_ab.main([str(out), "--build", f"a={a}", "--build", f"b={b}", "--rounds", "2",
+    monkeypatch.chdir(tmp_path)  # OUTDIR given relative to here
+    rc = bench_ab.main(["out", "--build", f"a={a}", "--build", f"b={b}", "--rounds", "2",
                         "--module", "fakebench", "--", "shapeX"])
     assert rc == 0
     lines = order.read_text().split()
@@ -116,6 +117,7 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
             ([d, "--build", f"a={d}/missing", "--build", f"b={d}"], "is not a directory"),
             ([d, "--build", f"a={d}", "--build", f"a={d}"], "tags repeat"),
             ([d, "--build", f"a={d}", "--build", f"b={d}", "--", "--json", "x"], "--json"),
+            ([d, "--build", f"a={d}", "--build", f"b={d}", "--", "--json=x"], "--json"),
             ([d, "--compare"], "needs --base")):
         with pytest.raises(SystemExit):
             bench_ab.main(argv)

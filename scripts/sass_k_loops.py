@@ -6,7 +6,7 @@ of the accumulators.
 ptxas can keep a warp group's accumulators outside the registers a wgmma names and move
 them in and out around every K block; the results stay right, so no numerical test sees
 it, and the tensor cores wait for the moves (the persistent forward's 128-row K loop had
-142 moves for four wgmmas and ran 4-7 % slower, docs/performance.md). For each kernel of
+142 moves for four wgmmas and ran 4-7 % slower, docs/measurements.md). For each kernel of
 moe_persistent and moe_persistent_backward, every loop that holds a wgmma (a backward
 branch over an HGMMA) is listed with its instruction and move count (register moves
 that read or write one of the loop's wgmma accumulators, and every local-memory load and

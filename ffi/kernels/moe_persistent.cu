@@ -244,7 +244,7 @@ __device__ void produce(const Params& p, const Windows& win, Control<BM>& ctl, c
   Tensor mW2 = p.tma2.get_tma_tensor(make_shape(p.hidden, p.ffn, p.experts));
   // 128-row tiles: tasks dealt round robin over the rank's CTAs, without the
   // ticket's atomic round trip at each task boundary (0-5 % faster at 128 to 4096
-  // rows per expert: docs/performance.md).
+  // rows per expert: docs/measurements.md).
   const int32_t rank = static_cast<int32_t>(int64_t(blockIdx.x) * p.ranks / gridDim.x);
   const uint32_t first_cta = (uint32_t(rank) * gridDim.x + p.ranks - 1) / p.ranks;
   const uint32_t ctas = (uint32_t(rank + 1) * gridDim.x + p.ranks - 1) / p.ranks - first_cta;

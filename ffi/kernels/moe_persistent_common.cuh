@@ -388,7 +388,7 @@ __device__ __forceinline__ void scan_row_blocks(const int64_t* expert_begin, int
 // tiled MMA `Mma` on stage tiles laid out as SmemA (its rows: the stage's) and SmemB.
 // Each stage is released when its wgmmas are done (keeping one K block's wgmmas in
 // flight across the next block's wait made the 128-row forward 11-19 % slower:
-// docs/performance.md). `issued` runs once, while the first K block's wgmmas are in
+// docs/measurements.md). `issued` runs once, while the first K block's wgmmas are in
 // flight (work that can overlap them; it must not touch the accumulators).
 // `each(kb, a)` runs at every K block while its wgmmas are in flight, with the
 // stage's A tile `a` (it may read the tile, not write it).

@@ -45,7 +45,7 @@ __device__ __forceinline__ Vec<float, V> load_floats_cg(const float* p) {
 // The logistic function from the hardware's approximations: ex2.approx for the
 // exponential (a few ulp; __expf) and rcp.approx for the reciprocal (__fdividef),
 // two MUFU and two FMUL in place of expf's range reduction and IEEE division's range
-// checks and slow path (docs/performance.md, "The sigmoid from the hardware's exp2 and
+// checks and slow path (docs/measurements.md, "The sigmoid from the hardware's exp2 and
 // reciprocal"). CPU and GPU agree to rounding, not bit for bit
 // (docs/contract.md); every CUDA path takes this one definition, so the kernel chain
 // and the persistent kernels still give the same bits. g = -inf gives 0 (silu NaN,

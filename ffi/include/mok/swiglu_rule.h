@@ -12,7 +12,7 @@ namespace mok {
 // epilogue stores from registers, not overlapped with the main loop, which costs
 // back most of what a larger copy would leave (docs/ledger.md, bf2c4cd). With its
 // 16-byte stores, E*H <= 2R was within 2 % either way where the copy is half the
-// round trip and slower where it is all of it (docs/performance.md, "The SwiGLU
+// round trip and slower where it is all of it (docs/measurements.md, "The SwiGLU
 // epilogue's rule, checked again").
 inline bool swiglu_epilogue_shape(int64_t experts, int64_t hidden, int64_t ffn, int64_t rows) {
   return experts > 0 && hidden > 0 && hidden % 8 == 0 && ffn > 0 && ffn % 128 == 0 &&

@@ -260,7 +260,7 @@ def test_no_tokens_give_zero_weight_gradients(persistent):
 
 
 def test_auto_mode_takes_few_rows_per_expert_only():
-    """AUTO: both passes persistent over at least 64 experts up to 1024 rows per
+    """AUTO: both passes persistent over at least 64 experts up to 4096 rows per
     expert for experts of H·F <= 2048·1024, up to 256 for larger ones; over fewer
     experts, the forward up to 64 rows per expert (128 for a forward that keeps no
     residuals, inference) and the chain's backward; OFF: never."""
@@ -270,10 +270,12 @@ def test_auto_mode_takes_few_rows_per_expert_only():
         assert _mok.persistent_shape(1024, 8, 128, 2048, 768, residuals)   # 64
         assert _mok.persistent_shape(4096, 8, 128, 2048, 768, residuals)   # 256
         assert _mok.persistent_shape(16384, 8, 128, 2048, 768, residuals)  # 1024, H·F small
-        assert _mok.persistent_shape(8192, 8, 64, 2048, 1024, residuals)   # 1024, E = 64
-        assert not _mok.persistent_shape(16385, 8, 128, 2048, 768, residuals)  # just over 1024
-        assert not _mok.persistent_shape(16384, 8, 64, 2048, 1024, residuals)  # 2048
-        assert _mok.persistent_shape(16384, 8, 128, 1024, 2048, residuals)  # 1024, H·F = 2^21
+        assert _mok.persistent_shape(16384, 8, 64, 2048, 1024, residuals)  # 2048, E = 64
+        assert _mok.persistent_shape(65536, 8, 128, 2048, 768, residuals)  # 4096
+        assert not _mok.persistent_shape(65537, 8, 128, 2048, 768, residuals)  # just over 4096
+        assert not _mok.persistent_shape(65536, 8, 64, 2048, 1024, residuals)  # 8192
+        assert _mok.persistent_shape(65536, 8, 128, 1024, 2048, residuals)  # 4096, H·F = 2^21
+        assert not _mok.persistent_shape(8192, 8, 128, 1024, 2056, residuals)  # 512, H·F > 2^21
         assert _mok.persistent_shape(4096, 8, 128, 2048, 1032, residuals)  # 256, H·F > 2^21
         assert not _mok.persistent_shape(4097, 8, 128, 2048, 1032, residuals)  # just over 256
         assert not _mok.persistent_shape(8192, 8, 128, 7168, 2048, residuals)  # 512, H = 7168
@@ -287,13 +289,14 @@ def test_auto_mode_takes_few_rows_per_expert_only():
     assert not _mok.persistent_shape(1024, 4, 32, 1024, 1024, residuals=True)
     assert _mok.persistent_shape(512, 8, 63, 2048, 1024)                # 65 rows, E = 63
     assert not _mok.persistent_shape(512, 8, 63, 2048, 1024, residuals=True)
-    # The backward's kernel over 64 or more experts: up to 1024 rows per expert
+    # The backward's kernel over 64 or more experts: up to 4096 rows per expert
     # for experts of H·F <= 2048·1024, 256 for larger ones.
     assert _mok.persistent_backward_shape(256, 8, 128, 2048, 768)      # 16 rows, E = 128
     assert _mok.persistent_backward_shape(1025, 8, 128, 2048, 768)     # just over 64
     assert _mok.persistent_backward_shape(16384, 8, 128, 2048, 768)    # 1024
-    assert _mok.persistent_backward_shape(8192, 8, 64, 2048, 1024)     # 1024, E = 64
-    assert not _mok.persistent_backward_shape(16385, 8, 128, 2048, 768)  # just over 1024
+    assert _mok.persistent_backward_shape(16384, 8, 64, 2048, 1024)    # 2048, E = 64
+    assert _mok.persistent_backward_shape(65536, 8, 128, 2048, 768)    # 4096
+    assert not _mok.persistent_backward_shape(65537, 8, 128, 2048, 768)  # just over 4096
     assert _mok.persistent_backward_shape(4096, 8, 128, 2048, 1032)    # 256, H·F > 2^21
     assert not _mok.persistent_backward_shape(4097, 8, 128, 2048, 1032)  # just over 256
     assert not _mok.persistent_backward_shape(256, 8, 63, 2048, 1024)   # 32.5 rows, E = 63

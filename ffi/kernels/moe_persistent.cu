@@ -53,10 +53,11 @@ constexpr int64_t kAutoRowsPerExpertManyExperts = 256;
 // (bytes ∝ R·H against GEMM FLOPs ∝ R·H·F) and its SwiGLU kernels (∝ R·F) weigh
 // most, and forward+backward on the persistent kernels, which have none of them, took
 // 0.94-0.97x the chain's time at 512 and 1024 rows per expert over 64 and 128
-// experts of H = 2048, F = 768 and 1024, but 1.00x at 2048 rows (b32c591's kernels,
-// one H100; docs/performance.md).
+// experts of H = 2048, F = 768 and 1024 (b32c591's kernels), and, queued, 0.96x at
+// 2048 rows over 64, 0.97x at 2048 over 128 and 0.99x at 4096 over 64 (7a42a14's;
+// one H100 each; docs/performance.md). Past 4096 it is not measured.
 constexpr int64_t kAutoSmallExpertElements = int64_t(2048) * 1024;
-constexpr int64_t kAutoRowsPerExpertSmallExperts = 1024;
+constexpr int64_t kAutoRowsPerExpertSmallExperts = 4096;
 // Past 64 rows per expert the kernel takes 128-row tiles, for E up to this:
 // the row-block prefix sums (4 bytes an expert) share shared memory with four 48 KB
 // stages, the staging buffers and 3 KB of static shared memory; they would fit up to

@@ -50,7 +50,7 @@ namespace mok::cuda {
 
 // When the persistent kernels (the forward's and the backward's) run: never (the
 // kernel chains), where they are the faster ones (the default, AUTO: both at most
-// 256 rows per expert over 64 or more experts, 1024 for experts of H·F <= 2048·1024;
+// 256 rows per expert over 64 or more experts, 4096 for experts of H·F <= 2048·1024;
 // over fewer, the forward at most 64 rows per expert, 128 without residuals;
 // docs/performance.md), or wherever they can.
 enum class PersistentMode : int { kOff = 0, kAuto = 1, kAlways = 2 };
@@ -75,7 +75,7 @@ bool persistent_supported(const MoeShape& shape, Recipe recipe, DType x_dtype, b
 int persistent_forward_tile_rows(const MoeShape& shape);
 
 // Whether the persistent backward takes it under the current mode: under AUTO where
-// experts average at most 256 rows (1024 for experts of H·F <= 2048·1024) and there
+// experts average at most 256 rows (4096 for experts of H·F <= 2048·1024) and there
 // are at least 64 experts (where it was measured even with or faster than the
 // chain's backward; docs/performance.md). Any combination of the two passes' paths
 // gives the same bits.

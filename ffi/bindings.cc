@@ -143,7 +143,7 @@ NB_MODULE(_mok, m) {
       nb::arg("ffn"),
       "Whether a bf16 one-device backward of these sizes on this device runs as the "
       "persistent kernel under the current mode (under AUTO: at most 256 rows per "
-      "expert over 64 or more experts, 1024 for experts of H*F <= 2048*1024, where it "
+      "expert over 64 or more experts, 4096 for experts of H*F <= 2048*1024, where it "
       "is the faster one).");
 #endif
   nb::enum_<mok::DType>(m, "DType", "Element types the kernels accept.", nb::is_arithmetic())

@@ -40,7 +40,7 @@ IMPL_ABOUT = {
     "moe_persistent": "mok_jax.moe with both passes always the persistent kernels where "
                       "they can run (one launch per pass after the routing plan; moe "
                       "picks them for few rows per expert only: both passes up to 256 "
-                      "over 64 or more experts (1024 for experts of H*F <= 2048*1024), "
+                      "over 64 or more experts (4096 for experts of H*F <= 2048*1024), "
                       "over fewer the forward alone; same "
                       "bits; not in the default list)",
     **{name: f"mok_jax._src.ep.moe_on_virtual_ranks(ranks={p}): the persistent kernels as "

@@ -43,14 +43,17 @@ __device__ __forceinline__ Vec<float, V> load_floats_cg(const float* p) {
 }
 
 // The logistic function from the hardware's approximations: ex2.approx for the
-// exponential (a few ulp; __expf) and rcp.approx for the reciprocal (__fdividef),
-// two MUFU and two FMUL in place of expf's range reduction and IEEE division's range
-// checks and slow path (docs/measurements.md, "The sigmoid from the hardware's exp2 and
-// reciprocal"). CPU and GPU agree to rounding, not bit for bit
-// (docs/contract.md); every CUDA path takes this one definition, so the kernel chain
-// and the persistent kernels still give the same bits. g = -inf gives 0 (silu NaN,
-// as before), g = +inf gives 1, NaN stays NaN; below g = -87.3 (1 + e^-g > 2^126)
-// __fdividef gives 0 where the IEEE quotient is a number under 2^-126.
+// exponential (a few ulp; __expf) and rcp.approx for the reciprocal (__fdividef):
+// seven instructions an element in the SASS (two MUFU, the scale by -log2(e), the
+// add of 1, and a compare with two predicated FMUL that keep ex2.approx's results
+// below 2^-126), in place of expf's range reduction and IEEE division's range checks
+// and slow path (docs/measurements.md, "The sigmoid from the hardware's exp2 and
+// reciprocal"; the SASS: docs/runs/2026-12-07/ncu_backward_small-experts_7a42a14_h100.txt).
+// CPU and GPU agree to rounding, not bit for bit (docs/contract.md); every CUDA path
+// takes this one definition, so the kernel chain and the persistent kernels still give
+// the same bits. g = -inf gives 0 (silu NaN, as before), g = +inf gives 1, NaN stays
+// NaN; below g = -87.3 (1 + e^-g > 2^126) __fdividef gives 0 where the IEEE quotient
+// is a number under 2^-126.
 __device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
 
 // Two floats rounded to bf16, `a` in the low half, by the hardware's

@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         tags = [t for t, _ in args.build]
         if len(set(tags)) != len(tags):
             ap.error(f"--build tags repeat: {tags}")
+        if args.base is not None and args.base not in tags:  # before the runs, not after
+            ap.error(f"--base {args.base!r} is none of the --build tags {tags}")
         os.makedirs(args.outdir, exist_ok=True)
         failed = run(args.outdir, args.build, args.rounds, bench_args, args.module)
     runs = load(args.outdir)

@@ -116,6 +116,7 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
             ([d, "--build", f"a_b={d}", "--build", f"c={d}"], "without underscores"),
             ([d, "--build", f"a={d}/missing", "--build", f"b={d}"], "is not a directory"),
             ([d, "--build", f"a={d}", "--build", f"a={d}"], "tags repeat"),
+            ([d, "--build", f"a={d}", "--build", f"b={d}", "--base", "c"], "--base 'c'"),
             ([d, "--build", f"a={d}", "--build", f"b={d}", "--", "--json", "x"], "--json"),
             ([d, "--build", f"a={d}", "--build", f"b={d}", "--", "--json=x"], "--json"),
             ([d, "--compare"], "needs --base")):

@@ -24,13 +24,23 @@ def top_k(select: jax.Array, values: jax.Array, k: int) -> tuple[jax.Array, jax.
     device, while argmax and masks stay sharded along the tokens.
     """
     num_experts = select.shape[-1]
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"top_k: k={k} must be in [1, {num_experts}], the experts in "
+                         f"select's last axis (shape {select.shape})")
     ids, picked = [], []
+    taken = jnp.zeros(select.shape, bool)
     for _ in range(k):
-        best = jnp.argmax(select, axis=-1)
+        # The lowest untaken index of the largest untaken score (NaN the largest, as
+        # argmax and lax.top_k order it). A taken index is masked by `taken`, not by
+        # -inf: among scores of -inf an index already taken would tie and win again.
+        cand = jnp.where(taken, -jnp.inf, select)
+        top = jnp.max(cand, axis=-1, keepdims=True)
+        hit = ~taken & ((cand == top) | (jnp.isnan(cand) & jnp.isnan(top)))
+        best = jnp.argmax(hit, axis=-1)
         chosen = best[:, None] == jnp.arange(num_experts)[None, :]
         ids.append(best)
         picked.append(jnp.sum(jnp.where(chosen, values, 0.0), axis=-1))  # exact: one term
-        select = jnp.where(chosen, -jnp.inf, select)
+        taken = taken | chosen
     return jnp.stack(ids, axis=-1).astype(jnp.int32), jnp.stack(picked, axis=-1)
 
 

@@ -290,6 +290,27 @@ def test_top_k_matches_lax_top_k_with_ties():
     assert_bitwise(got_values, values, "top-k values")
 
 
+def test_top_k_matches_lax_top_k_with_infinities_and_nan():
+    # Rows of -inf (an expert masked out, or the logits of a token holding inf)
+    # must give k distinct experts in lax.top_k's order, never one twice.
+    rng = np.random.default_rng(0)
+    pool = np.array([-np.inf, np.inf, np.nan, -1.0, 0.0, 1.0], np.float32)
+    s = jnp.asarray(rng.choice(pool, size=(400, 6)))
+    s = s.at[0].set(-jnp.inf).at[1].set(jnp.nan).at[2, :4].set(-jnp.inf)
+    for k in (1, 3, 6):
+        values, ids = jax.lax.top_k(s, k)
+        got_ids, got_values = router.top_k(s, 2.0 * s, k)
+        np.testing.assert_array_equal(got_ids, ids, err_msg=f"k={k}")
+        np.testing.assert_array_equal(got_values, 2.0 * values, err_msg=f"k={k}")
+        assert all(len(set(row)) == k for row in np.asarray(got_ids).tolist())
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_top_k_refuses_k_outside_the_experts(k):
+    with pytest.raises(ValueError, match=f"top_k: k={k} must be in \\[1, 4\\]"):
+        router.top_k(jnp.zeros((2, 4)), jnp.zeros((2, 4)), k)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.slow
 def test_forward_is_moe_of_its_routing_plus_shared_expert(dtype):

@@ -64,18 +64,31 @@ def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
     num_experts = w_gate_up.shape[0]
     ffn = w_down.shape[1]
     _, kept, stats = routing_masks(expert_ids, num_experts, capacity_factor)
+    safe_ids = jnp.where(kept, expert_ids, 0)
+
+    # Which tokens each expert takes (a kept pair), and which experts take any. The
+    # weights of an expert no pair reaches are zeros here and, in the native recipe,
+    # so are the x rows an expert does not take, selected by `where`: a NaN or inf
+    # in them must not reach y or the gradients (0 * NaN), as in `mok_jax.moe`,
+    # which never reads them.
+    takes = jnp.any(kept[:, :, None] & (safe_ids[:, :, None] == jnp.arange(num_experts)),
+                    axis=1).T                                        # [E, T]
+    used = jnp.any(takes, axis=1)[:, None, None]                     # [E, 1, 1]
+    w_gate_up = jnp.where(used, w_gate_up, 0)
+    w_down = jnp.where(used, w_down, 0)
 
     if recipe == Recipe.FP8:
         o = expert_outputs_fp8(x, w_gate_up, w_down)                # [E, T, H]
     else:
-        # Every expert on every token: [E, T, 2F] in f32.
-        gate_up = jnp.einsum("th,ehf->etf", x, w_gate_up, preferred_element_type=jnp.float32)
+        # Every expert on every token (the rows it does not take as zeros): [E, T, 2F]
+        # in f32.
+        x_e = jnp.where(takes[:, :, None], x[None], 0)               # [E, T, H]
+        gate_up = jnp.einsum("eth,ehf->etf", x_e, w_gate_up, preferred_element_type=jnp.float32)
         g, u = gate_up[..., :ffn], gate_up[..., ffn:]
         h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)
         o = jnp.einsum("etf,efh->eth", h, w_down, preferred_element_type=jnp.float32)
         o = o.astype(x.dtype).astype(jnp.float32)                    # [E, T, H]
 
-    safe_ids = jnp.where(kept, expert_ids, 0)
     tokens = jnp.arange(x.shape[0])
     weights = expert_weights.astype(jnp.float32)
     acc = jnp.zeros(x.shape, jnp.float32)

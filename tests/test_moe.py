@@ -342,6 +342,32 @@ def test_nan_weight_of_invalid_or_dropped_pair_does_not_propagate(dtype):
     np.testing.assert_array_equal(np.asarray(y[1:], np.float32), 0.0)
 
 
+def test_reference_gradients_ignore_what_no_pair_reads():
+    # The oracle's gradients, like mok_jax.moe's, stay finite when NaN sits where no
+    # kept pair reads it: the weights of an expert no pair reaches, the x row of a
+    # token whose pairs are all invalid or all dropped. (0 * NaN in the oracle's
+    # every-expert-on-every-token products once made dx and the weight gradients NaN.)
+    T, K, E = 8, 2, 4
+    x, ids, w, wgu, wd = make_problem(18, T, K, E, 16, 8, jnp.float32)
+    ids = jnp.clip(ids, 0, E - 2).at[5].set(jnp.asarray([-1, E], jnp.int32))  # expert 3: none
+    cases = {
+        "NaN in an expert no pair reaches": (x, ids, wgu.at[3].set(jnp.nan), wd.at[3].set(jnp.inf), None),
+        "NaN in the x row of a token with no valid pair": (x.at[5].set(jnp.nan), ids, wgu, wd, None),
+        "NaN in the x row of a dropped token": (x.at[T - 1].set(jnp.nan), jnp.zeros_like(ids), wgu, wd, 0.5),
+    }
+    cot = jnp.cos(jnp.arange(16, dtype=jnp.float32))
+    for name, (xc, idc, wguc, wdc, cap) in cases.items():
+        grads = []
+        for f in (mok_jax.moe, moe_reference):
+            loss = lambda a, b, c, d, f=f: jnp.sum(f(a, idc, b, c, d, capacity_factor=cap) * cot)
+            grads.append(jax.grad(loss, argnums=(0, 1, 2, 3))(xc, w, wguc, wdc))
+        for what, got, want in zip(("dx", "d weights", "d w_gate_up", "d w_down"), *grads):
+            got, want = np.asarray(got), np.asarray(want)
+            assert np.all(np.isfinite(want)), f"{name}: reference {what} not finite"
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                       err_msg=f"{name}: {what}")
+
+
 def test_inf_propagates_like_reference():
     x, ids, w, wgu, wd = make_problem(17, 8, 2, 4, 16, 8, jnp.float32)
     x = x.at[1, 0].set(jnp.inf).at[6].set(-jnp.inf)

@@ -421,7 +421,13 @@ class MoE(nnx.Module):
         (softmax, or sigmoid scores normalised per token) and feed the
         load-balancing loss.
         """
-        logits = router_logits(tokens, self.router.kernel[...], self.router_dot)
+        kernel = self.router.kernel[...]
+        if kernel.shape != (self.hidden_size, self.num_experts):
+            raise ValueError(
+                f"MoE: router.kernel has shape {kernel.shape}, expected (hidden_size, "
+                f"num_experts) = ({self.hidden_size}, {self.num_experts}), whole on every "
+                "device")
+        logits = router_logits(tokens, kernel, self.router_dot)
         if self.score_fn == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
             probs = scores

@@ -175,6 +175,15 @@ def test_wrong_hidden_size():
     assert_bitwise(make_layer()(x.tolist())[0], make_layer()(jnp.asarray(x))[0], "list x")
 
 
+def test_router_kernel_of_another_shape_is_refused():
+    # A router kernel replaced by one of another width would route to experts the
+    # layer does not hold (ids past num_experts count as invalid pairs).
+    layer = make_layer()
+    layer.router.kernel = nnx.Param(jnp.zeros((H, E + 2)))
+    with pytest.raises(ValueError, match=r"router.kernel has shape \(%d, %d\), expected" % (H, E + 2)):
+        layer(jnp.ones((4, H)))
+
+
 # --------------------------------------------------------------------------------------
 # Routing and forward
 # --------------------------------------------------------------------------------------

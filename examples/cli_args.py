@@ -1,8 +1,10 @@
-"""Argument types shared by the example scripts (no JAX import: mesh_experiments.py
+"""Argument types and checks shared by the example scripts (no JAX import: mesh_experiments.py
 parses its arguments before JAX starts)."""
 
 import argparse
 import math
+import os
+import tempfile
 
 
 def positive_int(text: str) -> int:
@@ -28,3 +30,16 @@ def seed(text: str) -> int:
     if not 0 <= value < 2**63:
         raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^63), got {value}")
     return value
+
+
+def writable_dir(flag: str, path: str) -> None:
+    """Creates directory ``path`` if need be and checks that a file can be written
+    in it; stops the run (SystemExit naming ``flag``) if not."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise SystemExit(f"{flag}: {path} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise SystemExit(f"{flag}: cannot write in {path} ({err.strerror})") from None

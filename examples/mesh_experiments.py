@@ -36,7 +36,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_args import positive_int  # noqa: E402  (examples/)
+from cli_args import positive_int, writable_dir  # noqa: E402  (examples/)
 
 
 def parse_args(argv=None):
@@ -123,6 +123,7 @@ def run(args) -> dict:
         raise SystemExit(f"--preset must be one of {sorted(lm.PRESETS)}, got {args.preset!r}")
     if args.devices and args.devices > len(jax.devices()):
         raise SystemExit(f"--devices {args.devices}: only {len(jax.devices())} visible")
+    writable_dir("--out", args.out)  # before the meshes run, not after
     devices = jax.devices()[:args.devices] if args.devices else jax.devices()
     n = len(devices)
     cfg = lm.PRESETS[args.preset]
@@ -132,6 +133,9 @@ def run(args) -> dict:
     if cfg.batch % n:
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {n} devices")
     corpus = lm.load_corpus()
+    if cfg.seq + 2 > len(corpus.train):
+        raise SystemExit(f"--seq {cfg.seq} needs windows of seq + 1 bytes, and the training "
+                         f"part of the corpus has {len(corpus.train)} bytes")
     tokens_np = lm.batch_at(corpus.train, 0, cfg)
     tx, _ = lm.make_optimizer(cfg)
     data_axes = ("dp", "ep")
@@ -258,6 +262,9 @@ def run(args) -> dict:
         print("FAILED: " + ", ".join(f"{r['mode']} ({r['dp']},{r['ep']})" for r in failed)
               + " disagree with their baseline beyond " + (
                   "bitwise equality" if args.strict else f"{GRAD_RTOL:g} on gradients"))
+    elif not any(r.get("vs") not in (None, "baseline") for r in rows):
+        print(f"nothing compared: {n} device(s) give only the baseline mesh (more devices: "
+              "--host-devices N on CPU)")
     else:
         print("all meshes agree: outputs bitwise" + (
             ", gradients bitwise" if args.strict else

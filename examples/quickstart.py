@@ -19,7 +19,7 @@ import mok_jax
 from mok_jax.reference import moe_reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_args import positive_int  # noqa: E402  (examples/)
+from cli_args import positive_float, positive_int  # noqa: E402  (examples/)
 
 
 def main(argv=None) -> dict:
@@ -31,7 +31,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--hidden", type=positive_int, default=128)
     parser.add_argument("--ffn", type=positive_int, default=256)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--capacity-factor", type=float, default=None)
+    parser.add_argument("--capacity-factor", type=positive_float, default=None)
     args = parser.parse_args(argv)
     if args.top_k > args.experts:
         parser.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")

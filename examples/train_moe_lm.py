@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax import nn as mnn
 
-from cli_args import positive_float, positive_int, seed  # examples/, on sys.path as a script
+from cli_args import positive_float, positive_int, seed, writable_dir  # examples/, on sys.path
 from moe_lm.checkpoints import run_identity, save_checkpoint, start_or_resume
 from moe_lm.config import PRESETS, Config, describe, flops_per_token, param_counts
 from moe_lm.data import EVAL_STREAM, Corpus, batch_at, load_corpus
@@ -202,12 +202,15 @@ def train(args) -> dict:
         return {"trace": info}
 
     out = args.out or os.path.join("runs", args.preset)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise SystemExit(f"--out {out} is a file, not a directory")
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"--out {out}: cannot create it ({err.strerror})") from None
+    # Where the run writes, checked before anything is built or trained: the log and
+    # run.json (OUT), the checkpoints (OUT/ckpt), the trace (--profile).
+    writes = [("--out", out)]
+    if not args.no_checkpoint:
+        writes.append(("--out", os.path.join(out, "ckpt")))
+    if args.profile:
+        writes.append(("--profile", args.profile))
+    for flag, path in writes:
+        writable_dir(flag, path)
 
     devices = jax.devices()
     ep = args.ep
@@ -220,6 +223,10 @@ def train(args) -> dict:
     lag = default_grad_reduce_lag(dp, ep, args.shard_optimizer)
     if args.grad_reduce_lag is None and lag is not None:
         cfg = dataclasses.replace(cfg, grad_reduce_lag=lag)
+    if cfg.grad_reduce_lag >= cfg.n_layers:
+        raise SystemExit(f"--grad-reduce-lag {cfg.grad_reduce_lag} must be below the preset's "
+                         f"{cfg.n_layers} layers (a lag past the last layer ties no "
+                         "all-reduce), or -1 (off)")
     platform = devices[0].platform
     for flag, value, gpu_only in (("--attention", cfg.attention, "cudnn"),
                                   ("--moe-backend", cfg.moe_backend, "fused")):
@@ -258,12 +265,20 @@ def profile_step(args, cfg: Config, train_step, state, batch, wall_s: float) -> 
 
 
 def check_finite(log: dict, step: int) -> None:
-    """Stops the run when the loss of the newest logged step is not finite: nothing
-    after it (in particular no checkpoint) is worth keeping."""
+    """Stops the run when the newest logged step's loss or gradient norm, or the
+    newest eval loss, is not finite: the parameters after that step are then not
+    finite either (a loss is computed before its step's update, so a finite loss
+    beside a NaN gradient norm still means a NaN update), and nothing after it (in
+    particular no checkpoint) is worth keeping."""
     last = log["train"][-1] if log["train"] else None
-    if last is not None and not math.isfinite(last["loss"]):
-        raise SystemExit(f"step {step}: the train loss is {last['loss']} (step "
-                         f"{last['step']}); stopping without saving a checkpoint")
+    for key in ("loss", "grad_norm"):
+        if last is not None and key in last and not math.isfinite(last[key]):
+            raise SystemExit(f"step {step}: the train {key.replace('_', ' ')} is {last[key]} "
+                             f"(step {last['step']}); stopping without saving a checkpoint")
+    evaluated = log["eval"][-1] if log["eval"] else None
+    if evaluated is not None and not math.isfinite(evaluated["loss"]):
+        raise SystemExit(f"step {step}: the eval loss is {evaluated['loss']} (step "
+                         f"{evaluated['step']}); stopping without saving a checkpoint")
 
 
 def untimed_steps() -> int:

@@ -563,13 +563,28 @@ def test_resume_refuses_another_run_and_a_foreign_log(resumed_run):
 
 @pytest.mark.slow
 def test_a_diverged_run_stops_without_a_checkpoint(tmp_path):
-    """A non-finite train loss ends the run before the next checkpoint: a diverged
-    state would otherwise push the good checkpoints out (two are kept)."""
+    """A non-finite train loss or gradient norm ends the run before the next
+    checkpoint: a diverged state would otherwise push the good checkpoints out (two
+    are kept)."""
     out = tmp_path / "run"
-    with pytest.raises(SystemExit, match=r"the train loss is (nan|inf|-inf) .*without saving"):
+    with pytest.raises(SystemExit, match=r"the train (loss|grad norm) is (nan|inf|-inf) "
+                                         r".*without saving"):
         train_moe_lm.main(["--steps", "8", "--eval-every", "8", "--out", str(out), *SMALL,
                            "--lr", "1e30", "--log-every", "1", "--ckpt-every", "8"])
     assert not (out / "ckpt" / "8").exists()
+
+
+@pytest.mark.slow
+def test_a_nan_update_behind_a_finite_loss_is_not_saved(tmp_path):
+    """A step's loss is computed before its update: at --lr 1e30 the second step's
+    loss is still finite while its gradient norm, and so the parameters after it,
+    are not. The run stops there and writes no checkpoint of that state."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"step 2: the (train grad norm|train loss|eval loss) "
+                                         r"is (nan|inf|-inf) .*without saving"):
+        train_moe_lm.main(["--steps", "2", "--eval-every", "2", "--out", str(out), *SMALL,
+                           "--lr", "1e30", "--log-every", "2", "--ckpt-every", "2"])
+    assert not (out / "ckpt" / "2").exists()
 
 
 @pytest.mark.slow  # the module's trained run (14 s), shared with the slow tests
@@ -665,13 +680,21 @@ def test_train_refuses_what_cannot_run_before_building(tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     common = [*SMALL, "--no-progress", "--no-checkpoint"]
-    with pytest.raises(SystemExit, match=r"--out .*a_file is a file, not a directory"):
+    with pytest.raises(SystemExit, match=r"--out: .*a_file is a file, not a directory"):
         train_moe_lm.main([*common, "--out", str(a_file)])
+    with pytest.raises(SystemExit, match=r"--profile: .*a_file is a file, not a directory"):
+        train_moe_lm.main([*common, "--profile", str(a_file), "--out", str(tmp_path / "p")])
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "ckpt").write_text("")  # where the checkpoints go
+    with pytest.raises(SystemExit, match=r"--out: .*ckpt is a file, not a directory"):
+        train_moe_lm.main([*SMALL, "--no-progress", "--out", str(tmp_path / "d")])
     for flag, value in (("--attention", "cudnn"), ("--moe-backend", "fused")):
         with pytest.raises(SystemExit, match=rf"{flag} {value} needs a GPU; .* are cpu"):
             train_moe_lm.main([*common, flag, value, "--out", str(tmp_path / "b")])
     with pytest.raises(SystemExit, match=r"--seq 100000000 needs windows of seq \+ 1 bytes"):
         train_moe_lm.main([*common, "--seq", "100000000", "--out", str(tmp_path / "c")])
+    with pytest.raises(SystemExit, match=r"--grad-reduce-lag 2 must be below the preset's 2 "):
+        train_moe_lm.main([*common, "--grad-reduce-lag", "2", "--out", str(tmp_path / "e")])
 
 
 def test_train_mesh_mistakes_are_messages_not_tracebacks(tmp_path, capsys):
@@ -692,6 +715,23 @@ def test_mesh_experiments_refuses_more_devices_than_visible(tmp_path):
     assert proc.returncode != 0 and "--devices 3: only 2 visible" in proc.stderr, proc.stderr
     proc = _run_script("mesh_experiments.py", "--repeats", "0", timeout=120)
     assert proc.returncode == 2 and "must be a positive integer, got 0" in proc.stderr
+    # An --out it cannot write, and a --seq longer than the corpus: refused before
+    # any mesh runs.
+    (tmp_path / "a_file").write_text("")
+    proc = _run_script("mesh_experiments.py", "--host-devices", "2", "--out",
+                       str(tmp_path / "a_file"), timeout=120)
+    assert proc.returncode != 0 and "a_file is a file, not a directory" in proc.stderr, proc.stderr
+    proc = _run_script("mesh_experiments.py", "--host-devices", "2", "--seq", "100000000",
+                       "--out", str(tmp_path / "b"), timeout=120)
+    assert proc.returncode != 0 and "--seq 100000000 needs windows" in proc.stderr, proc.stderr
+
+
+def test_quickstart_refuses_a_capacity_factor_that_is_not_positive(capsys):
+    import quickstart  # noqa: PLC0415  (examples/, on sys.path)
+    for value in ("0", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            quickstart.main(["--capacity-factor", value])
+        assert "must be a finite number above 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])

@@ -266,10 +266,9 @@ def profile_step(args, cfg: Config, train_step, state, batch, wall_s: float) -> 
 
 def check_finite(log: dict, step: int) -> None:
     """Stops the run when the newest logged step's loss or gradient norm, or the
-    newest eval loss, is not finite: the parameters after that step are then not
-    finite either (a loss is computed before its step's update, so a finite loss
-    beside a NaN gradient norm still means a NaN update), and nothing after it (in
-    particular no checkpoint) is worth keeping."""
+    newest eval loss, is not finite: the run has diverged (a loss is computed before
+    its step's update, so a finite loss beside a NaN gradient norm still means a NaN
+    update), and nothing after it (in particular no checkpoint) is worth keeping."""
     last = log["train"][-1] if log["train"] else None
     for key in ("loss", "grad_norm"):
         if last is not None and key in last and not math.isfinite(last[key]):

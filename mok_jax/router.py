@@ -30,14 +30,15 @@ def top_k(select: jax.Array, values: jax.Array, k: int) -> tuple[jax.Array, jax.
     ids, picked = [], []
     taken = jnp.zeros(select.shape, bool)
     for _ in range(k):
-        # The lowest untaken index of the largest untaken score (NaN the largest, as
-        # argmax and lax.top_k order it). A taken index is masked by `taken`, not by
-        # -inf: among scores of -inf an index already taken would tie and win again.
-        cand = jnp.where(taken, -jnp.inf, select)
-        top = jnp.max(cand, axis=-1, keepdims=True)
-        hit = ~taken & ((cand == top) | (jnp.isnan(cand) & jnp.isnan(top)))
-        best = jnp.argmax(hit, axis=-1)
-        chosen = best[:, None] == jnp.arange(num_experts)[None, :]
+        # argmax's choice among the untaken scores (NaN the largest, ties to the lower
+        # index, as lax.top_k orders them); taken ones are masked with -inf, so where
+        # every untaken score is -inf too, argmax may return a taken index: then the
+        # lowest untaken one, which is lax.top_k's choice among those ties.
+        experts = jnp.arange(num_experts)[None, :]
+        best = jnp.argmax(jnp.where(taken, -jnp.inf, select), axis=-1)
+        again = jnp.any(taken & (best[:, None] == experts), axis=-1)
+        best = jnp.where(again, jnp.argmax(~taken, axis=-1), best)
+        chosen = best[:, None] == experts
         ids.append(best)
         picked.append(jnp.sum(jnp.where(chosen, values, 0.0), axis=-1))  # exact: one term
         taken = taken | chosen

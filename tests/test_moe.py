@@ -345,8 +345,9 @@ def test_nan_weight_of_invalid_or_dropped_pair_does_not_propagate(dtype):
 def test_reference_gradients_ignore_what_no_pair_reads():
     # The oracle's gradients, like mok_jax.moe's, stay finite when NaN sits where no
     # kept pair reads it: the weights of an expert no pair reaches, the x row of a
-    # token whose pairs are all invalid or all dropped. (0 * NaN in the oracle's
-    # every-expert-on-every-token products once made dx and the weight gradients NaN.)
+    # token whose pairs are all invalid or all dropped. (The oracle runs every
+    # expert on every token: 0 * NaN in those products must not reach dx or the
+    # weight gradients.)
     T, K, E = 8, 2, 4
     x, ids, w, wgu, wd = make_problem(18, T, K, E, 16, 8, jnp.float32)
     ids = jnp.clip(ids, 0, E - 2).at[5].set(jnp.asarray([-1, E], jnp.int32))  # expert 3: none

@@ -81,8 +81,7 @@ def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
         o = expert_outputs_fp8(x, w_gate_up, w_down)                # [E, T, H]
     else:
         # Every expert on every token (the rows it does not take as zeros): [E, T, 2F]
-        # in f32.
-        # In f32, so that dx sums the experts' parts before its one rounding.
+        # in f32. x_e is f32 so that dx sums the experts' parts before its one rounding.
         x_e = jnp.where(takes[:, :, None], x.astype(jnp.float32)[None], 0.0)  # [E, T, H]
         gate_up = jnp.einsum("eth,ehf->etf", x_e, w_gate_up, preferred_element_type=jnp.float32)
         g, u = gate_up[..., :ffn], gate_up[..., ffn:]

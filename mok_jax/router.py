@@ -29,12 +29,12 @@ def top_k(select: jax.Array, values: jax.Array, k: int) -> tuple[jax.Array, jax.
                          f"select's last axis (shape {select.shape})")
     ids, picked = [], []
     taken = jnp.zeros(select.shape, bool)
+    experts = jnp.arange(num_experts)[None, :]
     for _ in range(k):
         # argmax's choice among the untaken scores (NaN the largest, ties to the lower
         # index, as lax.top_k orders them); taken ones are masked with -inf, so where
         # every untaken score is -inf too, argmax may return a taken index: then the
         # lowest untaken one, which is lax.top_k's choice among those ties.
-        experts = jnp.arange(num_experts)[None, :]
         best = jnp.argmax(jnp.where(taken, -jnp.inf, select), axis=-1)
         again = jnp.any(taken & (best[:, None] == experts), axis=-1)
         best = jnp.where(again, jnp.argmax(~taken, axis=-1), best)

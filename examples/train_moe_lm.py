@@ -344,7 +344,8 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     # (a resume at a step the schedule does not evaluate adds nothing a straight run
     # lacks).
     if not log["eval"]:
-        log["eval"].append({"step": start, "loss": evaluate(state)})
+        log["eval"].append({"step": start, "loss": evaluate(state),
+                            "batches": cfg.eval_batches})
         print(f"step {start}: eval loss {log['eval'][-1]['loss']:.4f}")
 
     progress = None
@@ -447,7 +448,8 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             progress.update(1)
         if evaluating:
             flush()
-            log["eval"].append({"step": done, "loss": evaluate(state)})
+            log["eval"].append({"step": done, "loss": evaluate(state),
+                                "batches": cfg.eval_batches})
             msg = f"step {done}: eval loss {log['eval'][-1]['loss']:.4f}"
             (progress.write if progress is not None else print)(msg)
             mark(done)  # evaluating is not training
@@ -470,6 +472,9 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
                "initial_eval_loss": log["eval"][0]["loss"],
                "final_eval_loss": log["eval"][-1]["loss"],
                "final_eval_step": log["eval"][-1]["step"],
+               # Over how many held-out batches each was measured: --resume may
+               # change --eval-batches, and losses over other batches do not compare.
+               "eval_batches": [log["eval"][0].get("batches"), log["eval"][-1].get("batches")],
                "tokens_per_s": statistics.median(rates) if rates else None}
     if peak and rates:
         summary["model_tflops_per_s"] = summary["tokens_per_s"] * flops_per_token(cfg) / 1e12
@@ -482,6 +487,10 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     line = (f"done: step {summary['steps']}, eval loss {summary['initial_eval_loss']:.4f} -> "
             f"{summary['final_eval_loss']:.4f} ({summary['final_eval_loss'] / math.log(2):.3f} "
             f"bits/byte) at step {summary['final_eval_step']} in {wall:.1f} s")
+    first_batches, last_batches = summary["eval_batches"]
+    if first_batches != last_batches:
+        line += (f" (the two eval losses over {first_batches} and {last_batches} held-out "
+                 "batches: not comparable)")
     if summary["tokens_per_s"]:
         line += f", {summary['tokens_per_s']:,.0f} tokens/s"
     if "mfu" in summary:

@@ -561,6 +561,18 @@ def test_resume_refuses_another_run_and_a_foreign_log(resumed_run):
         train_moe_lm.parse_args(["--resume", "--overwrite"])
 
 
+@pytest.mark.slow
+def test_a_resume_with_other_eval_batches_says_its_losses_do_not_compare(tmp_path, capsys):
+    """--eval-batches may change on resume; the eval losses the summary compares are
+    then over different held-out batches, and it says so."""
+    common = ["--steps", "10", "--eval-every", "5", "--out", str(tmp_path / "run"), *SMALL]
+    train_moe_lm.main([*common, "--stop-after", "5"])
+    log = train_moe_lm.main([*common, "--resume", "--eval-batches", "2"])
+    assert [e["batches"] for e in log["eval"]] == [4, 4, 2]
+    assert log["summary"]["eval_batches"] == [4, 2]
+    assert "over 4 and 2 held-out batches: not comparable" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("steps, every", [(8, 1), (2, 2)])
 @pytest.mark.slow
 def test_a_diverged_run_stops_without_a_checkpoint(tmp_path, steps, every):

@@ -133,9 +133,7 @@ def run(args) -> dict:
     if cfg.batch % n:
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {n} devices")
     corpus = lm.load_corpus()
-    if cfg.seq + 2 > len(corpus.train):
-        raise SystemExit(f"--seq {cfg.seq} needs windows of seq + 1 bytes, and the training "
-                         f"part of the corpus has {len(corpus.train)} bytes")
+    lm.check_seq(cfg.seq, corpus, held_out=False)
     tokens_np = lm.batch_at(corpus.train, 0, cfg)
     tx, _ = lm.make_optimizer(cfg)
     data_axes = ("dp", "ep")

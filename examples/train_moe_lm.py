@@ -42,7 +42,7 @@ from mok_jax import nn as mnn
 from cli_args import positive_float, positive_int, seed, writable_dir  # examples/, on sys.path
 from moe_lm.checkpoints import run_identity, save_checkpoint, start_or_resume
 from moe_lm.config import PRESETS, Config, describe, flops_per_token, param_counts
-from moe_lm.data import EVAL_STREAM, Corpus, batch_at, load_corpus
+from moe_lm.data import EVAL_STREAM, Corpus, batch_at, check_seq, load_corpus
 from moe_lm.report import plot_losses, write_json
 from moe_lm.training import (TrainState, batch_sharding, init_state, make_eval_step,
                              make_mesh, make_optimizer, make_train_step, shard_over_data,
@@ -236,11 +236,7 @@ def train(args) -> dict:
     peak = args.peak_tflops or (989.0 if platform == "gpu" else None)
 
     corpus = load_corpus(args.data_dir)
-    shortest = min(len(corpus.train), len(corpus.eval))
-    if cfg.seq + 2 > shortest:
-        raise SystemExit(f"--seq {cfg.seq} needs windows of seq + 1 bytes, and the "
-                         f"{'held-out' if len(corpus.eval) == shortest else 'training'} part "
-                         f"of the corpus has {shortest} bytes")
+    check_seq(cfg.seq, corpus)
     # Everything traced from here on sees the mesh (so that mok_jax.moe partitions
     # itself over it) and the logical axis rules (so that Flax's eager sharding of
     # new variables agrees with the shardings computed by named_shardings).
@@ -269,15 +265,13 @@ def check_finite(log: dict, step: int) -> None:
     newest eval loss, is not finite: the run has diverged (a loss is computed before
     its step's update, so a finite loss beside a NaN gradient norm still means a NaN
     update), and nothing after it (in particular no checkpoint) is worth keeping."""
-    last = log["train"][-1] if log["train"] else None
-    for key in ("loss", "grad_norm"):
-        if last is not None and key in last and not math.isfinite(last[key]):
-            raise SystemExit(f"step {step}: the train {key.replace('_', ' ')} is {last[key]} "
-                             f"(step {last['step']}); stopping without saving a checkpoint")
-    evaluated = log["eval"][-1] if log["eval"] else None
-    if evaluated is not None and not math.isfinite(evaluated["loss"]):
-        raise SystemExit(f"step {step}: the eval loss is {evaluated['loss']} (step "
-                         f"{evaluated['step']}); stopping without saving a checkpoint")
+    for what, rows, key in (("train loss", log["train"], "loss"),
+                            ("train grad norm", log["train"], "grad_norm"),
+                            ("eval loss", log["eval"], "loss")):
+        row = rows[-1] if rows else {}
+        if key in row and not math.isfinite(row[key]):
+            raise SystemExit(f"step {step}: the {what} is {row[key]} (step {row['step']}); "
+                             "stopping without saving a checkpoint")
 
 
 def untimed_steps() -> int:

@@ -3,7 +3,7 @@ other examples and the tests import: its configuration, data, model, training st
 checkpoints and report, one module each."""
 
 from moe_lm.config import PRESETS, VOCAB, Config, describe, flops_per_token, param_counts
-from moe_lm.data import EVAL_STREAM, Corpus, batch_at, load_corpus, stdlib_root
+from moe_lm.data import EVAL_STREAM, Corpus, batch_at, check_seq, load_corpus, stdlib_root
 from moe_lm.model import (Block, CausalSelfAttention, MoELM, abstract_model, add_norm,
                           attention_implementation, norm_implementation, qkv_projection,
                           reduce_barrier, rope)
@@ -18,7 +18,7 @@ from moe_lm.report import plot_losses, write_json
 
 __all__ = [
     "PRESETS", "VOCAB", "Config", "describe", "flops_per_token", "param_counts",
-    "EVAL_STREAM", "Corpus", "batch_at", "load_corpus", "stdlib_root", "Block",
+    "EVAL_STREAM", "Corpus", "batch_at", "check_seq", "load_corpus", "stdlib_root", "Block",
     "CausalSelfAttention", "MoELM", "abstract_model", "add_norm",
     "attention_implementation", "norm_implementation", "qkv_projection",
     "reduce_barrier", "rope", "EXPERT_STACKS", "TrainState", "aux_totals",

@@ -67,4 +67,16 @@ def batch_at(data: np.ndarray, step: int, cfg: Config, *, stream: int = 0) -> np
     return np.stack([data[s:s + cfg.seq + 1] for s in starts]).astype(np.int32)
 
 
+def check_seq(seq: int, corpus: Corpus, *, held_out: bool = True) -> None:
+    """Stops the run (SystemExit naming ``--seq``) where `batch_at`'s windows of
+    ``seq + 1`` bytes do not fit the corpus's training part, or, with ``held_out``,
+    its held-out part, whichever is shorter."""
+    parts = ([("held-out", len(corpus.eval))] if held_out else []) + [
+        ("training", len(corpus.train))]
+    name, size = min(parts, key=lambda part: part[1])  # ties: the first
+    if seq + 2 > size:
+        raise SystemExit(f"--seq {seq} needs windows of seq + 1 bytes, and the {name} part "
+                         f"of the corpus has {size} bytes")
+
+
 EVAL_STREAM = 1

@@ -45,6 +45,12 @@ def capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
     can receive at most ``T * K`` pairs, so a larger limit would drop nothing; the
     clamp keeps the limit an integer the kernels hold for any finite factor.
     """
+    for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1),
+                               ("num_experts", num_experts, 1)):
+        if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+                or value < least):
+            raise ValueError(f"mok_jax.capacity: {name} must be an int >= {least}, "
+                             f"got {value!r}")
     if capacity_factor is None:
         return None
     check_capacity_factor("mok_jax.capacity", capacity_factor)

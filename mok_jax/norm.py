@@ -231,6 +231,15 @@ def _add_rms_norm_bwd(epsilon, residuals, cotangents):
 _add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd)
 
 
+def _finite_float(v) -> bool:
+    """Whether `v` is a number a float holds finitely (an int past a float's range
+    is not)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
                  epsilon: float = 1e-6) -> tuple[jax.Array, jax.Array]:
     """``(s, n)``: the residual sum ``s = x + branch`` and ``n = rmsnorm(s) * scale``,
@@ -246,14 +255,15 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
     ``s`` and ``n`` have x's dtype; the values are those of ``nnx.RMSNorm(...)(x +
     branch)`` with this scale and epsilon, up to the order of the f32 sums (a bf16 ``n``
     differs in at most the last bit, rarely). Rows of more than 16384 elements (8192 in
-    float32) or not a multiple of 8, and arrays whose Explicit sharding splits a dim
-    other than the first and the last, take the same math in jnp. A custom VJP: no
+    float32) or not a multiple of 8, arrays whose Explicit sharding splits a dim
+    other than the first and the last, and a scale whose Explicit sharding splits
+    it take the same math in jnp. A custom VJP: no
     forward-mode autodiff (``jax.jvp``); under ``vmap`` one call per example.
     """
     x, branch, scale = (jnp.asarray(a) for a in (x, branch, scale))
     if (isinstance(epsilon, (bool, np.bool_))
             or not isinstance(epsilon, (int, float, np.integer, np.floating))
-            or not math.isfinite(epsilon) or epsilon < 0):
+            or not _finite_float(epsilon) or epsilon < 0):
         raise ValueError("add_rms_norm: epsilon must be a non-negative finite Python number "
                          f"(static, as nnx.RMSNorm's), got {epsilon!r}")
     epsilon = float(epsilon)
@@ -273,9 +283,12 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
         raise ValueError(f"add_rms_norm: scale must be floating point, got {scale.dtype}")
     # The kernels take the rows as one [R, D] array. A type that splits a dim
     # between the first and the last (Explicit axes, e.g. sequence parallelism)
-    # does not say how merging the leading dims would be split: the jnp form then.
+    # does not say how merging the leading dims would be split, and the backward
+    # returns the scale's gradient whole (its type must be the scale's): the jnp
+    # form for those, and for a scale whose type splits it.
     inner_split = any(axes for a in (x, branch) for axes in sharding.explicit_spec(a)[1:-1])
-    if not kernel_takes(x.dtype, x.shape[-1]) or x.size == 0 or inner_split:
+    scale_split = any(sharding.explicit_spec(scale))
+    if not kernel_takes(x.dtype, x.shape[-1]) or x.size == 0 or inner_split or scale_split:
         s, n, _ = _forward_math(x, branch, scale.astype(jnp.float32), epsilon=epsilon)
         return s, n
     x, branch, scale32 = primitives.vary_alike((x, branch, scale.astype(jnp.float32)))

@@ -180,6 +180,15 @@ def test_capacity_refuses_what_moe_refuses(c):
         mok_jax.capacity(c, 16, 2, 4)
 
 
+@pytest.mark.parametrize("T,K,E,name", [(-16, 2, 4, "num_tokens"), (16, 0, 4, "top_k"),
+                                         (16, 2, 0, "num_experts"), (16, 2, -4, "num_experts"),
+                                         (16.0, 2, 4, "num_tokens"), (16, True, 4, "top_k")])
+def test_capacity_refuses_counts_out_of_range(T, K, E, name):
+    for c in (1.0, None):
+        with pytest.raises(ValueError, match=f"mok_jax.capacity: {name} must be an int"):
+            mok_jax.capacity(c, T, K, E)
+
+
 def test_an_int_capacity_factor_past_a_floats_range_keeps_every_pair():
     args = make_problem(6, 16, 2, 4, 16, 8, jnp.float32)
     y, stats = mok_jax.moe(*args, capacity_factor=10**400, return_stats=True)

@@ -104,7 +104,7 @@ def test_bad_operands_raise():
         mok_jax.add_rms_norm(x, x, jnp.ones((16,), jnp.int32))
     with pytest.raises(ValueError, match="at least one axis"):
         mok_jax.add_rms_norm(x[0, 0], x[0, 0], jnp.ones((), jnp.float32))
-    for eps in ("0.5", -1e-6, float("nan"), True, jnp.float32(1e-6)):
+    for eps in ("0.5", -1e-6, float("nan"), True, jnp.float32(1e-6), 10**400):
         with pytest.raises(ValueError, match="epsilon must be a non-negative finite"):
             mok_jax.add_rms_norm(x, x, scale, epsilon=eps)
     # A traced epsilon gets the same message, whichever form the row width takes.
@@ -177,6 +177,36 @@ def test_explicit_sharding_of_an_inner_dim_takes_the_jnp_form():
     for a, b, what in zip(jax.tree.leaves(got), jax.tree.leaves(want),
                           ("s", "n", "dx", "dbranch", "dscale")):
         _close(a, b, 1e-6, what)
+
+
+def test_a_scale_split_by_an_explicit_axis_takes_the_jnp_form():
+    """A scale whose type splits it (an Explicit axis over D): its gradient must
+    come back with that type, which the kernels' whole-scale gradient does not
+    have, so the op computes the jnp form; values and gradients equal the
+    unsharded call's, whether the rows are split or not."""
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=CPUS[:4])  # Explicit axes
+    x, branch, scale, dn, ds = jax.device_put(_operands((8, 32), jnp.float32, seed=9),
+                                              CPUS[0])
+    want = jax.jit(functools.partial(_vjp, mok_jax.add_rms_norm))(x, branch, scale, dn, ds)
+
+    def step(x, branch, scale, dn, ds):
+        (s, n), pullback = jax.vjp(mok_jax.add_rms_norm, x, branch, scale)
+        # Each cotangent of the type of its output (n's is split like the scale).
+        like = lambda c, o: jax.sharding.reshard(c, jax.typeof(o).sharding.spec)  # noqa: E731
+        return (s, n), pullback((like(ds, s), like(dn, n)))
+
+    for rows in (P(), P("a")):
+        with jax.set_mesh(mesh):
+            args = [jax.device_put(a, NamedSharding(mesh, rows)) for a in (x, branch)] + [
+                jax.device_put(scale, NamedSharding(mesh, P("b")))] + [
+                jax.device_put(a, NamedSharding(mesh, rows)) for a in (dn, ds)]
+            assert norm.FORWARD not in str(jax.make_jaxpr(step)(*args))
+            got = jax.jit(step)(*args)
+        (_, _), (_, _, dscale) = got
+        assert dscale.sharding.spec == P("b"), "the scale's gradient lost its type"
+        for a, b, what in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                              ("s", "n", "dx", "dbranch", "dscale")):
+            _close(a, b, 1e-6, what)
 
 
 def test_inside_shard_map_the_scale_gradient_is_summed_over_the_batch_axis():

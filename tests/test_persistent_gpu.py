@@ -4,10 +4,9 @@ weight gradients, the dx combine) give the kernel chains' bits on the GPU.
 
 `_mok.set_persistent_kernels(OFF)` makes the handlers run the chains (gathers,
 grouped GEMMs, SwiGLU, combines as separate kernels), `ALWAYS` the persistent
-kernels wherever they can run (the default, `AUTO`, picks them for few rows per
-expert only: the forward's up to 64, or 128 with no residuals, the backward's up
-to 64 over 64 or more experts); y,
-the residuals and every gradient must be equal bit for bit.
+kernels wherever they can run (the default, `AUTO`, picks them by rows per
+expert, experts and expert size: test_auto_mode_takes_few_rows_per_expert_only);
+y, the residuals and every gradient must be equal bit for bit.
 """
 
 import jax
@@ -262,8 +261,9 @@ def test_no_tokens_give_zero_weight_gradients(persistent):
 def test_auto_mode_takes_few_rows_per_expert_only():
     """AUTO: both passes persistent over at least 64 experts up to 4096 rows per
     expert for experts of H·F <= 2048·1024, up to 256 for larger ones; over fewer
-    experts, the forward up to 64 rows per expert (128 for a forward that keeps no
-    residuals, inference) and the chain's backward; OFF: never."""
+    experts, the forward up to 64 rows per expert (for a forward that keeps no
+    residuals, inference: 128, or 4096 for experts of H·F <= 2048·1024 with H >= 2048)
+    and the chain's backward; OFF: never."""
     assert _mok.set_persistent_kernels(_mok.PersistentMode.AUTO) == _mok.PersistentMode.AUTO
     for residuals in (False, True):
         assert _mok.persistent_shape(256, 8, 128, 2048, 768, residuals)    # 16 rows per expert
@@ -289,6 +289,17 @@ def test_auto_mode_takes_few_rows_per_expert_only():
     assert not _mok.persistent_shape(1024, 4, 32, 1024, 1024, residuals=True)
     assert _mok.persistent_shape(512, 8, 63, 2048, 1024)                # 65 rows, E = 63
     assert not _mok.persistent_shape(512, 8, 63, 2048, 1024, residuals=True)
+    # ... and without residuals up to 4096 for small experts with H >= 2048.
+    assert _mok.persistent_shape(16384, 8, 32, 2048, 768)               # 4096, E = 32
+    assert not _mok.persistent_shape(16385, 8, 32, 2048, 768)           # just over 4096
+    assert not _mok.persistent_shape(16384, 8, 32, 2048, 768, residuals=True)
+    assert _mok.persistent_shape(16384, 2, 8, 2048, 1024)               # 4096, E = 8
+    assert _mok.persistent_shape(16384, 4, 16, 4096, 512)               # 4096, H = 4096
+    assert not _mok.persistent_shape(16384, 4, 16, 1024, 1024)          # 4096, H = 1024
+    assert not _mok.persistent_shape(32768, 4, 32, 1024, 1024)          # the h200 preset's
+    assert not _mok.persistent_shape(8192, 4, 32, 1024, 1024)           # 1024, H = 1024
+    assert not _mok.persistent_shape(8192, 4, 32, 2048, 1032)           # 1024, H·F > 2^21
+    assert _mok.persistent_shape(1024, 4, 32, 2048, 1032)               # 128, H·F > 2^21
     # The backward's kernel over 64 or more experts: up to 4096 rows per expert
     # for experts of H·F <= 2048·1024, 256 for larger ones.
     assert _mok.persistent_backward_shape(256, 8, 128, 2048, 768)      # 16 rows, E = 128

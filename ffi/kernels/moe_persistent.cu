@@ -35,8 +35,8 @@ constexpr int64_t kNarrowTileRowsPerExpert = 64;
 // forward that writes no residuals (inference).
 // At 65-128 rows its 128-row tiles beat the chain's CUTLASS GEMMs (128x256 tiles
 // with warp specialisation) without the residuals' stores and are even with them;
-// past 128 the chain is faster at some widths and slower at others, no rule yet
-// (docs/performance.md).
+// past 128 the chain is faster at some widths and slower at others (the inference
+// forward's wider bound for small experts is below; docs/performance.md).
 constexpr int64_t kAutoRowsPerExpert = kNarrowTileRowsPerExpert;
 constexpr int64_t kAutoRowsPerExpertNoResiduals = 128;
 // Auto mode over at least kAutoManyExperts experts: both passes persistent up to
@@ -58,6 +58,15 @@ constexpr int64_t kAutoRowsPerExpertManyExperts = 256;
 // one H100 each; docs/performance.md). Past 4096 it is not measured.
 constexpr int64_t kAutoSmallExpertElements = int64_t(2048) * 1024;
 constexpr int64_t kAutoRowsPerExpertSmallExperts = 4096;
+// ... and, over fewer than kAutoManyExperts experts, the forward that writes no
+// residuals (inference) up to kAutoRowsPerExpertSmallExperts rows per expert for
+// small experts with H at least kAutoInferenceMinHidden: it took 0.88-0.98x the
+// chain's time queued at 2048 and 4096 rows per expert over 8, 16 and 32 experts of
+// H = 2048, F = 768 and 1024, but 1.05-1.08x at 4096 rows with H = 1024 (GEMM1's K
+// loops, over H, are short there against its epilogues); 5674849's kernels, one
+// H100 (docs/performance.md). Forward+backward over fewer experts was 0.97-1.09x
+// the chain's past 64 rows per expert: a forward with residuals keeps the chain.
+constexpr int64_t kAutoInferenceMinHidden = 2048;
 // Past 64 rows per expert the kernel takes 128-row tiles, for E up to this:
 // the row-block prefix sums (4 bytes an expert) share shared memory with four 48 KB
 // stages, the staging buffers and 3 KB of static shared memory; they would fit up to
@@ -797,13 +806,22 @@ int64_t auto_rows_per_expert_many_experts(const MoeShape& s) {
                                                       : kAutoRowsPerExpertManyExperts;
 }
 
+// AUTO's bound on the rows per expert of a forward that writes no residuals, over
+// any number of experts (the larger bound over kAutoManyExperts or more is
+// auto_rows_per_expert_many_experts').
+int64_t auto_rows_per_expert_no_residuals(const MoeShape& s) {
+  return s.hidden >= kAutoInferenceMinHidden && s.hidden * s.ffn <= kAutoSmallExpertElements
+             ? kAutoRowsPerExpertSmallExperts
+             : kAutoRowsPerExpertNoResiduals;
+}
+
 }  // namespace
 
 bool persistent_supported(const MoeShape& s, Recipe recipe, DType x_dtype, bool residuals) {
   const auto mode = static_cast<PersistentMode>(persistent_mode.load(std::memory_order_relaxed));
   if (mode == PersistentMode::kOff) return false;
   const int64_t auto_rows =
-      std::max(residuals ? kAutoRowsPerExpert : kAutoRowsPerExpertNoResiduals,
+      std::max(residuals ? kAutoRowsPerExpert : auto_rows_per_expert_no_residuals(s),
                auto_rows_per_expert_many_experts(s));
   if (mode == PersistentMode::kAuto && s.tokens * s.top_k > auto_rows * s.experts) return false;
   return persistent_can_run(s, recipe, x_dtype);

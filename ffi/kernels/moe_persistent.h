@@ -51,8 +51,9 @@ namespace mok::cuda {
 // When the persistent kernels (the forward's and the backward's) run: never (the
 // kernel chains), where they are the faster ones (the default, AUTO: both at most
 // 256 rows per expert over 64 or more experts, 4096 for experts of H·F <= 2048·1024;
-// over fewer, the forward at most 64 rows per expert, 128 without residuals;
-// docs/performance.md), or wherever they can.
+// over fewer, the forward at most 64 rows per expert, and without residuals 128, or
+// 4096 for such small experts with H >= 2048; docs/performance.md), or wherever
+// they can.
 enum class PersistentMode : int { kOff = 0, kAuto = 1, kAlways = 2 };
 
 // Sets the mode for every later call in this process and returns the previous one.

@@ -39,7 +39,8 @@ class MoEStats(NamedTuple):
 def capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
              num_experts: int) -> int | None:
     """Rows each expert keeps: ``min(ceil(capacity_factor * T * K / E), T * K)``,
-    or None.
+    or None. Raises ValueError for a token count below 0, K or E below 1, or a
+    factor ``moe`` refuses.
 
     ``num_tokens`` is the global token count (all EP ranks together). An expert
     can receive at most ``T * K`` pairs, so a larger limit would drop nothing; the

@@ -287,8 +287,9 @@ def test_auto_mode_takes_few_rows_per_expert_only():
     assert _mok.persistent_shape(512, 4, 32, 1024, 1024, residuals=True)  # 64
     assert not _mok.persistent_shape(513, 4, 32, 1024, 1024, residuals=True)
     assert not _mok.persistent_shape(1024, 4, 32, 1024, 1024, residuals=True)
-    assert _mok.persistent_shape(512, 8, 63, 2048, 1024)                # 65 rows, E = 63
-    assert not _mok.persistent_shape(512, 8, 63, 2048, 1024, residuals=True)
+    assert _mok.persistent_shape(512, 8, 63, 1024, 1024)                # 65 rows, E = 63
+    assert not _mok.persistent_shape(1024, 8, 63, 1024, 1024)           # 130 rows
+    assert not _mok.persistent_shape(512, 8, 63, 1024, 1024, residuals=True)
     # ... and without residuals up to 4096 for small experts with H >= 2048.
     assert _mok.persistent_shape(16384, 8, 32, 2048, 768)               # 4096, E = 32
     assert not _mok.persistent_shape(16385, 8, 32, 2048, 768)           # just over 4096
@@ -296,6 +297,8 @@ def test_auto_mode_takes_few_rows_per_expert_only():
     assert _mok.persistent_shape(16384, 2, 8, 2048, 1024)               # 4096, E = 8
     assert _mok.persistent_shape(16384, 4, 16, 4096, 512)               # 4096, H = 4096
     assert not _mok.persistent_shape(16384, 4, 16, 1024, 1024)          # 4096, H = 1024
+    assert not _mok.persistent_shape(16384, 4, 16, 2040, 1024)          # 4096, H = 2040
+    assert _mok.persistent_shape(512, 4, 16, 2040, 1024)                # 128, H = 2040
     assert not _mok.persistent_shape(32768, 4, 32, 1024, 1024)          # the h200 preset's
     assert not _mok.persistent_shape(8192, 4, 32, 1024, 1024)           # 1024, H = 1024
     assert not _mok.persistent_shape(8192, 4, 32, 2048, 1032)           # 1024, H·F > 2^21

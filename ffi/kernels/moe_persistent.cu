@@ -64,8 +64,11 @@ constexpr int64_t kAutoRowsPerExpertSmallExperts = 4096;
 // chain's time queued at 2048 and 4096 rows per expert over 8, 16 and 32 experts of
 // H = 2048, F = 768 and 1024, but 1.05-1.08x at 4096 rows with H = 1024 (GEMM1's K
 // loops, over H, are short there against its epilogues); 5674849's kernels, one
-// H100 (docs/performance.md). Forward+backward over fewer experts was 0.97-1.09x
-// the chain's past 64 rows per expert: a forward with residuals keeps the chain.
+// H100 (docs/performance.md). H above 2048 and 129-2047 rows per expert are taken
+// by extrapolation; below H = 2048 one shape each won (1024 rows) and lost (4096),
+// too few for a bound. Forward+backward over fewer experts was 0.97-1.09x the
+// chain's at 2048-4096 rows per expert (0.90-0.94x at one shape of 1024): a forward
+// with residuals keeps the chain.
 constexpr int64_t kAutoInferenceMinHidden = 2048;
 // Past 64 rows per expert the kernel takes 128-row tiles, for E up to this:
 // the row-block prefix sums (4 bytes an expert) share shared memory with four 48 KB

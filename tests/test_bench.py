@@ -772,6 +772,20 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_timing(tmp_path, c
         assert why in capsys.readouterr().err
     args = bench.cli.parse_args(["--json", str(tmp_path / "new" / "dir" / "out.json")])
     assert args.json.endswith("out.json")  # a directory to be made is fine
+    assert not (tmp_path / "new" / "dir" / "out.json").exists()  # the check leaves no file
+    # A directory that is writable but a name it cannot hold; an empty path.
+    with pytest.raises(SystemExit) as exit_info:
+        bench.cli.parse_args(["--json", str(tmp_path / ("a" * 300 + ".json"))])
+    assert exit_info.value.code == 2
+    assert "cannot be written: File name too long" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        bench.cli.parse_args(["--json", ""])
+    assert exit_info.value.code == 2
+    assert "--json needs the path of a file" in capsys.readouterr().err
+    existing = tmp_path / "old.json"
+    existing.write_text("kept")
+    bench.cli.parse_args(["--json", str(existing)])
+    assert existing.read_text() == "kept"  # the check writes nothing into it
 
 
 @pytest.mark.parametrize("argv, why", [
@@ -782,6 +796,8 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_timing(tmp_path, c
     (["--ep", "2", "--shape", "16,2,4,8,8", "--ep-shapes", "ep"],
      "not among this run's shapes"),
     (["--ep-shapes", "ep"], "there is no --ep N"),
+    (["--ep", "2", "--shapes", "ep", "--ep-shapes", ""], "--ep-shapes names no shape"),
+    (["--ep", "2", "--shapes", "ep", "--ep-shapes", " , "], "--ep-shapes names no shape"),
     (["--ep", "1"], "EP=1 is the one-device moe record"),
     (["--ep", "2", "--shapes", "ep", "--impls", "ragged_dot"], "has no moe"),
     (["--ep", "2", "--shapes", "ep", "--skip", "moe/fwd"], "the one-device record"),
@@ -796,6 +812,7 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_timing(tmp_path, c
     (["--quick", "--full-on-cpu"], "contradict"),
     (["--quick", "--shape", "16,2,4,8,8"], "timed as given"),
     (["--torch", "--dtype", "f32"], "bf16 only"),
+    (["--recipe", "fp8", "--impls", "ragged_dot,dense_onehot"], "has none"),
     (["--shape", "16,2,4,8,8", "--shape", "16,2,4,8,8"], "given twice"),
 ])
 def test_flags_that_select_nothing_are_refused(argv, why, capsys):
@@ -815,6 +832,11 @@ def test_flags_that_select_nothing_are_refused(argv, why, capsys):
     (["--try-all"], ("cpu", 8), "--try-all changes nothing"),
     (["--try-all", "--shapes", "mixtral-like"], ("gpu", 1), "--try-all changes nothing"),
     (["--full-on-cpu"], ("gpu", 1), "changes nothing on gpu"),
+    # Inputs past the machine's memory: refused before anything is allocated.
+    (["--shape", "huge=1000000000,8,128,8192,2048", "--impls", "moe"], ("cpu", 8),
+     "GiB for its bf16 inputs alone"),
+    (["--shape", "ovf=99999999999999999999,2,4,32,16", "--impls", "moe"], ("cpu", 8),
+     "GiB for its bf16 inputs alone"),
     (["--impls", "ragged_dot", "--passes", "fwdbwd", "--shapes", "ep"], ("gpu", 1),
      "--try-all attempts it"),
 ])
@@ -836,6 +858,35 @@ def test_platform_checks_accept_what_the_platform_runs():
     args = bench.cli.parse_args(["--ep", "2", "--shapes", "small-experts",
                                  "--ep-shapes", "small-experts"], ("cpu", 8))
     assert args.ep_shapes == ["small-experts"]
+
+
+def test_the_input_bytes_bound():
+    """x and dy [T, H], both weight stacks (E, H, 3F together), the routing's int32 ids
+    and f32 weights [T, K]: 2*T*H*b + 3*E*H*F*b + 8*T*K bytes."""
+    shape = bench.shapes.custom_shape("s=10,2,3,4,5")
+    assert bench.cli.input_bytes(shape, 2) == 2 * 10 * 4 * 2 + 3 * 3 * 4 * 5 * 2 + 8 * 10 * 2
+
+
+def test_a_shape_whose_inputs_cannot_be_made_is_an_error_record(monkeypatch, tmp_path):
+    """Inputs that fail to allocate (out of device memory, typically) make that shape's
+    measurements errors with the reason; the run goes on with the next shape."""
+    make = bench.cli.make_inputs
+
+    def failing(shape, *a, **k):
+        if shape.name == "big":
+            raise MemoryError("out of memory allocating 28672000000 bytes")
+        return make(shape, *a, **k)
+
+    monkeypatch.setattr(bench.cli, "make_inputs", failing)
+    out = tmp_path / "r.json"
+    result = bench.main(["--shape", "big=64,2,4,32,16", "--shape", "ok=64,2,4,32,16",
+                         "--impls", "moe", "--passes", "fwd", "--repeats", "1",
+                         "--warmup", "0", "--json", str(out)])
+    by_shape = {r["shape"]: r for r in result["records"]}
+    assert by_shape["big"]["status"] == "error"
+    assert "inputs could not be made: MemoryError: out of memory" in by_shape["big"]["error"]
+    assert by_shape["ok"]["status"] == "ok" and by_shape["ok"]["median_ms"] > 0
+    assert {r["shape"] for r in json.loads(out.read_text())["records"]} == {"big", "ok"}
 
 
 def test_too_many_ep_devices_is_refused_before_anything_runs(monkeypatch, capsys):

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from mok_jax.bench.exchanges import EXCHANGE_ABOUT, EXCHANGES, bench_exchange
 from mok_jax.bench.expert_parallel import EP_BACKENDS, FUSED_EP, bench_compute_only, bench_ep
@@ -284,6 +285,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         fail(f"--seed must be an integer in [0, 2^63), got {args.seed}")
     if "fp8" in args.recipe and args.dtype != "bf16":
         fail("--recipe fp8 takes bfloat16 inputs: use --dtype bf16")
+    if args.recipe != ("native",) and not any(i in MOK_IMPLS for i in args.impls):
+        fail(f"--recipe {','.join(args.recipe)} applies to mok_jax's pipelines "
+             f"({','.join(MOK_IMPLS)}), and --impls ({','.join(args.impls)}) has none; "
+             "the others run the native recipe only")
     names = [shape.name for shape in args.shape]
     twice = _dedupe(n for n in names if names.count(n) > 1)
     if twice:
@@ -302,6 +307,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.torch and args.dtype != "bf16":
         fail(f"--torch times its PyTorch baselines in bf16 only, so they would not compare "
              f"with --dtype {args.dtype}; drop one of the two")
+    if args.json is not None and not args.json.strip():
+        fail("--json needs the path of a file, got an empty one")
     if args.json:  # checked now: the file is first written after the first measurement
         path = os.path.abspath(args.json)
         if os.path.isdir(path):
@@ -311,6 +318,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parent = os.path.dirname(parent)
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
             fail(f"--json {args.json} cannot be written: {parent} is not a writable directory")
+        why = _cannot_write(path)
+        if why:
+            fail(f"--json {args.json} cannot be written: {why}")
 
     for entry in args.skip:  # a typo would silently run what it meant to skip
         parts = entry.split("/")
@@ -339,6 +349,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.ep and not sizes:
         fail(f"--ep {','.join(map(str, args.ep))} adds nothing: EP=1 is the one-device moe "
              "record every run has; give a size >= 2, e.g. --ep 2")
+    if args.ep_shapes is not None and not args.ep_shapes:
+        fail("--ep-shapes names no shape: give one or more of this run's shapes, or drop it "
+             "for the default (the ep bench shape and every --shape)")
     if args.ep_shapes is not None and not args.ep:
         fail("--ep-shapes chooses the shapes of --ep and --exchange, and there is no "
              "--ep N: it would select nothing")
@@ -373,6 +386,47 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
              "shapes")
 
 
+def _cannot_write(path: str) -> str | None:
+    """Why the file `path` (in an existing or creatable directory) cannot be opened for
+    writing, or None. A missing file is created and removed, its missing directories
+    created (as the first save would)."""
+    existed = os.path.exists(path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        os.remove(path)
+    return None
+
+
+def input_bytes(shape: Shape, itemsize: int) -> int:
+    """A lower bound on the memory the benchmark's inputs of `shape` take at once
+    (x, dy and both weight stacks at `itemsize`, the routing's ids and weights); the
+    measurements need more."""
+    t, k, e, h, f = shape.tokens, shape.top_k, shape.experts, shape.hidden, shape.ffn
+    return (2 * t * h + 3 * e * h * f) * itemsize + 8 * t * k
+
+
+def _memory_bytes(backend: str, in_process: bool) -> int | None:
+    """The memory of one device of `backend`: the host's on CPU; the GPU's as JAX
+    reports it when it may start its GPU backend in this process (None otherwise, or
+    where unknown)."""
+    if backend == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    if not in_process:
+        return None
+    try:
+        return int(jax.devices()[0].memory_stats()["bytes_limit"])
+    except Exception:  # pylint: disable=broad-except
+        return None
+
+
 def check_platform(parser: argparse.ArgumentParser, args: argparse.Namespace,
                    backend: str, device_count: int) -> None:
     """The checks of check_args that need to know the devices: refuses (parser.error)
@@ -393,6 +447,14 @@ def check_platform(parser: argparse.ArgumentParser, args: argparse.Namespace,
                 if shape.experts % n:
                     fail(f"--ep {n}: shape {shape.name} has E={shape.experts} experts, which "
                          f"do not split evenly over {n} devices (EP shards the experts)")
+    memory = _memory_bytes(backend, in_process=not args.torch)
+    itemsize = jnp.dtype(DTYPES[args.dtype]).itemsize
+    for shape in shapes:
+        need = input_bytes(shape, itemsize)
+        if memory is not None and need > memory:
+            fail(f"shape {shape.name} ({_dims(shape).strip()}) needs {need / 2**30:.1f} GiB "
+                 f"for its {args.dtype} inputs alone, and this {backend} device has "
+                 f"{memory / 2**30:.1f} GiB")
     if args.full_on_cpu and backend != "cpu":
         fail(f"--full-on-cpu changes nothing on {backend}: the full shapes are the default "
              "there")
@@ -530,7 +592,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return result
 
     for shape in shapes:
-        inputs = make_inputs(shape, DTYPES[args.dtype], args.seed)
+        try:
+            inputs = make_inputs(shape, DTYPES[args.dtype], args.seed)
+        except Exception as e:  # pylint: disable=broad-except
+            # Out of memory, typically: this shape's measurements are errors, and the
+            # run goes on with the next shape.
+            why = f"its inputs could not be made: {type(e).__name__}: {str(e)[:500]}"
+            for pass_name in args.passes:
+                for impl in args.impls:
+                    record = new_record(shape, impl, pass_name, dtype_name=args.dtype,
+                                        warmup=args.warmup, repeats=args.repeats)
+                    record.update(status="error", error=why)
+                    records.append(record)
+                    _print_progress(record)
+            save(records + pre_records)
+            continue
         for pass_name in args.passes:
             reference = None
             if args.check:

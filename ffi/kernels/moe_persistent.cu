@@ -44,8 +44,9 @@ constexpr int64_t kAutoRowsPerExpertNoResiduals = 128;
 // 0.94-1.00x the chain's at 16-64 rows per expert over 64 and 128 experts and
 // 0.90-1.05x at 128-256 rows over 64 and 128 (b32c591's kernels; the forward alone,
 // without residuals, 0.78-0.92x), but 1.15x over 8 experts of F = 14336 (64 rows
-// each); between 8 and 64 experts it is not measured, so the chain's backward runs
-// there (docs/performance.md).
+// each), and 0.97-1.09x over 8-32 experts at 2048-4096 rows (0.90-0.94x at one
+// shape of 1024; 5674849's kernels, one H100), so the chain's backward runs over
+// fewer than 64 experts (docs/performance.md).
 constexpr int64_t kAutoManyExperts = 64;
 constexpr int64_t kAutoRowsPerExpertManyExperts = 256;
 // ... and up to kAutoRowsPerExpertSmallExperts rows per expert for small experts,

@@ -41,7 +41,8 @@ IMPL_ABOUT = {
                       "they can run (one launch per pass after the routing plan; moe "
                       "picks them for few rows per expert only: both passes up to 256 "
                       "over 64 or more experts (4096 for experts of H*F <= 2048*1024), "
-                      "over fewer the forward alone; same "
+                      "over fewer the forward alone (up to 64 rows per expert; without "
+                      "residuals 128, or 4096 for those experts with H >= 2048); same "
                       "bits; not in the default list)",
     **{name: f"mok_jax._src.ep.moe_on_virtual_ranks(ranks={p}): the persistent kernels as "
              f"{p} EP ranks in one launch per pass on one GPU, each with its own windows "

@@ -591,20 +591,33 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 f.write("\n")
         return result
 
+    def why_not(shape: Shape, impl: str, pass_name: str) -> str | None:
+        """Why this measurement is skipped, or None."""
+        if skipped(args.skip, impl, pass_name, shape.name):
+            return "named in --skip"
+        return platform_skip(impl, backend) or (
+            None if args.try_all else auto_skip(shape, impl, pass_name, backend))
+
+    def unmeasured(shape: Shape, impl: str, pass_name: str, status: str, why: str) -> None:
+        """Records (and prints) a measurement not made, with its status and reason."""
+        record = new_record(shape, impl, pass_name, dtype_name=args.dtype,
+                            warmup=args.warmup, repeats=args.repeats)
+        record.update(status=status, error=why)
+        records.append(record)
+        _print_progress(record)
+
     for shape in shapes:
         try:
             inputs = make_inputs(shape, DTYPES[args.dtype], args.seed)
         except Exception as e:  # pylint: disable=broad-except
-            # Out of memory, typically: this shape's measurements are errors, and the
-            # run goes on with the next shape.
+            # Out of memory, typically: this shape's measurements are errors (those not
+            # skipped anyway), and the run goes on with the next shape.
             why = f"its inputs could not be made: {type(e).__name__}: {str(e)[:500]}"
             for pass_name in args.passes:
                 for impl in args.impls:
-                    record = new_record(shape, impl, pass_name, dtype_name=args.dtype,
-                                        warmup=args.warmup, repeats=args.repeats)
-                    record.update(status="error", error=why)
-                    records.append(record)
-                    _print_progress(record)
+                    skip = why_not(shape, impl, pass_name)
+                    unmeasured(shape, impl, pass_name, "skipped" if skip else "error",
+                               skip or why)
             save(records + pre_records)
             continue
         for pass_name in args.passes:
@@ -617,16 +630,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                           f"failed: {check_error.splitlines()[0][:300]}",
                           file=sys.stderr)
             for impl in args.impls:
-                why_not = ("named in --skip" if skipped(args.skip, impl, pass_name, shape.name)
-                           else platform_skip(impl, backend)
-                           or (None if args.try_all
-                               else auto_skip(shape, impl, pass_name, backend)))
-                if why_not:
-                    record = new_record(shape, impl, pass_name, dtype_name=args.dtype,
-                                        warmup=args.warmup, repeats=args.repeats)
-                    record.update(status="skipped", error=why_not)
-                    records.append(record)
-                    _print_progress(record)
+                skip = why_not(shape, impl, pass_name)
+                if skip:
+                    unmeasured(shape, impl, pass_name, "skipped", skip)
                     save(records + pre_records)
                     continue
                 for recipe in (args.recipe if impl in MOK_IMPLS else ("native",)):

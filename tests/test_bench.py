@@ -617,6 +617,22 @@ def test_exchange_moves_block_p_of_each_device_to_device_p(kind):
     np.testing.assert_array_equal(got, _exchange_expected(sent, ep_size, slots))
 
 
+def test_an_exact_exchange_of_rows_that_do_not_split_is_unavailable():
+    """all_to_all_exact's slots hold T*K / P rows: 3 rows over 2 devices is a clear
+    'unavailable' record, not a reshape error."""
+    if jax.device_count() < 2:
+        pytest.skip("needs two devices (the CPU tests have eight host devices)")
+    shape = bench.shapes.custom_shape("odd=3,1,2,8,8")
+    record = bench.exchanges.bench_exchange(shape, 2, "all_to_all_exact", dtype=jnp.float32,
+                                            warmup=0, repeats=1)
+    assert record["status"] == "unavailable"
+    assert "do not split evenly over P = 2" in record["error"]
+    even = bench.exchanges.bench_exchange(bench.shapes.custom_shape("even=4,1,2,8,8"), 2,
+                                          "all_to_all_exact", dtype=jnp.float32, warmup=0,
+                                          repeats=1)
+    assert even["status"] == "ok" and even["median_ms"] > 0
+
+
 @pytest.mark.multigpu
 def test_ragged_exchange_matches_exact_all_to_all_on_gpus():
     gpus = jax.devices("gpu")
@@ -886,7 +902,9 @@ def test_a_shape_whose_inputs_cannot_be_made_is_an_error_record(monkeypatch, tmp
     assert by_shape["big"]["status"] == "error"
     assert "inputs could not be made: MemoryError: out of memory" in by_shape["big"]["error"]
     assert by_shape["ok"]["status"] == "ok" and by_shape["ok"]["median_ms"] > 0
-    assert {r["shape"] for r in json.loads(out.read_text())["records"]} == {"big", "ok"}
+    saved = json.loads(out.read_text())
+    assert {r["shape"] for r in saved["records"]} == {"big", "ok"}
+    assert saved["settings"]["quick"] is None  # no bench shapes: neither quick nor full
 
 
 def test_too_many_ep_devices_is_refused_before_anything_runs(monkeypatch, capsys):

@@ -568,7 +568,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         result = {
             "machine": info,
             "argv": argv,
-            "settings": {"quick": quick, "check": args.check, "dtype": args.dtype,
+            "settings": {"quick": quick if args.shapes else None, "check": args.check,
+                         "dtype": args.dtype,
                          "recipe": ",".join(args.recipe),
                          "warmup": args.warmup,
                          "repeats": args.repeats, "seed": args.seed,

@@ -203,6 +203,11 @@ def bench_exchange(shape: Shape, ep_size: int, kind: str, *, dtype, warmup: int,
     if mesh is None:
         record.update(status="unavailable", error=why)
         return record
+    if kind == "all_to_all_exact" and rows % ep_size:
+        record.update(status="unavailable",
+                      error=f"its slots hold exactly T*K / P rows, and T*K = {rows} rows do "
+                            f"not split evenly over P = {ep_size} devices")
+        return record
     try:
         spec = PartitionSpec("ep")
         sharded = NamedSharding(mesh, spec)

@@ -228,6 +228,35 @@ def test_swiglu_epilogue_rounds_special_values_like_unfused(unfused_swiglu):
     assert_special_values_reached(fused[1], fused[0], kind)
 
 
+def test_sigmoid_is_its_documented_form_on_every_float(tmp_path):
+    """The kernels' sigmoid (ffi/kernels/swiglu_math.cuh, ex2 and rcp with .ftz)
+    against __fdividef(1, 1 + __expf(-g)) bit for bit and against the logistic
+    function in double precision (within __expf's documented error bound and 2 ulp),
+    over all 2^32 float inputs (tests/sigmoid_bits.cu)."""
+    import os
+    import re
+    import shutil
+    import subprocess
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    exe = tmp_path / "sigmoid_bits"
+    built = subprocess.run(
+        [nvcc, "-std=c++20", "-O3", "-arch=native",
+         "-I", os.path.join(root, "ffi", "kernels"), "-I", os.path.join(root, "ffi", "include"),
+         os.path.join(root, "tests", "sigmoid_bits.cu"), "-o", str(exe)],
+        capture_output=True, text=True)
+    assert built.returncode == 0, f"nvcc failed:\n{built.stderr}"
+    ran = subprocess.run([str(exe)], capture_output=True, text=True)
+    out = ran.stdout.strip()
+    m = re.fullmatch(r"mismatches (\d+) max_ulp (\d+) beyond_bound (\d+)", out)
+    assert m, out + ran.stderr
+    assert int(m.group(1)) == 0, out  # bit for bit the __fdividef / __expf form
+    assert int(m.group(3)) == 0, out  # within __expf's bound, plus 2 ulp
+    assert ran.returncode == 0, out
+
+
 @pytest.mark.parametrize("shape", SHAPES[1:])
 def test_f32_matches_reference_tightly(shape):
     T, K, E, H, F = shape

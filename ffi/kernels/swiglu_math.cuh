@@ -43,18 +43,27 @@ __device__ __forceinline__ Vec<float, V> load_floats_cg(const float* p) {
 }
 
 // The logistic function from the hardware's approximations: ex2.approx for the
-// exponential (a few ulp; __expf) and rcp.approx for the reciprocal (__fdividef):
-// seven instructions an element in the SASS (two MUFU, the scale by -log2(e), the
-// add of 1, and a compare with two predicated FMUL that keep ex2.approx's results
-// below 2^-126), in place of expf's range reduction and IEEE division's range checks
-// and slow path (docs/measurements.md, "The sigmoid from the hardware's exp2 and
-// reciprocal"; the SASS: docs/runs/2026-12-07/ncu_backward_small-experts_7a42a14_h100.txt).
-// CPU and GPU agree to rounding, not bit for bit (docs/contract.md); every CUDA path
-// takes this one definition, so the kernel chain and the persistent kernels still give
-// the same bits. g = -inf gives 0 (silu NaN, as before), g = +inf gives 1, NaN stays
-// NaN; below g = -87.3 (1 + e^-g > 2^126) __fdividef gives 0 where the IEEE quotient
-// is a number under 2^-126.
-__device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
+// exponential and rcp.approx for the reciprocal, both flushing results below 2^-126
+// to zero (.ftz): four instructions an element in the SASS (two MUFU, the scale by
+// -log2(e) and the add of 1). Its bits are those of __fdividef(1, 1 + __expf(-g))
+// for every input: e^-g under 2^-126 (flushed here, a subnormal there) adds nothing
+// to 1, a subnormal -g log2(e) gives 1 either way, and 1 + e^-g >= 1 is never
+// subnormal, while the reciprocal of anything above 2^126 is 0 in both (rcp.approx's
+// ftz, div.approx's range rule). tests/sigmoid_bits.cu checks all 2^32 inputs against
+// that form and against the logistic function in double precision (__expf's error,
+// 2 + 1.173 |g| ulp, from rounding g log2(e), dominates: 63 ulp at worst on an
+// H100; docs/measurements.md, "The sigmoid from the hardware's exp2 and
+// reciprocal"). CPU and GPU agree to rounding, not bit for bit
+// (docs/contract.md); every CUDA path takes this one definition, so the kernel chain
+// and the persistent kernels give the same bits. g = -inf gives 0 (silu NaN),
+// g = +inf gives 1, NaN stays NaN; below g = -87.3 (1 + e^-g > 2^126) it gives 0
+// where the IEEE quotient is a number under 2^-126.
+__device__ __forceinline__ float sigmoid(float g) {
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.44269502f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
+  return s;
+}
 
 // Two floats rounded to bf16, `a` in the low half, by the hardware's
 // round-to-nearest-even conversion: one instruction for both, where float_to_bf16

@@ -1,5 +1,5 @@
-// CHECK(call): a CUDA runtime call in the standalone measuring programs of
-// scripts/ (*_ceiling.cu); on an error, prints the call and the error and exits 1.
+// CHECK(call): a CUDA runtime call in the standalone programs (scripts/*_ceiling.cu,
+// tests/sigmoid_bits.cu); on an error, prints the call and the error and exits 1.
 #pragma once
 #include <cstdio>
 #include <cstdlib>

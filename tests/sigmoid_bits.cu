@@ -8,14 +8,14 @@
 //     the reciprocal (ulp as the distance of the bit patterns; where the rounded
 //     reference is below 2^-126 the result may also be 0).
 // Prints "mismatches <n> max_ulp <u> beyond_bound <b>" and exits 1 unless n and b are
-// 0. Built and run by tests/test_gpu.py.
+// 0 (or on a CUDA error, CHECK). Built and run by tests/test_gpu.py.
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 
+#include "check_cuda.h"  // scripts/
 #include "swiglu_math.cuh"
 
 namespace {
@@ -52,15 +52,6 @@ __global__ void check(unsigned long long* mismatches, unsigned* max_ulp,
   if (beyond) atomicAdd(beyond_bound, beyond);
   atomicMax(max_ulp, worst);
 }
-
-#define CHECK(call)                                                              \
-  do {                                                                           \
-    const cudaError_t e = (call);                                                \
-    if (e != cudaSuccess) {                                                      \
-      std::printf("%s: %s\n", #call, cudaGetErrorString(e));                     \
-      return 2;                                                                  \
-    }                                                                            \
-  } while (0)
 
 }  // namespace
 

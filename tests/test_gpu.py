@@ -6,6 +6,11 @@ sizes they serve, the SIMT fallback on sizes they do not, agreement with the
 CPU handlers, and determinism at a size where many CTAs share the work.
 """
 
+import os
+import re
+import shutil
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,10 +238,6 @@ def test_sigmoid_is_its_documented_form_on_every_float(tmp_path):
     against __fdividef(1, 1 + __expf(-g)) bit for bit and against the logistic
     function in double precision (within __expf's documented error bound and 2 ulp),
     over all 2^32 float inputs (tests/sigmoid_bits.cu)."""
-    import os
-    import re
-    import shutil
-    import subprocess
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc on PATH")
@@ -245,6 +246,7 @@ def test_sigmoid_is_its_documented_form_on_every_float(tmp_path):
     built = subprocess.run(
         [nvcc, "-std=c++20", "-O3", "-arch=native",
          "-I", os.path.join(root, "ffi", "kernels"), "-I", os.path.join(root, "ffi", "include"),
+         "-I", os.path.join(root, "scripts"),
          os.path.join(root, "tests", "sigmoid_bits.cu"), "-o", str(exe)],
         capture_output=True, text=True)
     assert built.returncode == 0, f"nvcc failed:\n{built.stderr}"

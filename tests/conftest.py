@@ -104,6 +104,16 @@ if compilation_cache_wanted(os.environ.get("JAX_PLATFORMS", ""), jax_cuda_plugin
         os.environ["XLA_FLAGS"] += f" {_CPU_OPT_LEVEL_FLAG}=0"
 
 
+def load_script(name: str):
+    """scripts/<name>.py as a module (scripts/ is not a package), for the tests of the
+    repository's tools."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "scripts", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def script_env(*, host_devices: bool = True) -> dict:
     """This process's environment for a script a test starts. The mok_jax this
     process imported (the installed package, or the source tree of a development

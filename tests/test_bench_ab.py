@@ -1,18 +1,15 @@
 """scripts/bench_ab.py, the A/B of builds in alternating bench processes: its ratios on
 bench JSON files written here, and its runs with a stand-in bench module in each build."""
 
-import importlib.util
 import json
 import os
 import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    "bench_ab", os.path.join(ROOT, "scripts", "bench_ab.py"))
-bench_ab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_ab)
+from conftest import load_script
+
+bench_ab = load_script("bench_ab")
 
 
 def record(shape, impl, pas, median, queued, status="ok"):

@@ -3,16 +3,12 @@ line nvdisasm's line tables give each instruction, on a listing and a CSV writte
 in the formats of `nvdisasm -g -gi` and `ncu --page source --csv --print-source sass`."""
 
 import gzip
-import importlib.util
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    "ncu_by_source", os.path.join(ROOT, "scripts", "ncu_by_source.py"))
-ncu_by_source = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ncu_by_source)
+from conftest import load_script
+
+ncu_by_source = load_script("ncu_by_source")
 
 SRC = "/src/ffi/kernels/k.cu"
 HDR = "/deps/cutlass/arch/barrier.h"

@@ -2,14 +2,9 @@
 accumulators, on listings written here in cuobjdump -sass's format (the check of the
 built extension itself needs cuobjdump and runs in scripts/gpu_ci.sh)."""
 
-import importlib.util
-import os
+from conftest import load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    "sass_k_loops", os.path.join(ROOT, "scripts", "sass_k_loops.py"))
-sass_k_loops = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sass_k_loops)
+sass_k_loops = load_script("sass_k_loops")
 
 NAME = "_ZN3mok4cuda12_GLOBAL__N_122moe_forward_persistentINS_4bf16ELi128EEEvNS1_6ParamsE"
 

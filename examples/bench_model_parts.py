@@ -44,6 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_lm as lm  # noqa: E402
+from cli_args import positive_int  # noqa: E402  (examples/)
 
 import mok_jax  # noqa: E402
 import mok_jax.nn as mnn  # noqa: E402
@@ -239,7 +240,7 @@ def run(small: bool = False, warmup: int = 3, repeats: int = 20,
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="the tiny preset's shapes")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=positive_int, default=20)
     parser.add_argument("--parts", nargs="+", choices=("router", "attention", "norm"),
                         help="the groups to time (default: all)")
     args = parser.parse_args(argv)

@@ -245,6 +245,8 @@ def run(args) -> dict:
     failed = [r for r in rows if r.get("vs") not in (None, "baseline") and (
         not r["outputs_bitwise"] or r["max_rel_diff"] > GRAD_RTOL
         or (args.strict and not r["grads_bitwise"]))]
+    for r in failed:
+        r["status"] = "FAILED"
     report = {"devices": n, "platform": devices[0].platform,
               "device_kind": devices[0].device_kind, "jax": jax.__version__,
               "config": dataclasses.asdict(cfg), "rows": rows, "ok": not failed}

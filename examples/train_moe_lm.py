@@ -194,6 +194,12 @@ def train(args) -> dict:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_gpu_enable_command_buffer=").strip()
     cfg = config_from_args(args)
+    platform = jax.devices()[0].platform
+    for flag, value, gpu_only in (("--attention", cfg.attention, "cudnn"),
+                                  ("--moe-backend", cfg.moe_backend, "fused")):
+        if value == gpu_only and platform != "gpu":
+            raise SystemExit(f"{flag} {gpu_only} needs a GPU; this run's devices are "
+                             f"{platform} (use auto)")
     if args.trace_only:
         info = trace_only(cfg)
         print(f"preset {args.preset}: {describe(cfg)}")
@@ -227,12 +233,6 @@ def train(args) -> dict:
         raise SystemExit(f"--grad-reduce-lag {cfg.grad_reduce_lag} must be below the preset's "
                          f"{cfg.n_layers} layers (a lag past the last layer ties no "
                          "all-reduce), or -1 (off)")
-    platform = devices[0].platform
-    for flag, value, gpu_only in (("--attention", cfg.attention, "cudnn"),
-                                  ("--moe-backend", cfg.moe_backend, "fused")):
-        if value == gpu_only and platform != "gpu":
-            raise SystemExit(f"{flag} {gpu_only} needs a GPU; this run's devices are "
-                             f"{platform} (use auto)")
     peak = args.peak_tflops or (989.0 if platform == "gpu" else None)
 
     corpus = load_corpus(args.data_dir)

@@ -698,6 +698,28 @@ def test_train_refuses_what_cannot_run_before_building(tmp_path):
         train_moe_lm.main([*common, "--seq", "100000000", "--out", str(tmp_path / "c")])
     with pytest.raises(SystemExit, match=r"--grad-reduce-lag 2 must be below the preset's 2 "):
         train_moe_lm.main([*common, "--grad-reduce-lag", "2", "--out", str(tmp_path / "e")])
+    # --trace-only checks the same before tracing (it had failed deep in the trace).
+    for flag, value in (("--attention", "cudnn"), ("--moe-backend", "fused")):
+        with pytest.raises(SystemExit, match=rf"{flag} {value} needs a GPU; .* are cpu"):
+            train_moe_lm.main(["--trace-only", flag, value])
+
+
+@pytest.mark.slow  # one 2-step run with a checkpoint
+def test_a_run_without_checkpoints_keeps_another_runs_log(tmp_path):
+    """A --no-checkpoint run into an --out that holds a run's checkpoints would
+    replace that run's log.json, after which the run cannot resume: refused unless
+    --overwrite, which then removes the checkpoints, as a fresh run's does."""
+    out = tmp_path / "run"
+    common = [*SMALL, "--no-progress", "--eval-every", "2", "--out", str(out)]
+    train_moe_lm.main([*common, "--steps", "2"])
+    log_text = (out / "log.json").read_text()
+    assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.isdigit()) == ["2"]
+    with pytest.raises(SystemExit, match=r"ckpt holds checkpoints \(latest step 2\): this run "
+                                         r"saves none but would replace their run's log"):
+        train_moe_lm.main([*common, "--steps", "1", "--no-checkpoint"])
+    assert (out / "log.json").read_text() == log_text
+    log = train_moe_lm.main([*common, "--steps", "1", "--no-checkpoint", "--overwrite"])
+    assert log["summary"]["steps"] == 1 and not (out / "ckpt").exists()
 
 
 def test_train_mesh_mistakes_are_messages_not_tracebacks(tmp_path, capsys):
@@ -717,6 +739,8 @@ def test_mesh_experiments_refuses_more_devices_than_visible(tmp_path):
                        "--out", str(tmp_path), timeout=120)
     assert proc.returncode != 0 and "--devices 3: only 2 visible" in proc.stderr, proc.stderr
     proc = _run_script("mesh_experiments.py", "--repeats", "0", timeout=120)
+    assert proc.returncode == 2 and "must be a positive integer, got 0" in proc.stderr
+    proc = _run_script("bench_model_parts.py", "--small", "--repeats", "0", timeout=120)
     assert proc.returncode == 2 and "must be a positive integer, got 0" in proc.stderr
     # An --out it cannot write, and a --seq longer than the corpus: refused before
     # any mesh runs.

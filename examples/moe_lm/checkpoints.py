@@ -92,15 +92,15 @@ def start_or_resume(ckpt_dir: str, log_path: str, identity: dict, state: TrainSt
                     shardings: TrainState, *, save: bool, resume: bool, overwrite: bool):
     """Opens a run's checkpoints: ``(manager, state, log)``.
 
-    ``manager`` saves into ``ckpt_dir`` (None when ``save`` is off: existing
-    checkpoints are then neither read nor removed). With ``resume`` and a
+    ``manager`` saves into ``ckpt_dir`` (None when ``save`` is off). With ``resume`` and a
     checkpoint there, ``state`` is the latest checkpoint's and ``log`` the log at
     ``log_path`` cut at its step (None if there is none); otherwise ``state`` is
     the given one and ``log`` None, and a new run's ``identity`` (`run_identity`)
     is written to ``ckpt_dir/run.json``. Refuses (SystemExit) to resume from a run
     with another identity, and to start over where checkpoints are unless
-    ``overwrite``."""
-    manager = checkpoint_manager(ckpt_dir) if save else None
+    ``overwrite`` (which removes them), a run that saves none included: it would
+    replace their run's log."""
+    manager = checkpoint_manager(ckpt_dir) if save or os.path.isdir(ckpt_dir) else None
     latest = None if manager is None else manager.latest_step()
     identity_path = os.path.join(ckpt_dir, "run.json")
     log = None
@@ -135,13 +135,18 @@ def start_or_resume(ckpt_dir: str, log_path: str, identity: dict, state: TrainSt
         print(f"resumed from {ckpt_dir} at step {latest}")
     elif latest is not None:
         if not overwrite:
-            raise SystemExit(f"{ckpt_dir} holds checkpoints (latest step {latest}): pass --resume "
-                             "to continue or --overwrite to start over")
+            advice = ("pass --resume to continue or --overwrite to start over" if save else
+                      "this run saves none but would replace their run's log: pass "
+                      "--overwrite to start over (it removes them) or use another --out")
+            raise SystemExit(f"{ckpt_dir} holds checkpoints (latest step {latest}): {advice}")
         manager.close()
         shutil.rmtree(ckpt_dir)
-        manager = checkpoint_manager(ckpt_dir)
+        manager = checkpoint_manager(ckpt_dir) if save else None
     elif resume:
         print(f"no checkpoint in {ckpt_dir}: starting from step 0")
+    if not save and manager is not None:  # opened only to look for checkpoints
+        manager.close()
+        manager = None
     if manager is not None and not (resume and latest is not None):
         write_json(identity_path, identity)
     return manager, state, log

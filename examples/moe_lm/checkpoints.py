@@ -102,6 +102,9 @@ def start_or_resume(ckpt_dir: str, log_path: str, identity: dict, state: TrainSt
     replace their run's log."""
     manager = checkpoint_manager(ckpt_dir) if save or os.path.isdir(ckpt_dir) else None
     latest = None if manager is None else manager.latest_step()
+    if not save and manager is not None:  # opened only to look for checkpoints
+        manager.close()
+        manager = None
     identity_path = os.path.join(ckpt_dir, "run.json")
     log = None
     if resume and latest is not None:
@@ -139,14 +142,12 @@ def start_or_resume(ckpt_dir: str, log_path: str, identity: dict, state: TrainSt
                       "this run saves none but would replace their run's log: pass "
                       "--overwrite to start over (it removes them) or use another --out")
             raise SystemExit(f"{ckpt_dir} holds checkpoints (latest step {latest}): {advice}")
-        manager.close()
+        if manager is not None:
+            manager.close()
         shutil.rmtree(ckpt_dir)
         manager = checkpoint_manager(ckpt_dir) if save else None
     elif resume:
         print(f"no checkpoint in {ckpt_dir}: starting from step 0")
-    if not save and manager is not None:  # opened only to look for checkpoints
-        manager.close()
-        manager = None
     if manager is not None and not (resume and latest is not None):
         write_json(identity_path, identity)
     return manager, state, log

@@ -223,10 +223,15 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
     if not _is_real(route_scale) or not math.isfinite(route_scale) or route_scale <= 0:
         raise ValueError(f"MoE: route_scale must be a positive finite number, got {route_scale!r}")
     check_option_values("MoE", capacity_factor=capacity_factor, backend=backend)
-    if (resolve_recipe(recipe, where="MoE") == Recipe.FP8 and dtype is not None
-            and jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"MoE: recipe 'fp8' needs bfloat16 dtype (the experts' "
-                         f"computation dtype); got {jnp.dtype(dtype)}")
+    if resolve_recipe(recipe, where="MoE") == Recipe.FP8:
+        if dtype is not None and jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+            raise ValueError(f"MoE: recipe 'fp8' needs bfloat16 dtype (the experts' "
+                             f"computation dtype); got {jnp.dtype(dtype)}")
+        if dtype is None and _as_dtype("param_dtype", param_dtype) != jnp.dtype(jnp.bfloat16):
+            raise ValueError(f"MoE: recipe 'fp8' needs bfloat16 dtype (the experts' "
+                             f"computation dtype); dtype=None infers it from the input "
+                             f"and param_dtype={jnp.dtype(param_dtype)}, which would make "
+                             f"it {jnp.dtype(param_dtype)}: pass dtype=jnp.bfloat16")
     if router_dot not in ROUTER_DOTS:
         raise ValueError(f"MoE: router_dot must be one of {ROUTER_DOTS}, got {router_dot!r}")
     if dtype is not None:
@@ -446,8 +451,12 @@ class MoE(nnx.Module):
         if self.renormalize and self.score_fn == "sigmoid":  # as probs: from log-sigmoids
             _, log_picked = router_top_k(select, jax.nn.log_sigmoid(logits), self.top_k)
             weights = jax.nn.softmax(log_picked, axis=-1)
-        elif self.renormalize:  # the top softmax score is at least 1 / E: no 0 / 0
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        elif self.renormalize:
+            # s_i / sum(s) over the picked softmax scores is the softmax of their
+            # logits: finite where a balance bias picks scores that underflow to 0,
+            # and exactly 1 with no gradient at K = 1.
+            _, picked_logits = router_top_k(select, logits, self.top_k)
+            weights = jax.nn.softmax(picked_logits, axis=-1)
         if self.route_scale != 1.0:
             weights = weights * self.route_scale
         return expert_ids, weights, logits, probs
@@ -585,7 +594,8 @@ class MoE(nnx.Module):
         Overloaded experts become less likely to be selected, underloaded ones
         more. Call once per training step with the global ``tokens_per_expert``
         ``[E]`` of `MoEAux` (sum them first if the layer ran on several
-        micro-batches). Works eagerly and under ``jax.jit``.
+        micro-batches); ``rate`` is a scalar, or ``[E]`` for a rate per expert.
+        Works eagerly and under ``jax.jit``.
         """
         if self.balance_bias is None:
             raise ValueError("MoE.update_balance_bias: this layer was built with "
@@ -594,7 +604,11 @@ class MoE(nnx.Module):
         if counts.shape != (self.num_experts,):
             raise ValueError("MoE.update_balance_bias: tokens_per_expert must have shape "
                              f"[E] = ({self.num_experts},), got {counts.shape}")
-        step = jnp.asarray(rate, jnp.float32) * jnp.sign(jnp.mean(counts) - counts)
+        rate = jnp.asarray(rate, jnp.float32)
+        if rate.shape not in ((), (self.num_experts,)):
+            raise ValueError("MoE.update_balance_bias: rate must be a scalar or have shape "
+                             f"[E] = ({self.num_experts},), got {rate.shape}")
+        step = rate * jnp.sign(jnp.mean(counts) - counts)
         self.balance_bias[...] = self.balance_bias[...] + step
 
 

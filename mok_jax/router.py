@@ -28,7 +28,7 @@ def top_k(select: jax.Array, values: jax.Array, k: int) -> tuple[jax.Array, jax.
         raise ValueError(f"top_k: k={k} must be in [1, {num_experts}], the experts in "
                          f"select's last axis (shape {select.shape})")
     ids, picked = [], []
-    taken = jnp.zeros(select.shape, bool)
+    taken = jnp.zeros_like(select, dtype=bool)  # select's sharding (Explicit meshes)
     experts = jnp.arange(num_experts)[None, :]
     for _ in range(k):
         # argmax's choice among the untaken scores (NaN the largest, ties to the lower

@@ -619,6 +619,14 @@ def test_fp8_needs_bfloat16():
     with pytest.raises(ValueError, match=r"MoE: recipe 'fp8' needs bfloat16 dtype"):
         mok_jax.nn.MoE(hidden_size=16, ffn_size=8, num_experts=4, top_k=2, recipe="fp8",
                        dtype=jnp.float32, rngs=__import__("flax").nnx.Rngs(0))
+    # dtype=None infers float32 from param_dtype's default: refused at construction,
+    # not at every call, and bfloat16 parameters are fine.
+    with pytest.raises(ValueError, match=r"MoE: recipe 'fp8' needs bfloat16 dtype.*"
+                                         r"param_dtype=float32"):
+        mok_jax.nn.MoE(hidden_size=16, ffn_size=8, num_experts=4, top_k=2, recipe="fp8",
+                       rngs=__import__("flax").nnx.Rngs(0))
+    mok_jax.nn.MoE(hidden_size=16, ffn_size=8, num_experts=4, top_k=2, recipe="fp8",
+                   param_dtype=jnp.bfloat16, rngs=__import__("flax").nnx.Rngs(0))
     # bf16 combine weights are fine
     xb, ids, w, wgu, wd = make_problem(24, 8, 2, 4, 16, 8, jnp.bfloat16,
                                        weights_dtype=jnp.bfloat16)

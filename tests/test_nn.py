@@ -33,9 +33,9 @@ def tokens(T=64, seed=1, shape=None):
     return jax.random.normal(jax.random.key(seed), shape or (T, H), jnp.float32)
 
 
-def mesh_of(dp, ep):
+def mesh_of(dp, ep, axis_type=AxisType.Auto):
     devices = np.array(jax.devices()[:dp * ep], dtype=object).reshape(dp, ep)
-    return jax.sharding.Mesh(devices, ("dp", "ep"), axis_types=(AxisType.Auto,) * 2)
+    return jax.sharding.Mesh(devices, ("dp", "ep"), axis_types=(axis_type,) * 2)
 
 
 def np_softmax(z):
@@ -489,6 +489,12 @@ def test_update_balance_bias_is_sign_based():
         layer.update_balance_bias(jnp.ones(3), 0.1)
     with pytest.raises(ValueError, match="balance_bias=False"):
         make_layer().update_balance_bias(counts, 0.1)
+    with pytest.raises(ValueError, match=r"rate must be a scalar or have shape \[E\] = \(8,\), "
+                                         r"got \(3,\)"):
+        make_layer(balance_bias=True).update_balance_bias(counts, jnp.ones(3))
+    per_expert = make_layer(balance_bias=True)  # a rate per expert
+    per_expert.update_balance_bias(counts, jnp.arange(E, dtype=jnp.float32))
+    np.testing.assert_array_equal(per_expert.balance_bias[...], [0, 1, 0, 0, 4, 0, -6, 7])
 
 
 def test_balance_bias_selects_but_does_not_weight():
@@ -504,6 +510,37 @@ def test_balance_bias_selects_but_does_not_weight():
                         @ np.asarray(layer.router.kernel[...], np.float64))
     np.testing.assert_allclose(w, np.take_along_axis(scores, np.asarray(ids), 1), rtol=1e-5)
     np.testing.assert_allclose(probs, scores, rtol=1e-5)
+
+
+def test_renormalized_weights_stay_finite_where_the_bias_picks_underflowed_scores():
+    """A balance bias can pick experts whose softmax scores underflow to 0 (a logit
+    gap above about 104): renormalized, their weights are the softmax of their
+    logits (s_i / sum(s) in exact arithmetic), not 0 / 0, and y and the gradients
+    stay finite."""
+    layer = make_layer(renormalize=True, balance_bias=True)
+    layer.router.kernel[...] = jnp.zeros((H, E)).at[:, 0].set(7.0)  # logit 112 on expert 0
+    layer.balance_bias[...] = jnp.zeros(E).at[0].set(-2.0)  # which the bias pushes out
+    x = jnp.ones((4, H), jnp.float32)
+    ids, w, logits, _ = layer.route(x)
+    assert not np.any(np.asarray(ids) == 0)
+    picked = np.take_along_axis(np.asarray(logits, np.float64), np.asarray(ids), 1)
+    np.testing.assert_allclose(w, np_softmax(picked), rtol=1e-6)
+    grads = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(layer)
+    for path, g in nnx.to_flat_state(grads):
+        assert np.all(np.isfinite(np.asarray(g[...]))), path
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_renormalized_top_1_gives_the_router_no_gradient_from_the_output(score_fn):
+    # Every weight is exactly 1, a constant: the router's gradient from y is 0,
+    # not rounding noise (which Adam would scale up to full steps).
+    layer = make_layer(top_k=1, renormalize=True, score_fn=score_fn)
+    x = tokens(64)
+    _, w, _, _ = layer.route(x)
+    assert np.all(np.asarray(w) == 1.0)
+    grads = nnx.grad(lambda m: jnp.mean(m(x)[0] ** 2))(layer)
+    assert np.all(np.asarray(grads.router.kernel[...]) == 0.0)
+    assert np.any(np.asarray(grads.w_down[...]) != 0.0)
 
 
 def test_balance_bias_updates_balance_a_skewed_router():
@@ -582,14 +619,17 @@ def assert_layer_output(y, y0, shared_ffn_size, what):
         assert_bitwise(y, y0, what)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 @pytest.mark.parametrize("shared_ffn_size", [0, 8])
 @pytest.mark.parametrize("dp, ep", [(8, 1), (4, 2)])
-def test_jit_on_a_mesh_matches_one_device(dp, ep, shared_ffn_size):
-    # Data parallel (experts replicated, ep=1) and experts sharded over ep.
+def test_jit_on_a_mesh_matches_one_device(dp, ep, shared_ffn_size, axis_type):
+    # Data parallel (experts replicated, ep=1) and experts sharded over ep; on
+    # Explicit axes too (jax.make_mesh's default), where the router's top-k once
+    # mixed a replicated mask into its token-sharded selection.
     layer = make_layer(shared_ffn_size=shared_ffn_size)
     x = tokens(64)
     (loss0, (y0, aux0)), g0 = nnx.jit(_loss_and_grads)(layer, x)
-    mesh = mesh_of(dp, ep)
+    mesh = mesh_of(dp, ep, axis_type)
     with jax.set_mesh(mesh):
         sharded_layer, xs = _place(layer, x, mesh)
         assert sharded_layer.w_gate_up[...].sharding.spec == P("ep", None, None)

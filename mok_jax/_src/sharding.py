@@ -150,6 +150,20 @@ def per_device(fn):
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
+def without_one_device_mesh(operands):
+    """``(operands, spec)``: operands whose types shard them over Explicit axes of a
+    one-device mesh (``jax.make_mesh((1,), ...)``, which `on_a_mesh` leaves to the
+    one-device paths) resharded to replicated, which moves nothing, and the spec to
+    reshard ``y`` back to (``x``'s); ``(operands, None)`` where none is. The "xla"
+    backend's one-device path plans in XLA with reshapes that Explicit types refuse
+    (a tokens dimension split over an axis, even of size 1)."""
+    if not any(any(explicit_spec(a)) for a in operands):
+        return operands, None
+    replicated = jax.sharding.PartitionSpec()
+    return (tuple(jax.sharding.reshard(a, replicated) if any(explicit_spec(a)) else a
+                  for a in operands), jax.typeof(operands[0]).sharding.spec)
+
+
 def explicit_spec(a) -> tuple:
     """The mesh axes of each dim that `a`'s type states (Explicit axes only; JAX
     leaves Auto axes out of types), as tuples."""

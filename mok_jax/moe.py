@@ -146,9 +146,9 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
     cap = capacity(capacity_factor, tokens * ep_size, top_k, num_experts)
     cap = primitives.NO_CAPACITY if cap is None else cap
     path = _choose_path(backend, axis_name, ep_size, cap, recipe, operands)
-    y_spec = None
+    y_sharding = None
     if isinstance(path, ep.ExchangePath) and axis_name is None:  # "xla" on one device
-        operands, y_spec = sharding.without_one_device_mesh(operands)
+        operands, y_sharding = sharding.without_one_device_mesh(operands)
     with jax.named_scope("mok_jax"):
         # Inside shard_map every operand varies over the same axes (a data-parallel
         # shard_map without axis_name too): the VJP's weight gradients then sum
@@ -158,8 +158,8 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
         if axis_name is not None and ep_size == 1 and isinstance(path, paths.LocalPath):
             # an EP axis of size 1: local stats are global; say so in the type
             stats = tuple(jax.lax.psum(v, axis_name) for v in stats)
-    if y_spec is not None:
-        y = jax.sharding.reshard(y, y_spec)
+    if y_sharding is not None:
+        y = jax.sharding.reshard(y, y_sharding)
     if return_stats:
         return y, MoEStats(*stats)
     return y

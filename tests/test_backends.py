@@ -1,6 +1,8 @@
 """`backend` really chooses the path (mok_jax.moe._choose_path), and every path gives
 the same bits."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,20 +68,24 @@ def test_shard_map_axis_of_size_one_matches_one_device(backend):
         assert_bitwise(a, b)
 
 
+@pytest.mark.parametrize("set_mesh", [True, False])
 @pytest.mark.parametrize("tokens", [T, 1])
 @pytest.mark.parametrize("backend", ["auto", "xla"])
-def test_plain_jit_on_a_one_device_explicit_mesh_matches_one_device(backend, tokens):
+def test_plain_jit_on_a_one_device_explicit_mesh_matches_one_device(backend, tokens, set_mesh):
     """jax.make_mesh((1,), ...) has an Explicit axis: operands typed as split over it
-    take the one-device paths, where "xla" planned with reshapes that such types
-    refuse (and its backward gave cotangents of the wrong type); y keeps x's type."""
+    (under jax.set_mesh or not) take the one-device paths, and both backends give
+    the one-device bits, y and every cotangent of its operand's type (the "xla"
+    path's XLA planning reshapes a tokens dimension, which such types refuse)."""
     x, ids, w, wgu, wd = (a[:tokens] if i < 3 else a
                           for i, a in enumerate(make_problem(8, T, K, E, H, F)))
     mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1],
                          axis_types=(jax.sharding.AxisType.Explicit,))
     placed = jax.device_put((x, w, wgu, wd, ids), jax.sharding.NamedSharding(mesh, P("ep")))
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
         (_, y), g = _loss(backend)(*placed)
-        assert jax.typeof(y).sharding.spec == P("ep", None)
+    assert jax.typeof(y).sharding.spec == P("ep", None)
+    for a, b in zip(g, placed):
+        assert jax.typeof(a).sharding.spec == jax.typeof(b).sharding.spec
     (_, y1), g1 = _loss("auto")(x, w, wgu, wd, ids)
     assert_bitwise(y, y1, "y")
     for name, a, b in zip(("dx", "d_expert_weights", "d_w_gate_up", "d_w_down"), g, g1):

@@ -151,17 +151,21 @@ _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def without_one_device_mesh(operands):
-    """``(operands, spec)``: operands whose types shard them over Explicit axes of a
-    one-device mesh (``jax.make_mesh((1,), ...)``, which `on_a_mesh` leaves to the
-    one-device paths) resharded to replicated, which moves nothing, and the spec to
-    reshard ``y`` back to (``x``'s); ``(operands, None)`` where none is. The "xla"
-    backend's one-device path plans in XLA with reshapes that Explicit types refuse
-    (a tokens dimension split over an axis, even of size 1)."""
-    if not any(any(explicit_spec(a)) for a in operands):
+    """``(operands, sharding)``: operands whose types shard them over Explicit axes
+    of a one-device mesh (``jax.make_mesh((1,), ...)``, which `on_a_mesh` leaves to
+    the one-device paths) resharded to replicated on that mesh, which moves
+    nothing, and ``x``'s sharding to reshard ``y`` back to; ``(operands, None)``
+    where none is, or where an operand's mesh has several devices. The "xla"
+    backend's one-device path plans in XLA with reshapes that Explicit types
+    refuse (a tokens dimension split over an axis, even of size 1)."""
+    typed = [jax.typeof(a).sharding for a in operands if any(explicit_spec(a))]
+    if not typed or any(s.mesh.size != 1 for s in typed):
         return operands, None
-    replicated = jax.sharding.PartitionSpec()
+    replicated = NamedSharding(typed[0].mesh, jax.sharding.PartitionSpec())
+    x = operands[0]
     return (tuple(jax.sharding.reshard(a, replicated) if any(explicit_spec(a)) else a
-                  for a in operands), jax.typeof(operands[0]).sharding.spec)
+                  for a in operands),
+            jax.typeof(x).sharding if any(explicit_spec(x)) else replicated)
 
 
 def explicit_spec(a) -> tuple:

@@ -150,6 +150,9 @@ def parse_args(argv=None):
     if args.trace_only and (args.dp is not None or args.ep != 1 or args.host_devices):
         parser.error("--trace-only traces the one-device step (jax.eval_shape, no mesh): "
                      "--dp, --ep and --host-devices are not used there")
+    if args.trace_only and (args.resume or args.out or args.profile or args.overwrite):
+        parser.error("--trace-only runs nothing and writes nothing: --resume, --out, "
+                     "--overwrite and --profile are not used there")
     if args.recipe == "fp8" and (args.dtype or PRESETS[args.preset].dtype) != "bfloat16":
         parser.error("--recipe fp8 runs the expert GEMMs from bfloat16 operands: add "
                      "--dtype bfloat16")

@@ -286,8 +286,11 @@ class MoE(nnx.Module):
       top_k: K, experts per token (``1 <= K <= E``).
       score_fn: "softmax" (Switch, Mixtral) or "sigmoid" (DeepSeek-V3).
       renormalize: divide the K selected scores by their sum (Mixtral, Qwen,
-        DeepSeek-V3). With K = 1 this makes every weight 1 and the router gets
-        no gradient from the output, only from the auxiliary losses.
+        DeepSeek-V3), computed as the softmax of their logits (softmax) or
+        log-sigmoids (sigmoid): the same values, and finite where a balance
+        bias selects scores that underflow to 0. With K = 1 this makes every
+        weight 1 and the router gets no gradient from the output, only from
+        the auxiliary losses.
       route_scale: constant factor on the combine weights (DeepSeek-V3: 2.5).
       balance_bias: keep a `BalanceBias` ``[E]`` added to the scores for
         selection only, updated by `update_balance_bias` (auxiliary-loss-free

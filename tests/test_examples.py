@@ -732,6 +732,12 @@ def test_train_mesh_mistakes_are_messages_not_tracebacks(tmp_path, capsys):
         with pytest.raises(SystemExit):
             train_moe_lm.parse_args(["--trace-only", *flags])
         assert "--trace-only traces the one-device step" in capsys.readouterr().err
+    # It writes nothing either: flags about where a run writes are refused, not ignored.
+    for flags in (["--resume"], ["--out", str(tmp_path)], ["--profile", str(tmp_path)],
+                  ["--overwrite"]):
+        with pytest.raises(SystemExit):
+            train_moe_lm.parse_args(["--trace-only", *flags])
+        assert "--trace-only runs nothing and writes nothing" in capsys.readouterr().err
 
 
 def test_mesh_experiments_refuses_more_devices_than_visible(tmp_path):

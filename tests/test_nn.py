@@ -623,9 +623,9 @@ def assert_layer_output(y, y0, shared_ffn_size, what):
 @pytest.mark.parametrize("shared_ffn_size", [0, 8])
 @pytest.mark.parametrize("dp, ep", [(8, 1), (4, 2)])
 def test_jit_on_a_mesh_matches_one_device(dp, ep, shared_ffn_size, axis_type):
-    # Data parallel (experts replicated, ep=1) and experts sharded over ep; on
-    # Explicit axes too (jax.make_mesh's default), where the router's top-k once
-    # mixed a replicated mask into its token-sharded selection.
+    # Data parallel (experts replicated, ep=1) and experts sharded over ep, on Auto
+    # and on Explicit axes (jax.make_mesh's default, whose types carry the tokens'
+    # sharding through the router's top-k).
     layer = make_layer(shared_ffn_size=shared_ffn_size)
     x = tokens(64)
     (loss0, (y0, aux0)), g0 = nnx.jit(_loss_and_grads)(layer, x)

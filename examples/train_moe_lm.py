@@ -387,7 +387,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
         if timed:
             dt = (now - t_mark) / (upto - mark_step)
             row = {"step": upto, "steps": upto - mark_step, "step_time_s": dt,
-                   "tokens_per_s": tokens_per_step / dt}
+                   "tokens_per_s": tokens_per_step / dt, "mesh": {"dp": dp, "ep": ep}}
             if peak:
                 row["mfu"] = row["tokens_per_s"] * flops_per_token(cfg) / (peak * 1e12 * dp * ep)
             log["throughput"].append(row)
@@ -464,7 +464,9 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
         manager.close()
 
     wall = time.perf_counter() - t_run
-    rates = [r["tokens_per_s"] for r in log["throughput"]]
+    # A run resumed on another mesh holds both meshes' intervals: the summary is this
+    # mesh's (the one log["mesh"] names), as is its MFU's device count.
+    rates = [r["tokens_per_s"] for r in log["throughput"] if r.get("mesh") == {"dp": dp, "ep": ep}]
     summary = {"steps": int(state.step), "wall_s_this_run": wall, "compile_s": compile_s,
                "initial_eval_loss": log["eval"][0]["loss"],
                "final_eval_loss": log["eval"][-1]["loss"],

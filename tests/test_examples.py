@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -459,6 +460,22 @@ def test_pgle_untimed_steps_are_the_profiled_and_recompiling_ones(tmp_path):
     timed = {r["step"]: r["steps"] for r in log["throughput"]}
     assert timed == {10: 10 - untimed}, timed
     assert log["config"]["grad_reduce_lag"] == 1 and log["mesh"] == {"dp": 2, "ep": 1}
+
+
+@pytest.mark.slow
+def test_resume_on_another_mesh_summarizes_that_mesh(tmp_path):
+    """A run resumed on another mesh logs each throughput interval with its mesh;
+    the summary's tokens/s (and MFU's device count) are the last mesh's, the one
+    log["mesh"] names, not a median over both meshes' intervals."""
+    common = ["--steps", "10", "--eval-every", "10", "--out", str(tmp_path), *SMALL,
+              "--log-every", "1"]
+    train_moe_lm.main([*common, "--stop-after", "5"])  # SMALL: --dp 1
+    log = train_moe_lm.main([*common, "--resume", "--dp", "2"])
+    meshes = {r["step"]: r["mesh"] for r in log["throughput"]}
+    assert {m["dp"] for s, m in meshes.items() if s <= 5} == {1}
+    assert {m["dp"] for s, m in meshes.items() if s > 5} == {2} and log["mesh"]["dp"] == 2
+    last = [r["tokens_per_s"] for r in log["throughput"] if r["step"] > 5]
+    assert log["summary"]["tokens_per_s"] == statistics.median(last)
 
 
 @pytest.mark.slow

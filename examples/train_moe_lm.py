@@ -466,7 +466,8 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     wall = time.perf_counter() - t_run
     # A run resumed on another mesh holds both meshes' intervals: the summary is this
     # mesh's (the one log["mesh"] names), as is its MFU's device count.
-    rates = [r["tokens_per_s"] for r in log["throughput"] if r.get("mesh") == {"dp": dp, "ep": ep}]
+    rates = [r["tokens_per_s"] for r in log["throughput"]
+             if r.get("mesh") == {"dp": dp, "ep": ep}]
     summary = {"steps": int(state.step), "wall_s_this_run": wall, "compile_s": compile_s,
                "initial_eval_loss": log["eval"][0]["loss"],
                "final_eval_loss": log["eval"][-1]["loss"],

@@ -451,15 +451,15 @@ class MoE(nnx.Module):
         if self.balance_bias is not None:
             select = scores + jax.lax.stop_gradient(self.balance_bias[...])
         expert_ids, weights = router_top_k(select, scores, self.top_k)
-        if self.renormalize and self.score_fn == "sigmoid":  # as probs: from log-sigmoids
-            _, log_picked = router_top_k(select, jax.nn.log_sigmoid(logits), self.top_k)
-            weights = jax.nn.softmax(log_picked, axis=-1)
-        elif self.renormalize:
-            # s_i / sum(s) over the picked softmax scores is the softmax of their
-            # logits: finite where a balance bias picks scores that underflow to 0,
-            # and exactly 1 with no gradient at K = 1.
-            _, picked_logits = router_top_k(select, logits, self.top_k)
-            weights = jax.nn.softmax(picked_logits, axis=-1)
+        if self.renormalize:
+            # s_i / sum(s) over the picked scores is the softmax of their logs (up
+            # to a constant: the logits for softmax, the log-sigmoids for sigmoid):
+            # finite where every picked score underflows to 0 (a balance bias, or
+            # sigmoid logits below about -87), and exactly 1, with no gradient, at
+            # K = 1.
+            log_scores = logits if self.score_fn == "softmax" else jax.nn.log_sigmoid(logits)
+            _, picked = router_top_k(select, log_scores, self.top_k)
+            weights = jax.nn.softmax(picked, axis=-1)
         if self.route_scale != 1.0:
             weights = weights * self.route_scale
         return expert_ids, weights, logits, probs

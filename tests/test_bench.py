@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import weakref
 
 import jax
@@ -259,11 +258,19 @@ def test_module_entry_point(tmp_path):
         ("ragged_dot", "ok", "f32"), ("dense_onehot", "ok", "f32")]
 
 
-def test_bad_arguments_exit():
-    with pytest.raises(SystemExit):
-        bench.cli.parse_args(["--impls", "cublas"])
-    with pytest.raises(SystemExit):
-        bench.cli.parse_args(["--shapes", "nope"])
+def usage_error(capsys, run, message):
+    """`run()` exits as argparse does for a usage error (status 2) with `message`."""
+    with pytest.raises(SystemExit) as exit_info:
+        run()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err, err
+
+
+def test_bad_arguments_exit(capsys):
+    usage_error(capsys, lambda: bench.cli.parse_args(["--impls", "cublas"]),
+                "argument --impls: unknown impl ['cublas']")
+    usage_error(capsys, lambda: bench.cli.parse_args(["--shapes", "nope"]),
+                "argument --shapes: unknown shape ['nope']")
 
 
 def test_failing_pipeline_is_recorded(monkeypatch):
@@ -294,18 +301,33 @@ def test_table_and_speedups():
     assert "2.50x" in table and "tokamax: error: boom" in table
 
 
-def test_time_queued_is_per_call_time_of_each_batch():
-    calls = []
+class FakeClock:
+    """A `time` module whose perf_counter advances only when a call says so: the
+    timing helpers' arithmetic, without the machine's load in it."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_time_queued_is_per_call_time_of_each_batch(monkeypatch):
+    clock, calls = FakeClock(), []
+    monkeypatch.setattr(bench.measure, "time", clock)
 
     def compiled(x):
         calls.append(1)
-        time.sleep(0.02)
+        clock.sleep(0.02)
         return x
 
     times = bench.measure.time_queued(compiled, [jnp.zeros(2)], queue=3, repeats=2)
-    assert len(calls) == 6 and len(times) == 2
-    # A batch is three 20 ms sleeps: 20 ms and some after dividing by three, not 60.
-    assert all(20.0 <= t < 40.0 for t in times), times
+    assert len(calls) == 6
+    # A batch is three calls of 20 ms: 20 ms a call after dividing by three, not 60.
+    assert times == pytest.approx([20.0, 20.0], rel=1e-9)
 
 
 def test_time_queued_lets_each_calls_outputs_go():
@@ -328,9 +350,10 @@ def test_time_queued_lets_each_calls_outputs_go():
     assert len(live) == 0
 
 
-def test_torch_queued_timing_synchronizes_once_per_batch():
+def test_torch_queued_timing_synchronizes_once_per_batch(monkeypatch):
     from mok_jax.bench import _torch_moe  # pylint: disable=import-outside-toplevel
-    events = []
+    clock, events = FakeClock(), []
+    monkeypatch.setattr(_torch_moe, "time", clock)
 
     class FakeTorch:
         class cuda:  # noqa: N801  (torch.cuda's spelling)
@@ -340,11 +363,11 @@ def test_torch_queued_timing_synchronizes_once_per_batch():
 
     def fn():
         events.append("call")
-        time.sleep(0.02)
+        clock.sleep(0.02)
 
     times = _torch_moe._time_queued(FakeTorch, fn, 3, 2)
     assert events == ["call"] * 3 + ["sync"] + ["call"] * 3 + ["sync"]
-    assert len(times) == 2 and all(20.0 <= t < 40.0 for t in times), times
+    assert times == pytest.approx([20.0, 20.0], rel=1e-9)
 
 
 def test_torch_kernel_table_sums_per_name_and_per_call():
@@ -382,8 +405,8 @@ def test_queue_adds_queued_times_and_their_speedups(capsys):
     lines = bench.report.format_table(records).splitlines()
     assert lines[0].split()[-4:] == ["queued", "ms", "queued", "speedup"]
     assert lines[3].split()[-2:] == ["4.000", "4.00x"] and lines[4].split()[-2:] == ["-", "-"]
-    with pytest.raises(SystemExit):
-        bench.cli.parse_args(["--queue", "-1"])
+    usage_error(capsys, lambda: bench.cli.parse_args(["--queue", "-1"]),
+                "--warmup and --queue >= 0")
 
 
 def test_check_reports_relative_errors():
@@ -565,10 +588,11 @@ def test_nvlink_exchanges_trace_to_the_fused_dispatch():
         assert out.shape == (ep_size * ep_size * shape.tokens * shape.top_k, shape.hidden)
 
 
-def test_ep_sizes_must_be_positive_integers():
-    for bad in ("0", "2,x", "-2"):
-        with pytest.raises(SystemExit):
-            bench.cli.parse_args(["--ep", bad])
+def test_ep_sizes_must_be_positive_integers(capsys):
+    for bad, message in (("0", "EP sizes must be >= 1: '0'"),
+                         ("2,x", "not a comma list of integers: '2,x'"),
+                         ("-2", "EP sizes must be >= 1: '-2'")):
+        usage_error(capsys, lambda bad=bad: bench.cli.parse_args(["--ep", bad]), message)
 
 
 def test_torch_baselines_are_recorded_even_when_unavailable():
@@ -654,12 +678,14 @@ def test_auto_skip_spares_gpu_runs_ragged_dot_backwards_that_did_not_compile():
         assert bench.pipelines.auto_skip(bench.FULL_SHAPES["ep"], impl, pass_name, backend) is None
 
 
-def test_bad_skip_entries_and_exchange_without_ep_are_refused():
-    for argv in (["--skip", "ragged/fwdbwd"], ["--skip", "ragged_dot/bwd"],
-                 ["--skip", "ragged_dot/fwdbwd/deepseek"], ["--skip", "ragged_dot"],
-                 ["--exchange"], ["--exchange", "--ep", "1"]):
-        with pytest.raises(SystemExit):
-            bench.cli.parse_args(argv)
+def test_bad_skip_entries_and_exchange_without_ep_are_refused(capsys):
+    for entry in ("ragged/fwdbwd", "ragged_dot/bwd", "ragged_dot/fwdbwd/deepseek",
+                  "ragged_dot"):
+        usage_error(capsys, lambda entry=entry: bench.cli.parse_args(["--skip", entry]),
+                    f"--skip entry {entry!r} is not IMPL/PASS[/SHAPE]")
+    for argv in (["--exchange"], ["--exchange", "--ep", "1"]):
+        usage_error(capsys, lambda argv=argv: bench.cli.parse_args(argv),
+                    "--exchange needs --ep with a size >= 2")
     args = bench.cli.parse_args(["--skip", "ragged_dot/fwdbwd/deepseek-slice,tokamax/fwd",
                                  "--exchange", "--ep", "1,2"])
     assert args.skip == ["ragged_dot/fwdbwd/deepseek-slice", "tokamax/fwd"]
@@ -1003,9 +1029,10 @@ def test_a_baseline_of_a_recipe_compares_with_moe_of_that_recipe():
 
 
 @pytest.mark.parametrize("recipes", ["fp8,fp8", "fp4", ""])
-def test_recipe_list_rejects_unknown_or_repeated_names(recipes):
-    with pytest.raises(SystemExit):
-        bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe", "--recipe", recipes])
+def test_recipe_list_rejects_unknown_or_repeated_names(recipes, capsys):
+    usage_error(capsys, lambda: bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe",
+                                            "--recipe", recipes]),
+                f"--recipe takes distinct names of native, fp8, comma-separated; got {recipes!r}")
 
 
 def test_torch_records_ask_for_kernels_and_keep_them(monkeypatch):
@@ -1032,10 +1059,10 @@ def test_torch_records_ask_for_kernels_and_keep_them(monkeypatch):
     assert all("kernels" not in r for r in rest)
 
 
-def test_recipe_fp8_needs_bf16():
-    with pytest.raises(SystemExit):
-        bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe", "--recipe", "fp8",
-                    "--dtype", "f32"])
+def test_recipe_fp8_needs_bf16(capsys):
+    usage_error(capsys, lambda: bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe",
+                                            "--recipe", "fp8", "--dtype", "f32"]),
+                "--recipe fp8 takes bfloat16 inputs: use --dtype bf16")
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2**63)])
@@ -1047,11 +1074,12 @@ def test_a_seed_numpy_refuses_is_a_usage_error(seed, capsys):
     assert "--seed must be an integer in [0, 2^63)" in capsys.readouterr().err
 
 
-def test_skip_names_a_torch_baseline(monkeypatch):
+def test_skip_names_a_torch_baseline(monkeypatch, capsys):
     """--skip takes the --torch baselines too: the skipped one is not run (the
     subprocess is told so) and is recorded as skipped; without --torch it is refused."""
-    with pytest.raises(SystemExit):
-        bench.cli.parse_args(["--impls", "moe", "--skip", "torch_pipeline/fwd"])
+    usage_error(capsys, lambda: bench.cli.parse_args(["--impls", "moe", "--skip",
+                                                      "torch_pipeline/fwd"]),
+                "torch_pipeline runs only with --torch")
     args = bench.cli.parse_args(["--impls", "moe", "--torch", "--skip",
                                  "torch_pipeline/fwdbwd/ep"])
     assert args.skip == ["torch_pipeline/fwdbwd/ep"]

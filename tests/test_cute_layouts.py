@@ -25,7 +25,8 @@ def test_wgmma_accumulator_layout_of_the_persistent_epilogues(tmp_path):
         pytest.skip("no nvcc on PATH")
     spec = importlib.util.find_spec("cutlass_library")  # the nvidia-cutlass package
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("no CUTLASS headers (pip install nvidia-cutlass, in the test extra)")
+        pytest.fail("no CUTLASS headers: nvidia-cutlass is in the test extra "
+                    "(pip install '.[test]')")
     include = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
     exe = tmp_path / "wgmma_c_layout"
     built = subprocess.run(

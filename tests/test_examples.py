@@ -513,13 +513,20 @@ def test_log_lines_wait_only_for_their_own_step(tmp_path, monkeypatch):
     assert sum(r["steps"] for r in rows) == 12 - train_moe_lm.untimed_steps()
 
 
-def test_profile_refuses_pgle():
-    with pytest.raises(SystemExit):
-        train_moe_lm.parse_args(["--profile", "p", "--pgle"])
+def usage_error(capsys, argv, message):
+    """train_moe_lm's command line `argv` is a usage error (status 2) saying `message`."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_moe_lm.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err, err
+
+
+def test_profile_refuses_pgle(capsys):
+    message = "--profile cannot be combined with PGLE (--pgle, JAX_ENABLE_PGLE)"
+    usage_error(capsys, ["--profile", "p", "--pgle"], message)
     try:
         jax.config.update("jax_enable_pgle", True)  # as JAX_ENABLE_PGLE sets it
-        with pytest.raises(SystemExit):
-            train_moe_lm.parse_args(["--profile", "p"])
+        usage_error(capsys, ["--profile", "p"], message)
     finally:
         jax.config.update("jax_enable_pgle", False)
     assert train_moe_lm.parse_args(["--profile", "p"]).profile == "p"
@@ -537,7 +544,7 @@ def test_dp_default_lag_only_where_measured():
 
 
 @pytest.mark.slow
-def test_resume_refuses_another_run_and_a_foreign_log(resumed_run):
+def test_resume_refuses_another_run_and_a_foreign_log(resumed_run, capsys):
     """--resume continues the run that wrote the checkpoints: a command line that
     changes its model, data or schedule is refused before anything is restored (it
     used to continue silently, with the log's config rewritten), and so is a
@@ -574,8 +581,8 @@ def test_resume_refuses_another_run_and_a_foreign_log(resumed_run):
                 train_moe_lm.main([*common, "--resume"])
         finally:
             (out / name).write_text(text)
-    with pytest.raises(SystemExit):
-        train_moe_lm.parse_args(["--resume", "--overwrite"])
+    usage_error(capsys, ["--resume", "--overwrite"],
+                "--resume continues the run in --out and --overwrite starts it over")
 
 
 @pytest.mark.slow
@@ -1091,11 +1098,11 @@ def test_rope_and_qkv_projection_compute_the_textbook_functions(dtype):
         assert_close(a, b, dtype, what=f"qkv_projection {what}")
 
 
-def test_recipe_flag_reaches_the_moe_layers():
+def test_recipe_flag_reaches_the_moe_layers(capsys):
     import mok_jax
     from flax import nnx
-    with pytest.raises(SystemExit):
-        train_moe_lm.parse_args(["--recipe", "fp8"])  # the tiny preset computes in float32
+    usage_error(capsys, ["--recipe", "fp8"],  # the tiny preset computes in float32
+                "--recipe fp8 runs the expert GEMMs from bfloat16 operands")
     cfg = train_moe_lm.config_from_args(
         train_moe_lm.parse_args(["--recipe", "fp8", "--dtype", "bfloat16"]))
     assert cfg.recipe == "fp8" and lm.Config().recipe == "native"

@@ -99,6 +99,23 @@ def test_gpu_call_runs_with_the_cuda_handlers():
     np.testing.assert_allclose(np.asarray(y), 192 / (1 + np.exp(-8.0)), rtol=1e-5)
 
 
+def test_lowering_for_a_gpu_says_how_to_rebuild_a_build_without_cuda_handlers():
+    """What a GPU user of a CPU-only build meets, checked with no GPU: lowering
+    mok_jax.moe for the cuda platform (JAX's cross-platform lowering) is a
+    RuntimeError that says how to rebuild; a build with CUDA handlers lowers it to
+    them."""
+    def lowered():
+        return jax.jit(lambda *a: mok_jax.moe(*a)).trace(*_tiny_problem()).lower(
+            lowering_platforms=("cuda",))
+
+    if "cuda" in ext.registered_platforms():
+        assert f"@{ext.MOE_FORWARD}" in lowered().as_text()
+    else:
+        with pytest.raises(RuntimeError, match=r"built without its CUDA handlers.*"
+                                               r"MOK_CUDA=13 pip install"):
+            lowered()
+
+
 def test_a_build_without_cuda_handlers_on_a_gpu_says_how_to_rebuild(tmp_path):
     """On a machine where JAX has a GPU, mok_jax.moe on that GPU from a build without
     CUDA handlers is a RuntimeError that says how to rebuild. This session runs on

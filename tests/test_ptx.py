@@ -98,12 +98,13 @@ def test_the_check_sees_element_wise_stores():
 
 def cutlass_includes():
     """The CUTLASS/CuTe include folders of the nvidia-cutlass package (skips without
-    nvcc or the package)."""
+    nvcc; fails without the package, which the test extra installs)."""
     if nvcc is None:
         pytest.skip("no nvcc on PATH")
     spec = importlib.util.find_spec("cutlass_library")  # the nvidia-cutlass package
     if spec is None:
-        pytest.skip("no CUTLASS headers (pip install nvidia-cutlass, in the test extra)")
+        pytest.fail("no CUTLASS headers: nvidia-cutlass is in the test extra "
+                    "(pip install '.[test]')")
     pkg = spec.submodule_search_locations[0]
     return [os.path.join(pkg, "source", "include"),
             os.path.join(pkg, "source", "tools", "util", "include")]

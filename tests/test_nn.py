@@ -619,7 +619,8 @@ def assert_layer_output(y, y0, shared_ffn_size, what):
         assert_bitwise(y, y0, what)
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto,
+                                       pytest.param(AxisType.Explicit, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("shared_ffn_size", [0, 8])
 @pytest.mark.parametrize("dp, ep", [(8, 1), (4, 2)])
 def test_jit_on_a_mesh_matches_one_device(dp, ep, shared_ffn_size, axis_type):

@@ -289,6 +289,14 @@ def assert_close(got, want, dtype, *, f32_tol=1e-5, bf16_tol=2e-2, what=""):
         assert err <= bf16_tol, f"{what}: relative Frobenius error {err:.3g} > {bf16_tol}"
 
 
+def assert_usage_error(capsys, run, message):
+    """``run()`` exits as argparse does for a usage error (status 2), saying `message`."""
+    with pytest.raises(SystemExit) as exit_info:
+        run()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err, err
+
+
 def bits(a):
     """The raw bits of an array, for exact (bitwise) comparisons incl. NaN payloads."""
     a = np.asarray(a)

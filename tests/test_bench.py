@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_close, make_problem
+from conftest import assert_close, assert_usage_error, make_problem
 import mok_jax
 from mok_jax import bench
 from mok_jax.bench import baselines
@@ -258,18 +258,10 @@ def test_module_entry_point(tmp_path):
         ("ragged_dot", "ok", "f32"), ("dense_onehot", "ok", "f32")]
 
 
-def usage_error(capsys, run, message):
-    """`run()` exits as argparse does for a usage error (status 2) with `message`."""
-    with pytest.raises(SystemExit) as exit_info:
-        run()
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and message in err, err
-
-
 def test_bad_arguments_exit(capsys):
-    usage_error(capsys, lambda: bench.cli.parse_args(["--impls", "cublas"]),
+    assert_usage_error(capsys, lambda: bench.cli.parse_args(["--impls", "cublas"]),
                 "argument --impls: unknown impl ['cublas']")
-    usage_error(capsys, lambda: bench.cli.parse_args(["--shapes", "nope"]),
+    assert_usage_error(capsys, lambda: bench.cli.parse_args(["--shapes", "nope"]),
                 "argument --shapes: unknown shape ['nope']")
 
 
@@ -405,7 +397,7 @@ def test_queue_adds_queued_times_and_their_speedups(capsys):
     lines = bench.report.format_table(records).splitlines()
     assert lines[0].split()[-4:] == ["queued", "ms", "queued", "speedup"]
     assert lines[3].split()[-2:] == ["4.000", "4.00x"] and lines[4].split()[-2:] == ["-", "-"]
-    usage_error(capsys, lambda: bench.cli.parse_args(["--queue", "-1"]),
+    assert_usage_error(capsys, lambda: bench.cli.parse_args(["--queue", "-1"]),
                 "--warmup and --queue >= 0")
 
 
@@ -592,7 +584,7 @@ def test_ep_sizes_must_be_positive_integers(capsys):
     for bad, message in (("0", "EP sizes must be >= 1: '0'"),
                          ("2,x", "not a comma list of integers: '2,x'"),
                          ("-2", "EP sizes must be >= 1: '-2'")):
-        usage_error(capsys, lambda bad=bad: bench.cli.parse_args(["--ep", bad]), message)
+        assert_usage_error(capsys, lambda bad=bad: bench.cli.parse_args(["--ep", bad]), message)
 
 
 def test_torch_baselines_are_recorded_even_when_unavailable():
@@ -681,10 +673,10 @@ def test_auto_skip_spares_gpu_runs_ragged_dot_backwards_that_did_not_compile():
 def test_bad_skip_entries_and_exchange_without_ep_are_refused(capsys):
     for entry in ("ragged/fwdbwd", "ragged_dot/bwd", "ragged_dot/fwdbwd/deepseek",
                   "ragged_dot"):
-        usage_error(capsys, lambda entry=entry: bench.cli.parse_args(["--skip", entry]),
+        assert_usage_error(capsys, lambda entry=entry: bench.cli.parse_args(["--skip", entry]),
                     f"--skip entry {entry!r} is not IMPL/PASS[/SHAPE]")
     for argv in (["--exchange"], ["--exchange", "--ep", "1"]):
-        usage_error(capsys, lambda argv=argv: bench.cli.parse_args(argv),
+        assert_usage_error(capsys, lambda argv=argv: bench.cli.parse_args(argv),
                     "--exchange needs --ep with a size >= 2")
     args = bench.cli.parse_args(["--skip", "ragged_dot/fwdbwd/deepseek-slice,tokamax/fwd",
                                  "--exchange", "--ep", "1,2"])
@@ -1030,7 +1022,7 @@ def test_a_baseline_of_a_recipe_compares_with_moe_of_that_recipe():
 
 @pytest.mark.parametrize("recipes", ["fp8,fp8", "fp4", ""])
 def test_recipe_list_rejects_unknown_or_repeated_names(recipes, capsys):
-    usage_error(capsys, lambda: bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe",
+    assert_usage_error(capsys, lambda: bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe",
                                             "--recipe", recipes]),
                 f"--recipe takes distinct names of native, fp8, comma-separated; got {recipes!r}")
 
@@ -1060,7 +1052,7 @@ def test_torch_records_ask_for_kernels_and_keep_them(monkeypatch):
 
 
 def test_recipe_fp8_needs_bf16(capsys):
-    usage_error(capsys, lambda: bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe",
+    assert_usage_error(capsys, lambda: bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe",
                                             "--recipe", "fp8", "--dtype", "f32"]),
                 "--recipe fp8 takes bfloat16 inputs: use --dtype bf16")
 
@@ -1077,7 +1069,7 @@ def test_a_seed_numpy_refuses_is_a_usage_error(seed, capsys):
 def test_skip_names_a_torch_baseline(monkeypatch, capsys):
     """--skip takes the --torch baselines too: the skipped one is not run (the
     subprocess is told so) and is recorded as skipped; without --torch it is refused."""
-    usage_error(capsys, lambda: bench.cli.parse_args(["--impls", "moe", "--skip",
+    assert_usage_error(capsys, lambda: bench.cli.parse_args(["--impls", "moe", "--skip",
                                                       "torch_pipeline/fwd"]),
                 "torch_pipeline runs only with --torch")
     args = bench.cli.parse_args(["--impls", "moe", "--torch", "--skip",

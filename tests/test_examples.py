@@ -19,7 +19,7 @@ from flax import nnx
 
 from mok_jax import nn as mnn
 
-from conftest import assert_bitwise, assert_close
+from conftest import assert_bitwise, assert_close, assert_usage_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -515,10 +515,7 @@ def test_log_lines_wait_only_for_their_own_step(tmp_path, monkeypatch):
 
 def usage_error(capsys, argv, message):
     """train_moe_lm's command line `argv` is a usage error (status 2) saying `message`."""
-    with pytest.raises(SystemExit) as exit_info:
-        train_moe_lm.parse_args(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and message in err, err
+    assert_usage_error(capsys, lambda: train_moe_lm.parse_args(argv), message)
 
 
 def test_profile_refuses_pgle(capsys):
@@ -753,15 +750,12 @@ def test_train_mesh_mistakes_are_messages_not_tracebacks(tmp_path, capsys):
         train_moe_lm.main(["--ep", "3", "--dp", "1", "--batch", "3", "--out",
                            str(tmp_path / "a"), *SMALL[4:-3], "--no-progress"])
     for flags in (["--dp", "2"], ["--ep", "2"], ["--host-devices", "4"]):
-        with pytest.raises(SystemExit):
-            train_moe_lm.parse_args(["--trace-only", *flags])
-        assert "--trace-only traces the one-device step" in capsys.readouterr().err
+        usage_error(capsys, ["--trace-only", *flags], "--trace-only traces the one-device step")
     # It writes nothing either: flags about where a run writes are refused, not ignored.
     for flags in (["--resume"], ["--out", str(tmp_path)], ["--profile", str(tmp_path)],
                   ["--overwrite"]):
-        with pytest.raises(SystemExit):
-            train_moe_lm.parse_args(["--trace-only", *flags])
-        assert "--trace-only runs nothing and writes nothing" in capsys.readouterr().err
+        usage_error(capsys, ["--trace-only", *flags],
+                    "--trace-only runs nothing and writes nothing")
 
 
 def test_mesh_experiments_refuses_more_devices_than_visible(tmp_path):

@@ -74,7 +74,7 @@ int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& bloc
   const uint32_t n2f = ceil_div(2 * F, 256);  // dW_gate_up's N tiles (dW_down's: nh)
   const uint32_t cd = ceil_div(nh, wn), cg = ceil_div(n2f, wn);  // N chunks per M tile
   const int64_t rank_tokens = tokens / P, rank_experts = E / P;
-  const uint32_t combines = ceil_div(rank_tokens, 2);
+  const uint32_t combines = ceil_div(rank_tokens, 8);  // combine tasks of 8 tokens
   std::vector<TaskList> lists;
   std::vector<uint64_t> expected;
   for (int o = 0; o < P; ++o) {

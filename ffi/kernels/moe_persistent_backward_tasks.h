@@ -15,7 +15,7 @@ namespace mok::cuda::backward_tasks {
 constexpr int kTileCols = 256;     // the N tile of every GEMM task
 constexpr int kTileRows = 64;      // a row block and the weight gradients' M tile, or:
 constexpr int kWideRows = 128;     // both past 128 rows per expert
-constexpr int kCombineTokens = 2;  // tokens per combine task
+constexpr int kCombineTokens = 8;  // tokens per combine task
 
 enum class Kind : int32_t { kDgrad2, kSwiglu, kDgrad1, kWgradDown, kWgradGateUp, kCombine, kEnd };
 
@@ -65,7 +65,7 @@ MOK_HOST_DEVICE constexpr uint32_t tiles_of(int64_t n, int tile) {
 //       smaller side's panels come back after few tasks, so that L2 serves both.
 //       (dW_gate_up at Mixtral's shapes, 32 M tiles x 112 N tiles over 4096 rows:
 //       with the N tiles inner, 112 panels of 2 MB were in flight at once);
-//   the combine (2 of the rank's tokens, numbered from 0 in each rank): after every
+//   the combine (8 of the rank's tokens, numbered from 0 in each rank): after every
 //     rank's dgrad1 tasks (a token has rows at every rank's experts), dx = the sum
 //     of each token's dx rows over k ascending, f32, rounded once.
 // Each task waits only for tasks of its rank numbered before it (the SwiGLU tasks

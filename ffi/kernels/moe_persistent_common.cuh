@@ -585,37 +585,45 @@ __device__ __forceinline__ void sum_pair_rows(const int32_t* pair_row, const W* 
   }
 }
 
-// A combine task (both kernels): the rank's tokens [local0, local0 + kTokens) below
-// rank_tokens, each by kCombineWarps warps side by side along H, two tokens at a time
-// over the consumers' eight warps; a thread sums kCombineUnits of its (token, column)
-// units at once (sum_pair_rows), so that their loads are in flight together. Token
+// A combine task (both kernels): the rank's tokens [local0, local0 + tokens) below
+// rank_tokens (`tokens` a multiple of two: combine_tokens_per_task), each by
+// kCombineWarps warps side by side along H, two tokens at a time over the
+// consumers' eight warps; a thread sums kCombineUnits of its (token, column) units
+// at once (sum_pair_rows), so that their loads are in flight together. Token
 // `local` is token token0 + local; its rows: one rank's by pair_row from `by_row`,
 // P ranks' from `recv` at local K; its sum into row `local` of `out`.
 constexpr int kCombineWarps = 4;
 constexpr int kCombineUnits = 4;
-template <class W, int kTokens>
-__device__ __forceinline__ void combine_tokens(int ctid, const int32_t* pair_row,
+constexpr int kCombineSlots = kConsumerThreads / 32 / kCombineWarps;  // tokens side by side
+
+// Tokens per combine task: eight (four per token slot, a thread's kCombineUnits
+// units at H <= 1024) where each of a rank's `ctas` CTAs gets at least four such
+// tasks, else two (at few tokens, eight a task would leave most CTAs without one).
+MOK_HOST_DEVICE constexpr int32_t combine_tokens_per_task(int64_t rank_tokens, int64_t ctas) {
+  return rank_tokens >= int64_t(8) * 4 * ctas ? 8 : kCombineSlots;
+}
+
+template <class W>
+__device__ __forceinline__ void combine_tokens(int ctid, int32_t tokens, const int32_t* pair_row,
                                                const W* weights, int64_t local0,
                                                int64_t rank_tokens, int64_t token0, int64_t K,
                                                bool one_rank, const Elem* by_row,
                                                const Elem* recv, Elem* out, int64_t H) {
-  constexpr int kSlots = kConsumerThreads / 32 / kCombineWarps;  // tokens side by side
-  static_assert(kTokens % kSlots == 0);
-  constexpr int kRounds = kTokens / kSlots;
+  const int32_t rounds = tokens / kCombineSlots;
   constexpr int64_t kStep = kCombineWarps * 32 * 8;
   const int warp = ctid >> 5, lane = ctid & 31;
   const int slot = warp / kCombineWarps;
   const int64_t c0 = (warp % kCombineWarps) * 256 + int64_t(lane) * 8;
-  const int64_t units = (c0 < H ? (H - c0 + kStep - 1) / kStep : 0) * kRounds;
-  for (int64_t u0 = 0; u0 < units; u0 += kCombineUnits) {
+  const int32_t units = static_cast<int32_t>(c0 < H ? (H - c0 + kStep - 1) / kStep : 0) * rounds;
+  for (int32_t u0 = 0; u0 < units; u0 += kCombineUnits) {
     int64_t t[kCombineUnits], c[kCombineUnits], local[kCombineUnits];
     const Elem* by_k[kCombineUnits];
 #pragma unroll
     for (int u = 0; u < kCombineUnits; ++u) {
-      const int64_t i = u0 + u;  // round i % kRounds, column step i / kRounds
-      local[u] = local0 + (i % kRounds) * kSlots + slot;
+      const int32_t i = u0 + u;  // round i % rounds, column step i / rounds
+      local[u] = local0 + (i % rounds) * kCombineSlots + slot;
       t[u] = i < units && local[u] < rank_tokens ? token0 + local[u] : -1;
-      c[u] = c0 + (i / kRounds) * kStep;
+      c[u] = c0 + int64_t(i / rounds) * kStep;
       by_k[u] = recv + local[u] * K * H;
     }
     uint4 o[kCombineUnits];

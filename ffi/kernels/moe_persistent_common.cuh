@@ -598,7 +598,8 @@ constexpr int kCombineSlots = kConsumerThreads / 32 / kCombineWarps;  // tokens 
 
 // Tokens per combine task: eight (four per token slot, a thread's kCombineUnits
 // units at H <= 1024) where each of a rank's `ctas` CTAs gets at least four such
-// tasks, else two (at few tokens, eight a task would leave most CTAs without one).
+// tasks, else two (at few tokens, eight a task would leave most CTAs without one;
+// a thread then sums its units one at a time, each's pairs in batches of eight).
 MOK_HOST_DEVICE constexpr int32_t combine_tokens_per_task(int64_t rank_tokens, int64_t ctas) {
   return rank_tokens >= int64_t(8) * 4 * ctas ? 8 : kCombineSlots;
 }
@@ -614,6 +615,21 @@ __device__ __forceinline__ void combine_tokens(int ctid, int32_t tokens, const i
   const int warp = ctid >> 5, lane = ctid & 31;
   const int slot = warp / kCombineWarps;
   const int64_t c0 = (warp % kCombineWarps) * 256 + int64_t(lane) * 8;
+  if (rounds == 1) {
+    // Two tokens a task (few tokens): a thread's units one at a time, its pairs in
+    // batches of eight (two latencies per unit at K <= 8, not four).
+    const int64_t local1[1] = {local0 + slot};
+    if (local1[0] >= rank_tokens) return;
+    const int64_t t1[1] = {token0 + local1[0]};
+    const Elem* const by_k1[1] = {recv + local1[0] * K * H};
+    for (int64_t c = c0; c < H; c += kStep) {
+      const int64_t c1[1] = {c};
+      uint4 o[1];
+      sum_pair_rows<W, 1, 8>(pair_row, weights, t1, c1, K, one_rank, by_row, by_k1, H, o);
+      store_global_16(out + local1[0] * H + c, o[0]);
+    }
+    return;
+  }
   const int32_t units = static_cast<int32_t>(c0 < H ? (H - c0 + kStep - 1) / kStep : 0) * rounds;
   for (int32_t u0 = 0; u0 < units; u0 += kCombineUnits) {
     int64_t t[kCombineUnits], c[kCombineUnits], local[kCombineUnits];

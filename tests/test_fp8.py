@@ -485,6 +485,62 @@ def test_the_jnp_reference_matches_the_kernels():
     assert rel_fro(y_ref, y_native) > 0.005
 
 
+def straight_through_grads(x, ids, w, wgu, wd, dy, capacity=None):
+    """The gradients of the fp8 forward with every e4m3 rounding taken as the
+    identity (a straight-through estimator), in float64 GEMMs: the derivative
+    of the unquantized FFN at the quantized forward's values. The cotangent of
+    each expert's output row, ``w * dy``, is rounded to bfloat16 as the row is."""
+    x, w, wgu, wd, dy = f32(x), f32(w), f32(wgu), f32(wd), f32(dy)
+    ids = np.asarray(ids)
+    tokens, top_k = ids.shape
+    experts, hid, ffn = wgu.shape[0], wgu.shape[1], wd.shape[1]
+    keep = np_stats(ids, experts, capacity)[3]
+    bh, bf, bgu = bounds(hid), bounds(ffn), bounds(2 * ffn, 2)
+    dx = np.zeros((tokens, hid))
+    dw = np.zeros((tokens, top_k))
+    dwgu, dwd = np.zeros(wgu.shape), np.zeros(wd.shape)
+    for e in range(experts):
+        ts, ks = np.nonzero(keep & (ids == e))
+        if ts.size == 0:
+            continue
+        wq, ws = quant_matrix(wgu[e], bh, bgu)
+        dq, ds = quant_matrix(wd[e], bf, bh)
+        w_deq = wq * np.repeat(ws, BLOCK, 0)[:hid][:, col_of(bgu)]
+        d_deq = dq * np.repeat(ds, BLOCK, 0)[:ffn][:, col_of(bh)]
+        out, gu, h, sh = expert_forward(x[ts], wgu[e], wd[e])
+        xq, sx = quant_rows(x[ts], bh)
+        x_deq = xq * np.repeat(sx, BLOCK, 1)[:, :hid]
+        hq, _ = quant_rows(h, bf)
+        h_deq = hq * np.repeat(sh, BLOCK, 1)[:, :ffn]
+        ct = bf16(w[ts, ks][:, None] * dy[ts]).astype(np.float64)
+        g, u = gu[:, :ffn].astype(np.float64), gu[:, ffn:].astype(np.float64)
+        sg = 1 / (1 + np.exp(-g))
+        dh = ct @ d_deq.T
+        dgu = np.concatenate([dh * u * sg * (1 + g * (1 - sg)), dh * g * sg], axis=1)
+        np.add.at(dx, ts, dgu @ w_deq.T)
+        dw[ts, ks] = np.sum(dy[ts] * out, axis=1)
+        dwgu[e], dwd[e] = x_deq.T @ dgu, h_deq.T @ ct
+    return dx, dw, dwgu, dwd
+
+
+@pytest.mark.parametrize("dy_scale", [1.0, 2.0 ** 12, 2.0 ** -12])
+def test_the_references_gradient_goes_straight_through_the_roundings(dy_scale):
+    """jax.grad of moe_reference(recipe="fp8") takes each e4m3 rounding as the
+    identity: a gradient within bf16 rounding of the float64 straight-through
+    one for any scale of dy (the gradient is linear in dy), and not one whose
+    cotangents are themselves rounded to e4m3 without a scale (which zeroes
+    those under 2^-10 and makes those over 448 NaN)."""
+    x, ids, w, wgu, wd = problem(27, tokens=24)
+    dy = cotangent(28, (24, H)) * dy_scale
+    _, vjp = jax.vjp(lambda *a: moe_reference(a[0], ids, *a[1:], recipe="fp8"),
+                     x, w, wgu, wd)
+    got = vjp(dy)
+    want = straight_through_grads(x, ids, w, wgu, wd, dy)
+    for name, g, ww in zip(GRADS, got, want):
+        assert np.all(np.isfinite(f32(g))), name
+        assert rel_fro(f32(g), ww) < 2.0 ** -7, f"{name}: {rel_fro(f32(g), ww):.3g}"
+
+
 def test_no_tokens_give_an_empty_y_in_the_op_and_the_reference():
     x, ids, w, wgu, wd = (a[:0] if i < 3 else a for i, a in enumerate(problem(8)))
     for fn in (mok_jax.moe, moe_reference):

@@ -57,7 +57,8 @@ def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
     recipe's forward (`mok_jax.fp8.expert_outputs_fp8`: the same blocks, scales,
     e4m3 values and f32 accumulation per block; the sums inside a block may be
     added in another order than the kernels'). Its ``jax.grad`` differentiates
-    that jnp code (straight through the float8 conversions), which is not the
+    that jnp code with each quantized value ``q8(v, s) * s`` taken as ``v`` (a
+    straight-through estimator, the scales held constant), which is not the
     recipe's backward: compare gradients with an emulation of the backward."""
     recipe = resolve_recipe(recipe, "moe_reference")
     check_dtypes(recipe, "moe_reference", x=x, w_gate_up=w_gate_up, w_down=w_down)

@@ -7,7 +7,7 @@
   oracle `mok_jax.reference.moe_reference(recipe="fp8")` is built on it.
 
 The rule (docs/contract.md, "The fp8 recipe"): a block's scale is
-``s = amax / 448`` (f32 division; ``s = 1`` when ``amax`` is 0) with ``amax`` the
+``s = amax / 448`` (f32 division; ``s = 1`` where that is 0) with ``amax`` the
 largest ``|v|`` of the block, and each value becomes ``q8(v, s)``, the
 float8_e4m3fn value of ``v / s`` (f32 division, round to nearest even, saturated
 to +-448; NaN stays NaN).
@@ -61,7 +61,7 @@ def quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     last block shorter when ``K % 128 != 0``)::
 
         amax = max |x[i, j]| over the block               (f32)
-        s    = amax / 448 (f32 division), or 1 when amax == 0
+        s    = amax / 448 (f32 division), or 1 where that is 0
         q[i, j] = float8_e4m3fn(x[i, j] / s)            (f32 division, then round
                                                          to nearest even, saturated
                                                          to +-448; NaN stays NaN)
@@ -103,7 +103,8 @@ def _divide(a, b):
 
 
 def _scale(amax):
-    return jnp.where(amax == 0, jnp.float32(1), _divide(amax, jnp.float32(E4M3_MAX)))
+    s = _divide(amax, jnp.float32(E4M3_MAX))
+    return jnp.where(s == 0, jnp.float32(1), s)
 
 
 @jax.custom_jvp

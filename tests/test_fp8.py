@@ -646,10 +646,6 @@ def test_a_block_of_zeros_gives_finite_results():
     assert rel_fro(f32(y), y_emu) < 2.0 ** -8
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fp8_scale (ffi/cpu/fp8.h) and block_scale (ffi/kernels/fp8_quant.cu) return "
-    "amax / 448, which is 0 for 0 < amax < 448 * 2^-150; v / 0 is then NaN for the "
-    "block's zeros and 448 for the rest"))
 def test_a_block_whose_scale_underflows_stays_finite():
     """A finite block whose amax / 448 underflows f32 (amax below about 6.5e-43:
     only f32 blocks, such as h or an f32 input of the quantizer) must quantize to

@@ -178,6 +178,34 @@ def test_quantize_rows_ties_and_saturation():
     _assert_same_quantization(jnp.asarray(y))
 
 
+def test_quantize_rows_scale_underflow():
+    """float32 blocks whose amax / 448 underflows (amax under 448 * 2^-150, about
+    6.5e-43) get scale 1, as zero blocks do: their values stay finite (v / 1 is 0 in
+    e4m3) and the bits are the CPU's. A token whose h is such a block (x = 2^-72
+    through identity experts: h about 2^-145) gets y = 0, not NaN."""
+    x = np.zeros((2, 256), np.float32)
+    x[0, 0] = 1e-44
+    x[1, 7], x[1, 200] = -3e-43, 1.0  # the second block of row 1 is ordinary
+    q, s = mok_jax.quantize_rows_fp8(jax.device_put(jnp.asarray(x), _gpu()))
+    q, s = np.asarray(q).astype(np.float32), np.asarray(s)
+    assert np.all(np.isfinite(q))
+    np.testing.assert_array_equal(s[:, 0], [1.0, 1.0])
+    np.testing.assert_array_equal(q[:, :128], 0.0)
+    _assert_same_quantization(jnp.asarray(x))
+
+    hid = 128
+    xs = np.zeros((2, hid), np.float32)
+    xs[0, 0], xs[1] = 2.0 ** -72, 1.0
+    eye = np.eye(hid, dtype=np.float32)
+    args = jax.device_put((jnp.asarray(xs, jnp.bfloat16), jnp.zeros((2, 1), jnp.int32),
+                           jnp.ones((2, 1), jnp.float32),
+                           jnp.asarray(np.concatenate([eye, eye], 1)[None], jnp.bfloat16),
+                           jnp.asarray(eye[None], jnp.bfloat16)), _gpu())
+    y = np.asarray(mok_jax.moe(*args, recipe="fp8")).astype(np.float32)
+    np.testing.assert_array_equal(y[0], 0.0)
+    assert np.all(np.isfinite(y[1]))
+
+
 @pytest.mark.parametrize("cols", [1, 5, 127, 128, 129, 300, 1024])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_quantize_rows_shapes_and_specials(cols, dtype):

@@ -24,7 +24,12 @@ float e4m3_to_f32(uint8_t bits);
 
 // A block's scale: amax / 448 (f32 division), 1 when amax is 0; NaN or Inf
 // when amax is (the block's values then become NaN or 0).
-inline float fp8_scale(float amax) { return amax == 0.0f ? 1.0f : amax / kE4m3Max; }
+// amax / 448, or 1 where that is 0 (amax 0, or below 448 * 2^-150: the quotient
+// underflows, and v / 0 would make the block's values NaN or saturated).
+inline float fp8_scale(float amax) {
+  const float s = amax / kE4m3Max;
+  return s == 0.0f ? 1.0f : s;
+}
 
 // q8(v, s): the e4m3 value of v / s (f32 division), as f32.
 inline float q8(float v, float s) { return e4m3_to_f32(f32_to_e4m3(v / s)); }

@@ -19,8 +19,8 @@ constexpr int64_t kMaxBlocks = 8192;
 // when the block holds a NaN (so that every value of the block becomes NaN).
 __device__ __forceinline__ float block_scale(float amax, bool any_nan) {
   if (any_nan) return __int_as_float(0x7fc00000);  // the canonical quiet NaN
-  if (amax == 0.0f) return 1.0f;
-  return amax / kE4m3Max;
+  const float s = amax / kE4m3Max;
+  return s == 0.0f ? 1.0f : s;  // amax 0, or so small that the quotient underflows
 }
 
 // Four values v / s packed little-endian as e4m3: the f32 quotient (IEEE, round to

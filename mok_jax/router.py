@@ -164,12 +164,21 @@ def router_logits(tokens: jax.Array, kernel: jax.Array, router_dot: str = "auto"
     split is exact for values whose remainders stay in bf16's normal range,
     i.e. above ~2^-110 in magnitude, and below bf16's largest value, ~3.4e38.)
 
-    ``tokens`` may have leading dimensions (``[..., H]`` -> ``[..., E]``). Inside
+    ``tokens`` may have leading dimensions (``[..., H]`` -> ``[..., E]``); other
+    shapes (a scalar, a kernel not ``[H, E]``, another H) raise ValueError. Inside
     ``shard_map`` the kernel is cast to vary over the tokens' axes first, so its
     gradient is summed over them (as for the f32 dot)."""
     if router_dot not in ROUTER_DOTS:
         raise ValueError(f"router_logits: router_dot must be one of {ROUTER_DOTS}, "
                          f"got {router_dot!r}")
+    tokens, kernel = jnp.asarray(tokens), jnp.asarray(kernel)
+    if kernel.ndim != 2:
+        raise ValueError(f"router_logits: kernel must be [H, E], got shape {kernel.shape}")
+    if tokens.ndim < 1:
+        raise ValueError("router_logits: tokens must have at least one axis (the hidden one)")
+    if tokens.shape[-1] != kernel.shape[0]:
+        raise ValueError(f"router_logits: tokens' last dimension ({tokens.shape}) must be "
+                         f"the kernel's H ({kernel.shape})")
     if (router_dot == "auto" and tokens.dtype == jnp.bfloat16
             and kernel.dtype in (jnp.float32, jnp.bfloat16)):
         tokens, kernel = primitives.vary_alike((tokens, kernel.astype(jnp.float32)))

@@ -804,6 +804,19 @@ def test_bf16_gradients_inside_shard_map_match_jit(dp, ep):
         assert_close(got[name][...], getattr(want, name)[...], BF16, what=f"d {name}")
 
 
+@pytest.mark.parametrize("router_dot", mnn.ROUTER_DOTS)
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16])
+@pytest.mark.parametrize("x_shape, w_shape, match", [
+    ((), (H, E), "tokens must have at least one axis"),   # jnp.dot would scale the kernel
+    ((4, H), (H,), "kernel must be \\[H, E\\]"),
+    ((4, H), (H, E, 2), "kernel must be \\[H, E\\]"),
+    ((4, H + 1), (H, E), "tokens' last dimension"),
+])
+def test_router_logits_refuse_bad_shapes(router_dot, dtype, x_shape, w_shape, match):
+    with pytest.raises(ValueError, match=match):
+        mnn.router_logits(jnp.ones(x_shape, dtype), jnp.ones(w_shape, jnp.float32), router_dot)
+
+
 def test_router_logits_keep_leading_dimensions():
     x = tokens(24).astype(BF16).reshape(2, 12, H)
     w = jax.random.normal(jax.random.key(3), (H, E), jnp.float32)

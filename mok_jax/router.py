@@ -11,36 +11,56 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mok_jax._src import primitives
 
 
 def top_k(select: jax.Array, values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Indices ``[T, k]`` int32 of the k largest ``select`` per row (ties: lower
-    index first, as ``jax.lax.top_k``) and ``values`` at them ``[T, k]``.
+    """Indices ``[..., k]`` int32 of the k largest ``select`` along its last axis
+    (ties: lower index first, as ``jax.lax.top_k``; -0.0 and 0.0 tie, where
+    ``lax.top_k`` puts 0.0 first) and ``values`` (select's shape) at them
+    ``[..., k]``, in values' dtype. Leading dimensions are rows (tokens).
 
     K rounds of argmax rather than ``lax.top_k``: XLA's partitioner runs its TopK
     custom call replicated, gathering the scores of every token onto every
     device, while argmax and masks stay sharded along the tokens.
     """
+    select, values = jnp.asarray(select), jnp.asarray(values)
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+        raise ValueError(f"top_k: k must be an int, got {k!r}")
+    if select.ndim < 1:
+        raise ValueError("top_k: select must have at least one axis (the experts)")
+    if values.shape != select.shape:
+        raise ValueError(f"top_k: values {list(values.shape)} must have select's shape "
+                         f"{list(select.shape)}")
     num_experts = select.shape[-1]
     if not 1 <= k <= num_experts:
         raise ValueError(f"top_k: k={k} must be in [1, {num_experts}], the experts in "
                          f"select's last axis (shape {select.shape})")
+    if select.dtype == jnp.bool_:
+        select = select.astype(jnp.int32)
+    # Below every score: -inf for floats, the type's least value for integers
+    # (a float would round integers past its significand together).
+    lowest = (-jnp.inf if jnp.issubdtype(select.dtype, jnp.inexact)
+              else jnp.iinfo(select.dtype).min)
     ids, picked = [], []
     taken = jnp.zeros_like(select, dtype=bool)  # select's sharding (Explicit meshes)
-    experts = jnp.arange(num_experts)[None, :]
+    experts = jnp.arange(num_experts)
+    zero = jnp.zeros((), values.dtype)
     for _ in range(k):
         # argmax's choice among the untaken scores (NaN the largest, ties to the lower
-        # index, as lax.top_k orders them); taken ones are masked with -inf, so where
-        # every untaken score is -inf too, argmax may return a taken index: then the
-        # lowest untaken one, which is lax.top_k's choice among those ties.
-        best = jnp.argmax(jnp.where(taken, -jnp.inf, select), axis=-1)
-        again = jnp.any(taken & (best[:, None] == experts), axis=-1)
+        # index, as lax.top_k orders them); taken ones are masked with the lowest
+        # value, so where every untaken score is that value too, argmax may return a
+        # taken index: then the lowest untaken one, which is lax.top_k's choice
+        # among those ties.
+        best = jnp.argmax(jnp.where(taken, lowest, select), axis=-1)
+        again = jnp.any(taken & (best[..., None] == experts), axis=-1)
         best = jnp.where(again, jnp.argmax(~taken, axis=-1), best)
-        chosen = best[:, None] == experts
+        chosen = best[..., None] == experts
         ids.append(best)
-        picked.append(jnp.sum(jnp.where(chosen, values, 0.0), axis=-1))  # exact: one term
+        # exact: one term
+        picked.append(jnp.sum(jnp.where(chosen, values, zero), axis=-1, dtype=values.dtype))
         taken = taken | chosen
     return jnp.stack(ids, axis=-1).astype(jnp.int32), jnp.stack(picked, axis=-1)
 
@@ -144,12 +164,21 @@ def router_logits(tokens: jax.Array, kernel: jax.Array, router_dot: str = "auto"
     split is exact for values whose remainders stay in bf16's normal range,
     i.e. above ~2^-110 in magnitude, and below bf16's largest value, ~3.4e38.)
 
-    ``tokens`` may have leading dimensions (``[..., H]`` -> ``[..., E]``). Inside
+    ``tokens`` may have leading dimensions (``[..., H]`` -> ``[..., E]``); other
+    shapes (a scalar, a kernel not ``[H, E]``, another H) raise ValueError. Inside
     ``shard_map`` the kernel is cast to vary over the tokens' axes first, so its
     gradient is summed over them (as for the f32 dot)."""
     if router_dot not in ROUTER_DOTS:
         raise ValueError(f"router_logits: router_dot must be one of {ROUTER_DOTS}, "
                          f"got {router_dot!r}")
+    tokens, kernel = jnp.asarray(tokens), jnp.asarray(kernel)
+    if kernel.ndim != 2:
+        raise ValueError(f"router_logits: kernel must be [H, E], got shape {kernel.shape}")
+    if tokens.ndim < 1:
+        raise ValueError("router_logits: tokens must have at least one axis (the hidden one)")
+    if tokens.shape[-1] != kernel.shape[0]:
+        raise ValueError(f"router_logits: tokens' last dimension ({tokens.shape}) must be "
+                         f"the kernel's H ({kernel.shape})")
     if (router_dot == "auto" and tokens.dtype == jnp.bfloat16
             and kernel.dtype in (jnp.float32, jnp.bfloat16)):
         tokens, kernel = primitives.vary_alike((tokens, kernel.astype(jnp.float32)))

@@ -323,6 +323,43 @@ def test_top_k_refuses_k_outside_the_experts(k):
         router.top_k(jnp.zeros((2, 4)), jnp.zeros((2, 4)), k)
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 5), (2, 3, 4, 6), (6,)])
+def test_top_k_keeps_leading_dimensions(shape):
+    # Any leading shape, as lax.top_k: each row of the last axis on its own (a
+    # [B, T, E] with T == E must not mix rows of different tokens).
+    # Ties in rows (+ 0.0: no -0.0, which argmax ties with 0.0 and lax.top_k does not).
+    s = jnp.round(jax.random.normal(jax.random.key(4), shape) * 2) + 0.0
+    for k in (1, 2, shape[-1]):
+        values, ids = jax.lax.top_k(s, k)
+        got_ids, got_values = router.top_k(s, 3.0 * s, k)
+        assert got_ids.shape == ids.shape and got_ids.dtype == jnp.int32
+        np.testing.assert_array_equal(got_ids, ids, err_msg=f"k={k}")
+        np.testing.assert_array_equal(got_values, 3.0 * values, err_msg=f"k={k}")
+
+
+def test_top_k_of_integer_scores_and_values():
+    # Integer scores past 2^24 (no float32 holds both) keep their order, and
+    # the values keep their dtype, as lax.top_k's.
+    s = jnp.asarray([[2**24, 2**24 + 1, -(2**31), 7]], jnp.int32)
+    values, ids = jax.lax.top_k(s, 4)
+    got_ids, got_values = router.top_k(s, s, 4)
+    np.testing.assert_array_equal(got_ids, ids)
+    assert got_values.dtype == jnp.int32
+    np.testing.assert_array_equal(got_values, values)
+
+
+@pytest.mark.parametrize("select, values, k, match", [
+    (jnp.zeros((2, 4)), jnp.zeros((1, 4)), 2, "values .* must have select's shape"),
+    (jnp.zeros((2, 4)), jnp.zeros((2, 5)), 2, "values .* must have select's shape"),
+    (jnp.zeros(()), jnp.zeros(()), 1, "at least one axis"),
+    (jnp.zeros((2, 4)), jnp.zeros((2, 4)), 2.0, "k must be an int"),
+    (jnp.zeros((2, 4)), jnp.zeros((2, 4)), True, "k must be an int"),
+])
+def test_top_k_refuses_bad_operands(select, values, k, match):
+    with pytest.raises(ValueError, match=match):
+        router.top_k(select, values, k)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.slow
 def test_forward_is_moe_of_its_routing_plus_shared_expert(dtype):
@@ -765,6 +802,19 @@ def test_bf16_gradients_inside_shard_map_match_jit(dp, ep):
                  what="d router kernel")
     for name in ("w_gate_up", "w_down"):
         assert_close(got[name][...], getattr(want, name)[...], BF16, what=f"d {name}")
+
+
+@pytest.mark.parametrize("router_dot", mnn.ROUTER_DOTS)
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16])
+@pytest.mark.parametrize("x_shape, w_shape, match", [
+    ((), (H, E), "tokens must have at least one axis"),   # jnp.dot would scale the kernel
+    ((4, H), (H,), "kernel must be \\[H, E\\]"),
+    ((4, H), (H, E, 2), "kernel must be \\[H, E\\]"),
+    ((4, H + 1), (H, E), "tokens' last dimension"),
+])
+def test_router_logits_refuse_bad_shapes(router_dot, dtype, x_shape, w_shape, match):
+    with pytest.raises(ValueError, match=match):
+        mnn.router_logits(jnp.ones(x_shape, dtype), jnp.ones(w_shape, jnp.float32), router_dot)
 
 
 def test_router_logits_keep_leading_dimensions():

@@ -22,10 +22,10 @@ uint8_t f32_to_e4m3(float v);
 // The value of float8_e4m3fn bits (exact in f32).
 float e4m3_to_f32(uint8_t bits);
 
-// A block's scale: amax / 448 (f32 division), 1 when amax is 0; NaN or Inf
-// when amax is (the block's values then become NaN or 0).
-// amax / 448, or 1 where that is 0 (amax 0, or below 448 * 2^-150: the quotient
-// underflows, and v / 0 would make the block's values NaN or saturated).
+// A block's scale: amax / 448 (f32 division), or 1 where that is 0 (amax 0, or
+// below 448 * 2^-150, where the quotient underflows and v / 0 would make the
+// block's values NaN or saturated); NaN or Inf when amax is (the block's values
+// then become NaN or 0).
 inline float fp8_scale(float amax) {
   const float s = amax / kE4m3Max;
   return s == 0.0f ? 1.0f : s;

@@ -15,12 +15,13 @@ constexpr float kE4m3Max = 448.0f;
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 8192;
 
-// The scale of a block: amax / 448 (IEEE division), 1 for an all-zero block, NaN
+// The scale of a block: amax / 448 (IEEE division), or 1 where that is 0 (an
+// all-zero block, or amax below 448 * 2^-150, where the quotient underflows); NaN
 // when the block holds a NaN (so that every value of the block becomes NaN).
 __device__ __forceinline__ float block_scale(float amax, bool any_nan) {
   if (any_nan) return __int_as_float(0x7fc00000);  // the canonical quiet NaN
   const float s = amax / kE4m3Max;
-  return s == 0.0f ? 1.0f : s;  // amax 0, or so small that the quotient underflows
+  return s == 0.0f ? 1.0f : s;
 }
 
 // Four values v / s packed little-endian as e4m3: the f32 quotient (IEEE, round to

@@ -142,6 +142,13 @@ def _check_expert_rows(persistent, counts, H, F, seed):
     np.testing.assert_array_equal(stats.tokens_per_expert, counts)
 
 
+def test_the_most_experts_on_128_row_tiles(persistent):
+    """2048 experts, the most that the 128-row instantiations take (their shared
+    memory holds the stages, the store buffers and the experts' row-block prefix
+    sums), 130 rows each: both passes launch and give the chain's bits."""
+    _check_expert_rows(persistent, (130,) * 2048, 64, 72, seed=17)
+
+
 @pytest.mark.parametrize("counts,F,tile_rows", [
     ((3, 133, 264, 77), 128, 128),
     ((3, 133, 264, 77), 520, 128),

@@ -631,6 +631,35 @@ def test_corpus_split_is_by_file_and_deterministic():
     assert lm.batch_at(a.train, 5, cfg).shape == (4, 33)
 
 
+def _small_data_dir(path, text="x = 1\n" * 30):
+    """A --data-dir of three files, one of them held out (crc32 of its path < 5 %)."""
+    import zlib
+
+    names = [f"f{i}.py" for i in range(200)]
+    held = [n for n in names if zlib.crc32(n.encode()) % 100 < 5][:1]
+    kept = [n for n in names if zlib.crc32(n.encode()) % 100 >= 5][:2]
+    path.mkdir()
+    for name in held + kept:
+        (path / name).write_text(text)
+    return held[0], kept
+
+
+def test_data_dir_mistakes_are_messages_naming_the_path(tmp_path):
+    """A --data-dir that is missing or a file, and a .py in it that cannot be read
+    (a dangling link): a message naming the path (they were "too few .py files
+    (0)" and a FileNotFoundError traceback)."""
+    data = tmp_path / "data"
+    held, _ = _small_data_dir(data)
+    corpus = lm.load_corpus(str(data))
+    assert (corpus.train_files, corpus.eval_files) == (2, 1)
+    for bad in (tmp_path / "missing", data / held):
+        with pytest.raises(SystemExit, match=rf"{re.escape(str(bad))} is not a directory"):
+            lm.load_corpus(str(bad))
+    (data / "gone.py").symlink_to(tmp_path / "nowhere.py")
+    with pytest.raises(SystemExit, match=r"cannot read .*gone\.py"):
+        lm.load_corpus(str(data))
+
+
 @pytest.mark.parametrize("preset", ["h200", "olmoe"])
 def test_gpu_presets_trace(preset):
     cfg = lm.PRESETS[preset]

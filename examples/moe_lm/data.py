@@ -36,8 +36,11 @@ def load_corpus(root: str | None = None) -> Corpus:
     """Every ``*.py`` under ``root`` (default: the stdlib; site-packages and
     caches skipped), sorted by relative path. A file is held out for evaluation
     when ``crc32(relative path) % 100 < 5``: the split does not move when files
-    are added elsewhere. Files are joined with a NUL byte."""
+    are added elsewhere. Files are joined with a NUL byte. Stops (SystemExit naming
+    the path) where ``root`` is not a directory or a file cannot be read."""
     root = os.path.abspath(root or stdlib_root())
+    if not os.path.isdir(root):
+        raise SystemExit(f"corpus: {root} is not a directory")
     skip = {"site-packages", "dist-packages", "__pycache__"}
     paths = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -49,8 +52,12 @@ def load_corpus(root: str | None = None) -> Corpus:
     paths.sort()
     train, held_out = [], []
     for rel in paths:
-        with open(os.path.join(root, rel), "rb") as f:
-            data = f.read()
+        try:
+            with open(os.path.join(root, rel), "rb") as f:
+                data = f.read()
+        except OSError as err:
+            raise SystemExit(f"corpus: cannot read {os.path.join(root, rel)} "
+                             f"({err.strerror})") from None
         split = held_out if zlib.crc32(rel.encode()) % 100 < EVAL_FRACTION_PERCENT else train
         split.append(data)
     if not train or not held_out:

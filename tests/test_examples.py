@@ -660,6 +660,20 @@ def test_data_dir_mistakes_are_messages_naming_the_path(tmp_path):
         lm.load_corpus(str(data))
 
 
+def test_a_seq_too_long_for_the_corpus_says_the_longest_that_fits():
+    """check_seq's message names the longest --seq that `batch_at` can draw from the
+    shorter part; at exactly seq + 1 bytes it had read as if the window fit."""
+    corpus = lm.Corpus(np.arange(1000, dtype=np.uint8), np.arange(10, dtype=np.uint8), "r", 1, 1)
+    with pytest.raises(SystemExit, match=r"held-out part of the corpus has 10 bytes.*"
+                                         r"--seq 8 at most"):
+        lm.check_seq(9, corpus)
+    lm.check_seq(8, corpus)
+    windows = lm.batch_at(corpus.eval, 0, lm.Config(batch=4, seq=8))
+    assert windows.shape == (4, 9) and (np.diff(windows, axis=1) == 1).all()
+    with pytest.raises(SystemExit, match=r"held-out part of the corpus has 2 bytes"):
+        lm.check_seq(1, corpus._replace(eval=corpus.eval[:2]))
+
+
 @pytest.mark.parametrize("preset", ["h200", "olmoe"])
 def test_gpu_presets_trace(preset):
     cfg = lm.PRESETS[preset]

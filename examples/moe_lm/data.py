@@ -81,9 +81,11 @@ def check_seq(seq: int, corpus: Corpus, *, held_out: bool = True) -> None:
     parts = ([("held-out", len(corpus.eval))] if held_out else []) + [
         ("training", len(corpus.train))]
     name, size = min(parts, key=lambda part: part[1])  # ties: the first
-    if seq + 2 > size:
-        raise SystemExit(f"--seq {seq} needs windows of seq + 1 bytes, and the {name} part "
-                         f"of the corpus has {size} bytes")
+    if seq + 2 > size:  # batch_at draws a window's start from [0, size - seq - 1)
+        longest = f": --seq {size - 2} at most" if size > 2 else ""
+        raise SystemExit(f"--seq {seq} needs windows of seq + 1 bytes from a part of at "
+                         f"least seq + 2, and the {name} part of the corpus has {size} "
+                         f"bytes{longest}")
 
 
 EVAL_STREAM = 1

@@ -631,6 +631,49 @@ def test_corpus_split_is_by_file_and_deterministic():
     assert lm.batch_at(a.train, 5, cfg).shape == (4, 33)
 
 
+def _small_data_dir(path, text="x = 1\n" * 30):
+    """A --data-dir of three files, one of them held out (crc32 of its path < 5 %)."""
+    import zlib
+
+    names = [f"f{i}.py" for i in range(200)]
+    held = [n for n in names if zlib.crc32(n.encode()) % 100 < 5][:1]
+    kept = [n for n in names if zlib.crc32(n.encode()) % 100 >= 5][:2]
+    path.mkdir()
+    for name in held + kept:
+        (path / name).write_text(text)
+    return held[0], kept
+
+
+def test_data_dir_mistakes_are_messages_naming_the_path(tmp_path):
+    """A --data-dir that is missing or a file, and a .py in it that cannot be read
+    (a dangling link): a message naming the path (they were "too few .py files
+    (0)" and a FileNotFoundError traceback)."""
+    data = tmp_path / "data"
+    held, _ = _small_data_dir(data)
+    corpus = lm.load_corpus(str(data))
+    assert (corpus.train_files, corpus.eval_files) == (2, 1)
+    for bad in (tmp_path / "missing", data / held):
+        with pytest.raises(SystemExit, match=rf"{re.escape(str(bad))} is not a directory"):
+            lm.load_corpus(str(bad))
+    (data / "gone.py").symlink_to(tmp_path / "nowhere.py")
+    with pytest.raises(SystemExit, match=r"cannot read .*gone\.py"):
+        lm.load_corpus(str(data))
+
+
+def test_a_seq_too_long_for_the_corpus_says_the_longest_that_fits():
+    """check_seq's message names the longest --seq that `batch_at` can draw from the
+    shorter part; at exactly seq + 1 bytes it had read as if the window fit."""
+    corpus = lm.Corpus(np.arange(1000, dtype=np.uint8), np.arange(10, dtype=np.uint8), "r", 1, 1)
+    with pytest.raises(SystemExit, match=r"held-out part of the corpus has 10 bytes.*"
+                                         r"--seq 8 at most"):
+        lm.check_seq(9, corpus)
+    lm.check_seq(8, corpus)
+    windows = lm.batch_at(corpus.eval, 0, lm.Config(batch=4, seq=8))
+    assert windows.shape == (4, 9) and (np.diff(windows, axis=1) == 1).all()
+    with pytest.raises(SystemExit, match=r"held-out part of the corpus has 2 bytes"):
+        lm.check_seq(1, corpus._replace(eval=corpus.eval[:2]))
+
+
 @pytest.mark.parametrize("preset", ["h200", "olmoe"])
 def test_gpu_presets_trace(preset):
     cfg = lm.PRESETS[preset]

@@ -36,8 +36,11 @@ def load_corpus(root: str | None = None) -> Corpus:
     """Every ``*.py`` under ``root`` (default: the stdlib; site-packages and
     caches skipped), sorted by relative path. A file is held out for evaluation
     when ``crc32(relative path) % 100 < 5``: the split does not move when files
-    are added elsewhere. Files are joined with a NUL byte."""
+    are added elsewhere. Files are joined with a NUL byte. Stops (SystemExit naming
+    the path) where ``root`` is not a directory or a file cannot be read."""
     root = os.path.abspath(root or stdlib_root())
+    if not os.path.isdir(root):
+        raise SystemExit(f"corpus: {root} is not a directory")
     skip = {"site-packages", "dist-packages", "__pycache__"}
     paths = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -49,8 +52,12 @@ def load_corpus(root: str | None = None) -> Corpus:
     paths.sort()
     train, held_out = [], []
     for rel in paths:
-        with open(os.path.join(root, rel), "rb") as f:
-            data = f.read()
+        try:
+            with open(os.path.join(root, rel), "rb") as f:
+                data = f.read()
+        except OSError as err:
+            raise SystemExit(f"corpus: cannot read {os.path.join(root, rel)} "
+                             f"({err.strerror})") from None
         split = held_out if zlib.crc32(rel.encode()) % 100 < EVAL_FRACTION_PERCENT else train
         split.append(data)
     if not train or not held_out:
@@ -74,9 +81,11 @@ def check_seq(seq: int, corpus: Corpus, *, held_out: bool = True) -> None:
     parts = ([("held-out", len(corpus.eval))] if held_out else []) + [
         ("training", len(corpus.train))]
     name, size = min(parts, key=lambda part: part[1])  # ties: the first
-    if seq + 2 > size:
-        raise SystemExit(f"--seq {seq} needs windows of seq + 1 bytes, and the {name} part "
-                         f"of the corpus has {size} bytes")
+    if seq + 2 > size:  # batch_at draws a window's start from [0, size - seq - 1)
+        longest = f": --seq {size - 2} at most" if size > 2 else ""
+        raise SystemExit(f"--seq {seq} needs windows of seq + 1 bytes from a part of at "
+                         f"least seq + 2, and the {name} part of the corpus has {size} "
+                         f"bytes{longest}")
 
 
 EVAL_STREAM = 1

@@ -136,6 +136,18 @@ def test_axis_name_of_another_axis_is_unbound():
         jax.eval_shape(f, *_args())
 
 
+def test_axis_name_of_a_vmap_axis_is_refused():
+    # A vmap axis is bound (jax.lax.axis_size knows it) but is no mesh axis: moe must
+    # not take the batch elements for EP ranks (each element would treat its experts as
+    # a slice of a larger model and see the other elements' tokens).
+    def body(*a):
+        return mok_jax.moe(*a, axis_name="batch")
+
+    structs = [jax.ShapeDtypeStruct((2,) + s.shape, s.dtype) for s in _args()]
+    with pytest.raises(ValueError, match="axis_name='batch' is not a bound mesh axis"):
+        jax.eval_shape(jax.vmap(body, axis_name="batch"), *structs)
+
+
 def test_error_names_shapes():
     # The contract asks the message to carry the shapes, so the user sees what was passed.
     with pytest.raises(ValueError) as info:

@@ -299,6 +299,39 @@ def test_vmap_over_a_batch_sharded_over_mesh_axes(mesh_shape, spec):
         _assert_grads_bitwise([a[b] for a in gb], g, f"vmap(grad) slice {b}")
 
 
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_vmap_of_a_call_traced_on_a_mesh(axis_type):
+    """Under jax.set_mesh, a call traced before vmap sees it (jax.jit, jax.checkpoint)
+    is the partitioned one; vmap of it runs every example as its own call, with the
+    per-example bits, statistics and gradients."""
+    B, T, K, E, H, F = 2, 6, 2, 4, 8, 8
+    _, _, _, wgu, wd = make_problem(17, T, K, E, H, F, jnp.float32)
+    xs, idss, ws = zip(*[make_problem(600 + b, T, K, E, H, F, jnp.float32)[:3]
+                         for b in range(B)])
+    xb, ib, wb = jnp.stack(xs), jnp.stack(idss).at[1, 0, 1].set(E), jnp.stack(ws)
+    ctb = jnp.stack([_cotangent(700 + b, T, H) for b in range(B)])
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+
+    def forward(x, ids, w):
+        return mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=1.0, return_stats=True)
+
+    def per_example(x, ids, w, ct):
+        return grads(mok_jax.moe, (x, ids, w, wgu, wd), ct, 1.0)
+
+    with jax.set_mesh(mesh):
+        yb, sb = jax.vmap(jax.jit(forward))(xb, ib, wb)
+        yc, _ = jax.jit(jax.vmap(jax.checkpoint(forward)))(xb, ib, wb)
+        gb = jax.vmap(jax.jit(per_example))(xb, ib, wb, ctb)
+    for b in range(B):
+        y, s = forward(xb[b], ib[b], wb[b])
+        assert_bitwise(yb[b], y, f"vmap(jit) slice {b}")
+        assert_bitwise(yc[b], y, f"jit(vmap(checkpoint)) slice {b}")
+        for got, want in zip(s, sb):
+            assert_bitwise(want[b], got, f"vmap(jit) stats slice {b}")
+        g = per_example(xb[b], ib[b], wb[b], ctb[b])
+        _assert_grads_bitwise([a[b] for a in gb], g, f"vmap(jit(grad)) slice {b}")
+
+
 # --------------------------------------------------------------------------------------
 # The forward's x_rows residual (the backward reads it instead of gathering x again)
 # --------------------------------------------------------------------------------------

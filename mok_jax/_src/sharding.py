@@ -361,10 +361,12 @@ def _stats_only(recipe, cap, operands):
     return y, _pack_stats(stats)
 
 
-@functools.partial(custom_partitioning, static_argnums=(5, 6, 7))
-def _forward(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend, recipe):
+def _forward_whole(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend, recipe):
     del backend
     return _stats_only(recipe, cap, (x, expert_ids, expert_weights, w_gate_up, w_down))
+
+
+_forward = custom_partitioning(_forward_whole, static_argnums=(5, 6, 7))
 
 
 def _forward_infer(cap, backend, recipe, mesh, arg_shapes, result_shape):
@@ -410,15 +412,19 @@ def _rows_per_token(cfg, bound, top_k):
     return bound * top_k
 
 
-@functools.partial(custom_partitioning, static_argnums=(5, 6, 7, 8))
-def _forward_saving(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend, recipe,
-                    bound):
+def _forward_saving_whole(x, expert_ids, expert_weights, w_gate_up, w_down, cap, backend,
+                          recipe, bound):
+    """The forward on one device; the residuals it returns are zeros, which
+    `_backward_whole` does not read."""
     del backend
     y, stats = _stats_only(recipe, cap, (x, expert_ids, expert_weights, w_gate_up, w_down))
     T, K = expert_ids.shape
     r = bound * K
     return (y, stats, jnp.zeros((T, r, x.shape[1]), x.dtype),
             jnp.zeros((T, r, w_gate_up.shape[2]), x.dtype), jnp.zeros((T, 2), jnp.int32))
+
+
+_forward_saving = custom_partitioning(_forward_saving_whole, static_argnums=(5, 6, 7, 8))
 
 
 def _forward_saving_infer(cap, backend, recipe, bound, mesh, arg_shapes, result_shape):
@@ -468,14 +474,17 @@ _forward_saving.def_partition(
     need_replication_factors=FORWARD_SAVING.replicated_factors(_SPLIT_FACTORS))
 
 
-@functools.partial(custom_partitioning, static_argnums=(9, 10, 11, 12))
-def _backward(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up,
-              split_tag, cap, backend, recipe, bound):
+def _backward_whole(x, expert_ids, expert_weights, w_gate_up, w_down, dy, x_rows, gate_up,
+                    split_tag, cap, backend, recipe, bound):
+    """The backward on one device: runs the forward again (reads no residual)."""
     del backend, bound, x_rows, gate_up, split_tag
     operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
     _, gate_up, x_rows, _ = paths.forward_one_call(operands, capacity=cap, recipe=recipe,
                                                    save=True)
     return paths.backward_one_call(operands, gate_up, x_rows, dy, capacity=cap, recipe=recipe)
+
+
+_backward = custom_partitioning(_backward_whole, static_argnums=(9, 10, 11, 12))
 
 
 def _backward_placement(cap, recipe, mesh, arg_shapes):
@@ -557,17 +566,42 @@ class PartitionedPath:
     def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if not save:
-            y, packed = _forward(*operands, self.capacity, self.backend, self.recipe)
+            y, packed = _unless_vmapped(_forward, _forward_whole, operands,
+                                        (self.capacity, self.backend, self.recipe))
             return y, (packed[:-2], packed[-2], packed[-1]), operands
-        y, packed, *saved = _forward_saving(*operands, self.capacity, self.backend,
-                                            self.recipe, self.ep_bound)
+        y, packed, *saved = _unless_vmapped(
+            _forward_saving, _forward_saving_whole, operands,
+            (self.capacity, self.backend, self.recipe, self.ep_bound))
         return y, (packed[:-2], packed[-2], packed[-1]), (operands, *saved)
 
     def backward(self, residuals, dy):
         operands, x_rows, gate_up, split_tag = residuals
-        return tuple(_backward(*operands, dy.astype(operands[0].dtype), x_rows, gate_up,
-                               split_tag, self.capacity, self.backend, self.recipe,
-                               self.ep_bound))
+        return tuple(_unless_vmapped(
+            _backward, _backward_whole,
+            (*operands, dy.astype(operands[0].dtype), x_rows, gate_up, split_tag),
+            (self.capacity, self.backend, self.recipe, self.ep_bound)))
+
+
+def _unless_vmapped(partitioned, whole, args, static):
+    """``partitioned(*args, *static)``, a custom_partitioning function, which has no
+    batching rule. `moe` takes this path when no operand is being vmapped, but a call
+    traced before vmap reaches it (vmap of jax.jit or of jax.checkpoint) still gets
+    here: under vmap every example runs `whole` (the same function on one device) as
+    its own call, through the primitives' batching. `whole` reads no residual of the
+    partitioned forward, so a vmapped backward may follow an unbatched forward."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return partitioned(*args, *static)
+
+    @call.def_vmap
+    def _(axis_size, in_batched, *args):
+        del axis_size
+        outs = jax.vmap(lambda *a: whole(*a, *static),
+                        in_axes=tuple(0 if b else None for b in in_batched))(*args)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return call(*args)
 
 
 def ep_bound(operands) -> int:

@@ -197,13 +197,14 @@ _backward_cp.def_partition(
 
 def _forward(x, branch, scale, epsilon):
     if sharding.on_a_mesh((x, branch, scale)):
-        return _forward_cp(x, branch, scale, epsilon)
+        return sharding.unless_vmapped(_forward_cp, _bind_forward, (x, branch, scale),
+                                       (epsilon,))
     return _bind_forward(x, branch, scale, epsilon)
 
 
 def _backward(dn, ds, s, rstd, scale):
     if sharding.on_a_mesh((dn, ds, s, rstd, scale)):
-        return _backward_cp(dn, ds, s, rstd, scale)
+        return sharding.unless_vmapped(_backward_cp, _bind_backward, (dn, ds, s, rstd, scale))
     return _bind_backward(dn, ds, s, rstd, scale)
 
 

@@ -258,6 +258,30 @@ def test_vmap_over_a_batch_sharded_over_a_mesh_axis():
         assert_bitwise(n[i], n_i, "n")
 
 
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
+def test_vmap_of_a_call_traced_on_a_mesh(axis_type):
+    """A call traced on a mesh before vmap reaches it (vmap of jax.jit, and of a
+    jitted gradient, under jax.set_mesh): each example's bits, values and gradients."""
+    x, branch, scale, dn, ds = _operands((2, 4, 16), jnp.float32, seed=7)
+    mesh = jax.make_mesh((2,), ("b",), axis_types=(axis_type,))
+
+    def loss(x, branch, scale, dn, ds):
+        s, n = mok_jax.add_rms_norm(x, branch, scale)
+        return jnp.sum(s * ds) + jnp.sum(n * dn)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    with jax.set_mesh(mesh):
+        s, n = jax.vmap(jax.jit(mok_jax.add_rms_norm), in_axes=(0, 0, None))(x, branch, scale)
+        g = jax.vmap(jax.jit(grad), in_axes=(0, 0, None, 0, 0))(x, branch, scale, dn, ds)
+    for i in range(2):
+        s_i, n_i = mok_jax.add_rms_norm(x[i], branch[i], scale)
+        assert_bitwise(s[i], s_i, "s")
+        assert_bitwise(n[i], n_i, "n")
+        for got, want, name in zip(g, grad(x[i], branch[i], scale, dn[i], ds[i]),
+                                   ("dx", "dbranch", "dscale")):
+            assert_bitwise(got[i], want, name)
+
+
 # --- the CUDA kernels -------------------------------------------------------------------
 
 def _math(x, branch, scale, dn, ds):

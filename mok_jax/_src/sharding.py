@@ -566,29 +566,30 @@ class PartitionedPath:
     def forward(self, x, expert_ids, expert_weights, w_gate_up, w_down, *, save):
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if not save:
-            y, packed = _unless_vmapped(_forward, _forward_whole, operands,
+            y, packed = unless_vmapped(_forward, _forward_whole, operands,
                                         (self.capacity, self.backend, self.recipe))
             return y, (packed[:-2], packed[-2], packed[-1]), operands
-        y, packed, *saved = _unless_vmapped(
+        y, packed, *saved = unless_vmapped(
             _forward_saving, _forward_saving_whole, operands,
             (self.capacity, self.backend, self.recipe, self.ep_bound))
         return y, (packed[:-2], packed[-2], packed[-1]), (operands, *saved)
 
     def backward(self, residuals, dy):
         operands, x_rows, gate_up, split_tag = residuals
-        return tuple(_unless_vmapped(
+        return tuple(unless_vmapped(
             _backward, _backward_whole,
             (*operands, dy.astype(operands[0].dtype), x_rows, gate_up, split_tag),
             (self.capacity, self.backend, self.recipe, self.ep_bound)))
 
 
-def _unless_vmapped(partitioned, whole, args, static):
+def unless_vmapped(partitioned, whole, args, static=()):
     """``partitioned(*args, *static)``, a custom_partitioning function, which has no
-    batching rule. `moe` takes this path when no operand is being vmapped, but a call
-    traced before vmap reaches it (vmap of jax.jit or of jax.checkpoint) still gets
-    here: under vmap every example runs `whole` (the same function on one device) as
-    its own call, through the primitives' batching. `whole` reads no residual of the
-    partitioned forward, so a vmapped backward may follow an unbatched forward."""
+    batching rule. `moe` and `add_rms_norm` take their partitioned functions when no
+    operand is being vmapped, but a call traced before vmap reaches it (vmap of
+    jax.jit or of jax.checkpoint) still gets here: under vmap every example runs
+    `whole` (the same function on one device) as its own call, through the
+    primitives' batching. (`moe`'s `whole` backward reads no residual of the
+    partitioned forward, so a vmapped backward may follow an unbatched forward.)"""
 
     @jax.custom_batching.custom_vmap
     def call(*args):

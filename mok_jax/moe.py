@@ -372,14 +372,13 @@ def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
 
     ep_size = 1
     if axis_name is not None:
-        unbound = ValueError(
-            f"mok_jax.moe: axis_name={axis_name!r} is not a bound mesh axis; call "
-            "moe inside jax.shard_map over a mesh with that axis, or pass "
-            "axis_name=None")
+        unbound = (f"mok_jax.moe: axis_name={axis_name!r} is not a bound mesh axis; call "
+                   "moe inside jax.shard_map over a mesh with that axis, or pass "
+                   "axis_name=None")
         try:
             ep_size = jax.lax.axis_size(axis_name)
         except NameError as err:
-            raise unbound from err
+            raise ValueError(unbound) from err
         # jax.vmap(..., axis_name=...) binds a name too, but its batch elements are
         # independent calls, not EP ranks (and the custom VJP's backward cannot see it).
         if axis_name not in jax.sharding.get_abstract_mesh().manual_axes:

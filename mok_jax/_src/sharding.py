@@ -567,7 +567,7 @@ class PartitionedPath:
         operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
         if not save:
             y, packed = unless_vmapped(_forward, _forward_whole, operands,
-                                        (self.capacity, self.backend, self.recipe))
+                                       (self.capacity, self.backend, self.recipe))
             return y, (packed[:-2], packed[-2], packed[-1]), operands
         y, packed, *saved = unless_vmapped(
             _forward_saving, _forward_saving_whole, operands,

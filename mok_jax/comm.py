@@ -42,6 +42,7 @@ import numpy as np
 
 ENV_TIMEOUT = "MOK_JAX_COMM_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 1e9  # about 31 years
 # The longest a process waits in the jax.distributed key-value store for its
 # peers' bootstrap data (unique id, window size); then jax's error ends the wait.
 KV_TIMEOUT_S = 300
@@ -153,6 +154,8 @@ def auto_selects_fused(platform: str, row_bytes: int) -> bool:
 
 
 def timeout_s() -> float:
+    """The barrier timeout of `ENV_TIMEOUT`: a positive, finite number of seconds, at
+    most `MAX_TIMEOUT_S` (the handlers count it in 64-bit nanoseconds)."""
     raw = os.environ.get(ENV_TIMEOUT, "")
     if not raw:
         return DEFAULT_TIMEOUT_S
@@ -160,8 +163,9 @@ def timeout_s() -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r}: expected a positive number of seconds")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{ENV_TIMEOUT}={raw!r}: expected a positive number of seconds, "
+                         f"at most {MAX_TIMEOUT_S:g}")
     return value
 
 

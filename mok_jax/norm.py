@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mok_jax._src import ext, primitives, sharding
 from mok_jax._src.primitives import Array, Signature
@@ -292,6 +292,13 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
     if not kernel_takes(x.dtype, x.shape[-1]) or x.size == 0 or inner_split or scale_split:
         s, n, _ = _forward_math(x, branch, scale.astype(jnp.float32), epsilon=epsilon)
         return s, n
+    branch_mesh = jax.typeof(branch).sharding.mesh
+    if not branch_mesh.empty and sharding.explicit_spec(branch) != sharding.explicit_spec(x):
+        # The custom VJP returns one gradient for x and branch, of x's type: branch
+        # takes x's type first (the reshard's transpose gives its gradient its own).
+        x_sharding = jax.typeof(x).sharding
+        branch = jax.sharding.reshard(branch, x_sharding if x_sharding.mesh == branch_mesh
+                                      else NamedSharding(branch_mesh, PartitionSpec()))
     x, branch, scale32 = primitives.vary_alike((x, branch, scale.astype(jnp.float32)))
     rows = x.reshape(-1, x.shape[-1])
     s, n = _add_rms_norm(rows, branch.reshape(rows.shape), scale32, float(epsilon))

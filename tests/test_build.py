@@ -54,6 +54,24 @@ def test_nccl_versions_read_as_release_numbers():
     assert comm.nccl_version_string(23203) == "2.32.3"
 
 
+@pytest.mark.parametrize("raw", ["0", "-5", "nan", "inf", "1e300", "soon"])
+def test_comm_timeout_refuses_what_is_not_a_finite_positive_number(monkeypatch, raw):
+    """An infinite or out-of-range MOK_JAX_COMM_TIMEOUT_S is refused with the variable's
+    name (the handlers count the timeout in 64-bit nanoseconds)."""
+    monkeypatch.setenv(comm.ENV_TIMEOUT, raw)
+    with pytest.raises(ValueError, match=comm.ENV_TIMEOUT):
+        comm.timeout_s()
+
+
+def test_comm_timeout_reads_seconds(monkeypatch):
+    monkeypatch.delenv(comm.ENV_TIMEOUT, raising=False)
+    assert comm.timeout_s() == 60.0
+    monkeypatch.setenv(comm.ENV_TIMEOUT, "2.5")
+    assert comm.timeout_s() == 2.5
+    monkeypatch.setenv(comm.ENV_TIMEOUT, "86400000")  # 1000 days
+    assert comm.timeout_s() == 86400000.0
+
+
 def test_fused_backend_refuses_an_nccl_it_was_not_built_for(nccl_2_32_loaded):
     with pytest.raises(ValueError, match=r"built against NCCL 2\.28\.9, but NCCL 2\.32\.3 is "
                                          r"loaded.*nvidia-nccl-cu13==2\.28\.9"):

@@ -209,6 +209,32 @@ def test_a_scale_split_by_an_explicit_axis_takes_the_jnp_form():
             _close(a, b, 1e-6, what)
 
 
+@pytest.mark.parametrize("x_spec, branch_spec", [(P("a"), P()), (P(), P("a")), (P("a"), P("b"))])
+def test_x_and_branch_of_different_explicit_shardings(x_spec, branch_spec):
+    """x and branch whose types split them differently (Explicit axes): values and
+    gradients equal the unsharded call's, and each gradient has its primal's type,
+    as for ``nnx.RMSNorm(x + branch)``."""
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=CPUS[:4])  # Explicit axes
+    x, branch, scale, dn, ds = jax.device_put(_operands((8, 32), jnp.float32, seed=10),
+                                              CPUS[0])
+
+    def loss(x, branch, scale):
+        s, n = mok_jax.add_rms_norm(x, branch, scale)
+        return jnp.sum(s * ds) + jnp.sum(n * dn)
+
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, branch, scale)
+    with jax.set_mesh(mesh):
+        args = (jax.device_put(x, NamedSharding(mesh, x_spec)),
+                jax.device_put(branch, NamedSharding(mesh, branch_spec)),
+                jax.device_put(scale, NamedSharding(mesh, P())))
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+    for g, a, what in zip(got[1], args, ("dx", "dbranch", "dscale")):
+        assert jax.typeof(g).sharding.spec == jax.typeof(a).sharding.spec, what
+    for a, b, what in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                          ("loss", "dx", "dbranch", "dscale")):
+        _close(a, b, 1e-6, what)
+
+
 def test_inside_shard_map_the_scale_gradient_is_summed_over_the_batch_axis():
     """In shard_map with the scale replicated, its gradient is the sum over every
     device's rows (the op casts the scale to vary like x, and the cast's transpose

@@ -400,6 +400,20 @@ def test_capacity_factor_reaches_moe():
     assert np.all(np.isfinite(np.asarray(y)))
 
 
+def test_numpy_capacity_factor_counts_as_its_value():
+    # np.float32(0.1) is 0.100000001490116...: with T = 40, K = 2, E = 8 the limit
+    # is c * 10 = 1.0000000149..., so ceil keeps 2 rows. Multiplied out in float32
+    # the product rounds to 1.0 and would keep 1.
+    c = np.float32(0.1)
+    assert mok_jax.capacity(c, 40, K, E) == mok_jax.capacity(float(c), 40, K, E) == 2
+    x = tokens(40)
+    y32, aux32 = make_layer(capacity_factor=c)(x)
+    y64, aux64 = make_layer(capacity_factor=float(c))(x)
+    over_two = np.maximum(np.asarray(aux32.tokens_per_expert) - 2, 0).sum()
+    assert int(aux32.dropped) == int(aux64.dropped) == over_two > 0
+    assert_bitwise(y32, y64, "np.float32 and float capacity_factor")
+
+
 # --------------------------------------------------------------------------------------
 # Auxiliary losses
 # --------------------------------------------------------------------------------------

@@ -223,6 +223,9 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
     if not _is_real(route_scale) or not math.isfinite(route_scale) or route_scale <= 0:
         raise ValueError(f"MoE: route_scale must be a positive finite number, got {route_scale!r}")
     check_option_values("MoE", capacity_factor=capacity_factor, backend=backend)
+    if dtype is not None:
+        _as_dtype("dtype", dtype)
+    _as_dtype("param_dtype", param_dtype)
     if resolve_recipe(recipe, where="MoE") == Recipe.FP8:
         if dtype is not None and jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
             raise ValueError(f"MoE: recipe 'fp8' needs bfloat16 dtype (the experts' "
@@ -234,9 +237,6 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
                              f"it {jnp.dtype(param_dtype)}: pass dtype=jnp.bfloat16")
     if router_dot not in ROUTER_DOTS:
         raise ValueError(f"MoE: router_dot must be one of {ROUTER_DOTS}, got {router_dot!r}")
-    if dtype is not None:
-        _as_dtype("dtype", dtype)
-    _as_dtype("param_dtype", param_dtype)
 
     if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
         raise ValueError("MoE: axis_name must be None or the name (str) of the expert-parallel "

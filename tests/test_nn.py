@@ -115,6 +115,8 @@ def test_expert_init_is_lecun_per_expert():
     (dict(dtype="not a dtype"), "MoE: dtype must be float32 or bfloat16"),
     (dict(param_dtype=jnp.float16), "MoE: param_dtype must be float32 or bfloat16"),
     (dict(param_dtype=None), "MoE: param_dtype must be float32 or bfloat16"),
+    (dict(recipe="fp8", dtype="not a dtype"), "MoE: dtype must be float32 or bfloat16"),
+    (dict(recipe="fp8", dtype=object), "MoE: dtype must be float32 or bfloat16"),
     (dict(axis_name=3, batch_axis_names=(3,)), "axis_name must be None or the name"),
     (dict(axis_name=""), "axis_name must be None or the name"),
     (dict(batch_axis_names="dp"), "batch_axis_names must be a sequence"),

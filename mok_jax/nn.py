@@ -160,6 +160,20 @@ def _is_real(value) -> bool:
             and not isinstance(value, (bool, np.bool_)))
 
 
+def _real_array(where: str, name: str, value, what: str):
+    """``value`` as an array of an integer or floating dtype, or a ValueError naming
+    ``name`` (for strings, complex numbers, booleans, None)."""
+    try:
+        array = value if isinstance(value, jax.Array) else np.asarray(value)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or not (jnp.issubdtype(array.dtype, jnp.integer)
+                             or jnp.issubdtype(array.dtype, jnp.floating)):
+        raise ValueError(f"{where}: {name} must be {what} (an integer or floating "
+                         f"scalar or array), got {value!r}")
+    return jnp.asarray(array)
+
+
 def _as_dtype(name: str, value) -> np.dtype:
     """``value`` as a dtype that `mok_jax.moe` supports, or a ValueError naming ``name``."""
     try:
@@ -597,20 +611,30 @@ class MoE(nnx.Module):
         Overloaded experts become less likely to be selected, underloaded ones
         more. Call once per training step with the global ``tokens_per_expert``
         ``[E]`` of `MoEAux` (sum them first if the layer ran on several
-        micro-batches); ``rate`` is a scalar, or ``[E]`` for a rate per expert.
+        micro-batches); ``rate`` is a scalar, or ``[E]`` for a rate per expert,
+        finite and >= 0 (a concrete rate outside that is a ValueError).
         Works eagerly and under ``jax.jit``.
         """
         if self.balance_bias is None:
             raise ValueError("MoE.update_balance_bias: this layer was built with "
                              "balance_bias=False")
-        counts = jnp.asarray(tokens_per_expert, jnp.float32)
+        where = "MoE.update_balance_bias"
+        counts = _real_array(where, "tokens_per_expert", tokens_per_expert, "real counts")
         if counts.shape != (self.num_experts,):
             raise ValueError("MoE.update_balance_bias: tokens_per_expert must have shape "
                              f"[E] = ({self.num_experts},), got {counts.shape}")
-        rate = jnp.asarray(rate, jnp.float32)
+        rate_in = rate
+        rate = _real_array(where, "rate", rate, "a real number")
         if rate.shape not in ((), (self.num_experts,)):
             raise ValueError("MoE.update_balance_bias: rate must be a scalar or have shape "
                              f"[E] = ({self.num_experts},), got {rate.shape}")
+        # A traced rate cannot be checked (nor an array some devices cannot read).
+        if not isinstance(rate, jax.core.Tracer) and rate.is_fully_addressable:
+            concrete = np.asarray(rate, np.float64)
+            if not np.all(np.isfinite(concrete) & (concrete >= 0)):
+                raise ValueError("MoE.update_balance_bias: rate must be finite and >= 0 "
+                                 f"(a negative rate unbalances the experts), got {rate_in!r}")
+        counts, rate = counts.astype(jnp.float32), rate.astype(jnp.float32)
         step = rate * jnp.sign(jnp.mean(counts) - counts)
         self.balance_bias[...] = self.balance_bias[...] + step
 

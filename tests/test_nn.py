@@ -550,6 +550,35 @@ def test_update_balance_bias_is_sign_based():
     np.testing.assert_array_equal(per_expert.balance_bias[...], [0, 1, 0, 0, 4, 0, -6, 7])
 
 
+@pytest.mark.parametrize("counts, rate, match", [
+    (None, -0.5, "rate must be finite and >= 0"),
+    (None, float("nan"), "rate must be finite and >= 0"),
+    (None, float("inf"), "rate must be finite and >= 0"),
+    (None, np.float32(-1e-3), "rate must be finite and >= 0"),
+    (None, jnp.array(-1e-3), "rate must be finite and >= 0"),
+    (None, jnp.arange(E, dtype=jnp.float32) - 1, "rate must be finite and >= 0"),
+    (None, "0.1", "rate must be a real number"),
+    (None, 1j, "rate must be a real number"),
+    (None, None, "rate must be a real number"),
+    (None, True, "rate must be a real number"),
+    ("abc", 0.1, "tokens_per_expert must be real counts"),
+    (jnp.ones(E, jnp.complex64), 0.1, "tokens_per_expert must be real counts"),
+])
+def test_update_balance_bias_refuses_bad_rates_and_counts(counts, rate, match):
+    layer = make_layer(balance_bias=True)
+    counts = jnp.array([10, 2, 4, 4, 0, 4, 8, 0], jnp.int32) if counts is None else counts
+    with pytest.raises(ValueError, match="MoE.update_balance_bias: " + match):
+        layer.update_balance_bias(counts, rate)
+    np.testing.assert_array_equal(layer.balance_bias[...], np.zeros(E))
+
+
+def test_update_balance_bias_takes_a_traced_rate_under_jit():
+    layer = make_layer(balance_bias=True)
+    counts = jnp.array([10, 2, 4, 4, 0, 4, 8, 0], jnp.int32)
+    nnx.jit(lambda m, c, r: m.update_balance_bias(c, r))(layer, counts, jnp.float32(0.5))
+    np.testing.assert_array_equal(layer.balance_bias[...], [-0.5, 0.5, 0, 0, 0.5, 0, -0.5, 0.5])
+
+
 def test_balance_bias_selects_but_does_not_weight():
     layer = make_layer(balance_bias=True, renormalize=False)
     x = tokens(64)

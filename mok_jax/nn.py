@@ -234,7 +234,11 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
                         ("check_mesh", check_mesh)):
         if not isinstance(value, (bool, np.bool_)):
             raise ValueError(f"MoE: {name} must be a bool, got {value!r}")
-    if not _is_real(route_scale) or not math.isfinite(route_scale) or route_scale <= 0:
+    try:
+        scale_ok = _is_real(route_scale) and math.isfinite(route_scale) and route_scale > 0
+    except OverflowError:  # an int past a float's range: the layer keeps float(route_scale)
+        scale_ok = False
+    if not scale_ok:
         raise ValueError(f"MoE: route_scale must be a positive finite number, got {route_scale!r}")
     check_option_values("MoE", capacity_factor=capacity_factor, backend=backend)
     if dtype is not None:

@@ -101,6 +101,7 @@ def test_expert_init_is_lecun_per_expert():
     (dict(route_scale=0.0), "route_scale must be a positive finite number"),
     (dict(route_scale=float("nan")), "route_scale must be a positive finite number"),
     (dict(route_scale="2.5"), "route_scale must be a positive finite number"),
+    (dict(route_scale=10 ** 400), "route_scale must be a positive finite number"),
     (dict(shared_ffn_size=-1), "shared_ffn_size must be an int >= 0"),
     (dict(shared_ffn_size=2.5), "shared_ffn_size must be an int >= 0"),
     (dict(capacity_factor=0), "capacity_factor must be None"),

@@ -487,6 +487,9 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
         """``x`` ``[..., H]`` -> ``(y [..., H], MoEAux)``; see the class docstring."""
         x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            raise ValueError(f"MoE: x must be real, got {x.dtype}: casting it to the "
+                             "computation dtype would drop the imaginary parts")
         if x.ndim == 0 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE: x's last dimension must be hidden_size={self.hidden_size}, "
                              f"got shape {x.shape}")

@@ -178,6 +178,14 @@ def test_wrong_hidden_size():
     assert_bitwise(make_layer()(x.tolist())[0], make_layer()(jnp.asarray(x))[0], "list x")
 
 
+@pytest.mark.parametrize("dtype", [None, jnp.float32, jnp.bfloat16])
+def test_complex_tokens_are_refused(dtype):
+    # Not cast to the computation dtype, which would drop the imaginary parts.
+    x = tokens(4).astype(jnp.complex64)
+    with pytest.raises(ValueError, match="MoE: x must be real"):
+        make_layer(dtype=dtype)(x)
+
+
 def test_router_kernel_of_another_shape_is_refused():
     # A router kernel replaced by one of another width would route to experts the
     # layer does not hold (ids past num_experts count as invalid pairs).

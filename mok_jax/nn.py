@@ -70,6 +70,10 @@ def logical_axis_rules(mesh_axis_names: Sequence[str], *, expert_axis: str = "ep
       >>> logical_axis_rules(("dp",))[:2]
       (('batch', ('dp',)), ('expert', None))
     """
+    for name, value in (("mesh_axis_names", mesh_axis_names), ("data_axes", data_axes)):
+        if isinstance(value, str):
+            raise ValueError(f"logical_axis_rules: {name} must be a sequence of mesh axis "
+                             f"names, such as ({value!r},), got the str {value!r}")
     names = tuple(mesh_axis_names)
     batch = tuple(a for a in data_axes if a in names)
     rules = {name: target for name, target in LOGICAL_AXIS_RULES}

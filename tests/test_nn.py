@@ -677,6 +677,16 @@ def test_logical_axis_rules_and_named_shardings():
     assert mnn.named_shardings(state, dp_only)["w_gate_up"].get_value().spec == P(None, None, None)
 
 
+def test_logical_axis_rules_refuse_a_string_for_a_sequence_of_names():
+    # A str is a sequence of one-letter names: "ep" would match neither axis and
+    # leave the tokens or the experts replicated.
+    with pytest.raises(ValueError, match="logical_axis_rules: data_axes must be a sequence"):
+        mnn.logical_axis_rules(("dp", "ep"), data_axes="ep")
+    with pytest.raises(ValueError, match="logical_axis_rules: mesh_axis_names must be a seq"):
+        mnn.logical_axis_rules("ep")
+    assert dict(mnn.logical_axis_rules(["dp", "ep"], data_axes=["ep"]))["batch"] == ("ep",)
+
+
 def test_eager_sharding_under_a_mesh():
     mesh = mesh_of(4, 2)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(mnn.logical_axis_rules(mesh.axis_names)):

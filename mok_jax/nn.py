@@ -283,7 +283,8 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
     if expert_kernel_init is not None and not callable(expert_kernel_init):
         raise ValueError(f"MoE: expert_kernel_init must be None or an initializer (a callable), "
                          f"got {expert_kernel_init!r}")
-    if not isinstance(rngs, nnx.Rngs):
+    # hasattr: a 'params' stream, or the 'default' stream Flax falls back to.
+    if not isinstance(rngs, nnx.Rngs) or not hasattr(rngs, "params"):
         raise ValueError(f"MoE: rngs must be an nnx.Rngs (with a 'params' stream), got {rngs!r}")
 
 

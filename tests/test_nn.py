@@ -128,6 +128,7 @@ def test_expert_init_is_lecun_per_expert():
     (dict(router_kernel_init="lecun"), "router_kernel_init must be an initializer"),
     (dict(expert_kernel_init=0.02), "expert_kernel_init must be None or an initializer"),
     (dict(rngs=0), "rngs must be an nnx.Rngs"),
+    (dict(rngs=nnx.Rngs(dropout=0)), "rngs must be an nnx.Rngs \\(with a 'params' stream"),
     (dict(router_dot="bf16x3"), "router_dot must be one of \\('auto', 'highest'\\)"),
 ])
 def test_bad_construction(kw, match):

@@ -427,6 +427,15 @@ class MoE(nnx.Module):
             rngs.params(), (E, H, 2 * F), param_dtype))
         self.w_down = nnx.Param(logical_partitioning(down_init, ("expert", "mlp", "embed"))(
             rngs.params(), (E, F, H), param_dtype))
+        for init_name, name, param, shape in (
+                ("router_kernel_init", "router.kernel", self.router.kernel, (H, E)),
+                ("expert_kernel_init", "w_gate_up", self.w_gate_up, (E, H, 2 * F)),
+                ("expert_kernel_init", "w_down", self.w_down, (E, F, H))):
+            if param.shape != shape or param.dtype != self.param_dtype:
+                raise ValueError(
+                    f"MoE: {init_name} made {name} of shape {param.shape} and dtype "
+                    f"{param.dtype}, expected {shape} and {self.param_dtype} (param_dtype): "
+                    "an initializer is called as init(key, shape, dtype)")
         if self.shared_ffn_size:
             Fs = self.shared_ffn_size
             dense_init = _LECUN_NORMAL

@@ -146,6 +146,19 @@ def test_good_construction_variants():
     assert layer.batch_axis_names == ("dp", "ep") and layer.hidden_size == H
 
 
+def test_initializers_must_make_the_parameters_shape_and_dtype():
+    # An initializer that ignores its dtype would leave float32 parameters in a
+    # bfloat16 layer (and a float32 computation dtype with dtype=None).
+    f32_only = lambda key, shape, dtype: 0.02 * jax.random.normal(key, shape)
+    with pytest.raises(ValueError, match=r"MoE: expert_kernel_init made w_gate_up of shape "
+                       r"\(8, 16, 48\) and dtype float32, expected \(8, 16, 48\) and bfloat16"):
+        make_layer(param_dtype=jnp.bfloat16, expert_kernel_init=f32_only)
+    with pytest.raises(ValueError, match=r"MoE: router_kernel_init made router.kernel of shape "
+                       r"\(8, 16\) and dtype float32, expected \(16, 8\) and float32"):
+        make_layer(router_kernel_init=lambda key, shape, dtype: jnp.zeros(shape[::-1], dtype))
+    make_layer(param_dtype=jnp.bfloat16, expert_kernel_init=nnx.initializers.normal(0.02))
+
+
 def test_float16_is_rejected_at_construction_as_the_layers_dtype():
     # Not later, as a complaint about mok_jax.moe's `x`.
     with pytest.raises(ValueError) as err:

@@ -45,6 +45,8 @@ def capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
     ``num_tokens`` is the global token count (all EP ranks together). An expert
     can receive at most ``T * K`` pairs, so a larger limit would drop nothing; the
     clamp keeps the limit an integer the kernels hold for any finite factor.
+    A NumPy scalar factor (``np.float32(1.25)``) gives the limit of the Python
+    number of the same value: the product is not rounded in the scalar's dtype.
     """
     for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1),
                                ("num_experts", num_experts, 1)):
@@ -55,6 +57,9 @@ def capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
     if capacity_factor is None:
         return None
     check_capacity_factor("mok_jax.capacity", capacity_factor)
+    if isinstance(capacity_factor, np.generic):
+        # NumPy scalars as Python numbers: float32 arithmetic would round the limit.
+        capacity_factor = capacity_factor.item()
     pairs = num_tokens * top_k
     if capacity_factor >= num_experts:  # keeps every pair (an int past a float's range too)
         return pairs

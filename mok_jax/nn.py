@@ -70,6 +70,10 @@ def logical_axis_rules(mesh_axis_names: Sequence[str], *, expert_axis: str = "ep
       >>> logical_axis_rules(("dp",))[:2]
       (('batch', ('dp',)), ('expert', None))
     """
+    for name, value in (("mesh_axis_names", mesh_axis_names), ("data_axes", data_axes)):
+        if isinstance(value, str):
+            raise ValueError(f"logical_axis_rules: {name} must be a sequence of mesh axis "
+                             f"names, such as ({value!r},), got the str {value!r}")
     names = tuple(mesh_axis_names)
     batch = tuple(a for a in data_axes if a in names)
     rules = {name: target for name, target in LOGICAL_AXIS_RULES}
@@ -160,6 +164,20 @@ def _is_real(value) -> bool:
             and not isinstance(value, (bool, np.bool_)))
 
 
+def _real_array(where: str, name: str, value, what: str):
+    """``value`` as an array of an integer or floating dtype, or a ValueError naming
+    ``name`` (for strings, complex numbers, booleans, None)."""
+    try:
+        array = value if isinstance(value, jax.Array) else np.asarray(value)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or not (jnp.issubdtype(array.dtype, jnp.integer)
+                             or jnp.issubdtype(array.dtype, jnp.floating)):
+        raise ValueError(f"{where}: {name} must be {what} (an integer or floating "
+                         f"scalar or array), got {value!r}")
+    return jnp.asarray(array)
+
+
 def _as_dtype(name: str, value) -> np.dtype:
     """``value`` as a dtype that `mok_jax.moe` supports, or a ValueError naming ``name``."""
     try:
@@ -220,9 +238,16 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
                         ("check_mesh", check_mesh)):
         if not isinstance(value, (bool, np.bool_)):
             raise ValueError(f"MoE: {name} must be a bool, got {value!r}")
-    if not _is_real(route_scale) or not math.isfinite(route_scale) or route_scale <= 0:
+    try:
+        scale_ok = _is_real(route_scale) and math.isfinite(route_scale) and route_scale > 0
+    except OverflowError:  # an int past a float's range: the layer keeps float(route_scale)
+        scale_ok = False
+    if not scale_ok:
         raise ValueError(f"MoE: route_scale must be a positive finite number, got {route_scale!r}")
     check_option_values("MoE", capacity_factor=capacity_factor, backend=backend)
+    if dtype is not None:
+        _as_dtype("dtype", dtype)
+    _as_dtype("param_dtype", param_dtype)
     if resolve_recipe(recipe, where="MoE") == Recipe.FP8:
         if dtype is not None and jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
             raise ValueError(f"MoE: recipe 'fp8' needs bfloat16 dtype (the experts' "
@@ -234,9 +259,6 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
                              f"it {jnp.dtype(param_dtype)}: pass dtype=jnp.bfloat16")
     if router_dot not in ROUTER_DOTS:
         raise ValueError(f"MoE: router_dot must be one of {ROUTER_DOTS}, got {router_dot!r}")
-    if dtype is not None:
-        _as_dtype("dtype", dtype)
-    _as_dtype("param_dtype", param_dtype)
 
     if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
         raise ValueError("MoE: axis_name must be None or the name (str) of the expert-parallel "
@@ -261,7 +283,8 @@ def _check_config(*, hidden_size, ffn_size, num_experts, top_k, score_fn, renorm
     if expert_kernel_init is not None and not callable(expert_kernel_init):
         raise ValueError(f"MoE: expert_kernel_init must be None or an initializer (a callable), "
                          f"got {expert_kernel_init!r}")
-    if not isinstance(rngs, nnx.Rngs):
+    # hasattr: a 'params' stream, or the 'default' stream Flax falls back to.
+    if not isinstance(rngs, nnx.Rngs) or not hasattr(rngs, "params"):
         raise ValueError(f"MoE: rngs must be an nnx.Rngs (with a 'params' stream), got {rngs!r}")
 
 
@@ -404,6 +427,15 @@ class MoE(nnx.Module):
             rngs.params(), (E, H, 2 * F), param_dtype))
         self.w_down = nnx.Param(logical_partitioning(down_init, ("expert", "mlp", "embed"))(
             rngs.params(), (E, F, H), param_dtype))
+        for init_name, name, param, shape in (
+                ("router_kernel_init", "router.kernel", self.router.kernel, (H, E)),
+                ("expert_kernel_init", "w_gate_up", self.w_gate_up, (E, H, 2 * F)),
+                ("expert_kernel_init", "w_down", self.w_down, (E, F, H))):
+            if param.shape != shape or param.dtype != self.param_dtype:
+                raise ValueError(
+                    f"MoE: {init_name} made {name} of shape {param.shape} and dtype "
+                    f"{param.dtype}, expected {shape} and {self.param_dtype} (param_dtype): "
+                    "an initializer is called as init(key, shape, dtype)")
         if self.shared_ffn_size:
             Fs = self.shared_ffn_size
             dense_init = _LECUN_NORMAL
@@ -469,6 +501,9 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
         """``x`` ``[..., H]`` -> ``(y [..., H], MoEAux)``; see the class docstring."""
         x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            raise ValueError(f"MoE: x must be real, got {x.dtype}: casting it to the "
+                             "computation dtype would drop the imaginary parts")
         if x.ndim == 0 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE: x's last dimension must be hidden_size={self.hidden_size}, "
                              f"got shape {x.shape}")
@@ -597,20 +632,30 @@ class MoE(nnx.Module):
         Overloaded experts become less likely to be selected, underloaded ones
         more. Call once per training step with the global ``tokens_per_expert``
         ``[E]`` of `MoEAux` (sum them first if the layer ran on several
-        micro-batches); ``rate`` is a scalar, or ``[E]`` for a rate per expert.
+        micro-batches); ``rate`` is a scalar, or ``[E]`` for a rate per expert,
+        finite and >= 0 (a concrete rate outside that is a ValueError).
         Works eagerly and under ``jax.jit``.
         """
         if self.balance_bias is None:
             raise ValueError("MoE.update_balance_bias: this layer was built with "
                              "balance_bias=False")
-        counts = jnp.asarray(tokens_per_expert, jnp.float32)
+        where = "MoE.update_balance_bias"
+        counts = _real_array(where, "tokens_per_expert", tokens_per_expert, "real counts")
         if counts.shape != (self.num_experts,):
             raise ValueError("MoE.update_balance_bias: tokens_per_expert must have shape "
                              f"[E] = ({self.num_experts},), got {counts.shape}")
-        rate = jnp.asarray(rate, jnp.float32)
+        rate_in = rate
+        rate = _real_array(where, "rate", rate, "a real number")
         if rate.shape not in ((), (self.num_experts,)):
             raise ValueError("MoE.update_balance_bias: rate must be a scalar or have shape "
                              f"[E] = ({self.num_experts},), got {rate.shape}")
+        # A traced rate cannot be checked (nor an array some devices cannot read).
+        if not isinstance(rate, jax.core.Tracer) and rate.is_fully_addressable:
+            concrete = np.asarray(rate, np.float64)
+            if not np.all(np.isfinite(concrete) & (concrete >= 0)):
+                raise ValueError("MoE.update_balance_bias: rate must be finite and >= 0 "
+                                 f"(a negative rate unbalances the experts), got {rate_in!r}")
+        counts, rate = counts.astype(jnp.float32), rate.astype(jnp.float32)
         step = rate * jnp.sign(jnp.mean(counts) - counts)
         self.balance_bias[...] = self.balance_bias[...] + step
 

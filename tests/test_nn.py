@@ -101,6 +101,7 @@ def test_expert_init_is_lecun_per_expert():
     (dict(route_scale=0.0), "route_scale must be a positive finite number"),
     (dict(route_scale=float("nan")), "route_scale must be a positive finite number"),
     (dict(route_scale="2.5"), "route_scale must be a positive finite number"),
+    (dict(route_scale=10 ** 400), "route_scale must be a positive finite number"),
     (dict(shared_ffn_size=-1), "shared_ffn_size must be an int >= 0"),
     (dict(shared_ffn_size=2.5), "shared_ffn_size must be an int >= 0"),
     (dict(capacity_factor=0), "capacity_factor must be None"),
@@ -115,6 +116,8 @@ def test_expert_init_is_lecun_per_expert():
     (dict(dtype="not a dtype"), "MoE: dtype must be float32 or bfloat16"),
     (dict(param_dtype=jnp.float16), "MoE: param_dtype must be float32 or bfloat16"),
     (dict(param_dtype=None), "MoE: param_dtype must be float32 or bfloat16"),
+    (dict(recipe="fp8", dtype="not a dtype"), "MoE: dtype must be float32 or bfloat16"),
+    (dict(recipe="fp8", dtype=object), "MoE: dtype must be float32 or bfloat16"),
     (dict(axis_name=3, batch_axis_names=(3,)), "axis_name must be None or the name"),
     (dict(axis_name=""), "axis_name must be None or the name"),
     (dict(batch_axis_names="dp"), "batch_axis_names must be a sequence"),
@@ -125,6 +128,7 @@ def test_expert_init_is_lecun_per_expert():
     (dict(router_kernel_init="lecun"), "router_kernel_init must be an initializer"),
     (dict(expert_kernel_init=0.02), "expert_kernel_init must be None or an initializer"),
     (dict(rngs=0), "rngs must be an nnx.Rngs"),
+    (dict(rngs=nnx.Rngs(dropout=0)), "rngs must be an nnx.Rngs \\(with a 'params' stream"),
     (dict(router_dot="bf16x3"), "router_dot must be one of \\('auto', 'highest'\\)"),
 ])
 def test_bad_construction(kw, match):
@@ -140,6 +144,19 @@ def test_good_construction_variants():
                        expert_kernel_init=nnx.initializers.normal(0.02))
     assert layer.dtype == BF16 and layer.param_dtype == np.float32
     assert layer.batch_axis_names == ("dp", "ep") and layer.hidden_size == H
+
+
+def test_initializers_must_make_the_parameters_shape_and_dtype():
+    # An initializer that ignores its dtype would leave float32 parameters in a
+    # bfloat16 layer (and a float32 computation dtype with dtype=None).
+    f32_only = lambda key, shape, dtype: 0.02 * jax.random.normal(key, shape)
+    with pytest.raises(ValueError, match=r"MoE: expert_kernel_init made w_gate_up of shape "
+                       r"\(8, 16, 48\) and dtype float32, expected \(8, 16, 48\) and bfloat16"):
+        make_layer(param_dtype=jnp.bfloat16, expert_kernel_init=f32_only)
+    with pytest.raises(ValueError, match=r"MoE: router_kernel_init made router.kernel of shape "
+                       r"\(8, 16\) and dtype float32, expected \(16, 8\) and float32"):
+        make_layer(router_kernel_init=lambda key, shape, dtype: jnp.zeros(shape[::-1], dtype))
+    make_layer(param_dtype=jnp.bfloat16, expert_kernel_init=nnx.initializers.normal(0.02))
 
 
 def test_float16_is_rejected_at_construction_as_the_layers_dtype():
@@ -173,6 +190,14 @@ def test_wrong_hidden_size():
         make_layer()(jnp.float32(1.0))
     x = np.ones((2, H), np.float32)  # nested lists and numpy arrays are arrays too
     assert_bitwise(make_layer()(x.tolist())[0], make_layer()(jnp.asarray(x))[0], "list x")
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.float32, jnp.bfloat16])
+def test_complex_tokens_are_refused(dtype):
+    # Not cast to the computation dtype, which would drop the imaginary parts.
+    x = tokens(4).astype(jnp.complex64)
+    with pytest.raises(ValueError, match="MoE: x must be real"):
+        make_layer(dtype=dtype)(x)
 
 
 def test_router_kernel_of_another_shape_is_refused():
@@ -400,6 +425,20 @@ def test_capacity_factor_reaches_moe():
     assert np.all(np.isfinite(np.asarray(y)))
 
 
+def test_numpy_capacity_factor_counts_as_its_value():
+    # np.float32(0.1) is 0.100000001490116...: with T = 40, K = 2, E = 8 the limit
+    # is c * 10 = 1.0000000149..., so ceil keeps 2 rows. Multiplied out in float32
+    # the product rounds to 1.0 and would keep 1.
+    c = np.float32(0.1)
+    assert mok_jax.capacity(c, 40, K, E) == mok_jax.capacity(float(c), 40, K, E) == 2
+    x = tokens(40)
+    y32, aux32 = make_layer(capacity_factor=c)(x)
+    y64, aux64 = make_layer(capacity_factor=float(c))(x)
+    over_two = np.maximum(np.asarray(aux32.tokens_per_expert) - 2, 0).sum()
+    assert int(aux32.dropped) == int(aux64.dropped) == over_two > 0
+    assert_bitwise(y32, y64, "np.float32 and float capacity_factor")
+
+
 # --------------------------------------------------------------------------------------
 # Auxiliary losses
 # --------------------------------------------------------------------------------------
@@ -534,6 +573,35 @@ def test_update_balance_bias_is_sign_based():
     np.testing.assert_array_equal(per_expert.balance_bias[...], [0, 1, 0, 0, 4, 0, -6, 7])
 
 
+@pytest.mark.parametrize("counts, rate, match", [
+    (None, -0.5, "rate must be finite and >= 0"),
+    (None, float("nan"), "rate must be finite and >= 0"),
+    (None, float("inf"), "rate must be finite and >= 0"),
+    (None, np.float32(-1e-3), "rate must be finite and >= 0"),
+    (None, jnp.array(-1e-3), "rate must be finite and >= 0"),
+    (None, jnp.arange(E, dtype=jnp.float32) - 1, "rate must be finite and >= 0"),
+    (None, "0.1", "rate must be a real number"),
+    (None, 1j, "rate must be a real number"),
+    (None, None, "rate must be a real number"),
+    (None, True, "rate must be a real number"),
+    ("abc", 0.1, "tokens_per_expert must be real counts"),
+    (jnp.ones(E, jnp.complex64), 0.1, "tokens_per_expert must be real counts"),
+])
+def test_update_balance_bias_refuses_bad_rates_and_counts(counts, rate, match):
+    layer = make_layer(balance_bias=True)
+    counts = jnp.array([10, 2, 4, 4, 0, 4, 8, 0], jnp.int32) if counts is None else counts
+    with pytest.raises(ValueError, match="MoE.update_balance_bias: " + match):
+        layer.update_balance_bias(counts, rate)
+    np.testing.assert_array_equal(layer.balance_bias[...], np.zeros(E))
+
+
+def test_update_balance_bias_takes_a_traced_rate_under_jit():
+    layer = make_layer(balance_bias=True)
+    counts = jnp.array([10, 2, 4, 4, 0, 4, 8, 0], jnp.int32)
+    nnx.jit(lambda m, c, r: m.update_balance_bias(c, r))(layer, counts, jnp.float32(0.5))
+    np.testing.assert_array_equal(layer.balance_bias[...], [-0.5, 0.5, 0, 0, 0.5, 0, -0.5, 0.5])
+
+
 def test_balance_bias_selects_but_does_not_weight():
     layer = make_layer(balance_bias=True, renormalize=False)
     x = tokens(64)
@@ -621,6 +689,16 @@ def test_logical_axis_rules_and_named_shardings():
         assert sh["balance_bias"].get_value().spec == P()
     dp_only = jax.sharding.Mesh(np.array(jax.devices()), ("dp",))
     assert mnn.named_shardings(state, dp_only)["w_gate_up"].get_value().spec == P(None, None, None)
+
+
+def test_logical_axis_rules_refuse_a_string_for_a_sequence_of_names():
+    # A str is a sequence of one-letter names: "ep" would match neither axis and
+    # leave the tokens or the experts replicated.
+    with pytest.raises(ValueError, match="logical_axis_rules: data_axes must be a sequence"):
+        mnn.logical_axis_rules(("dp", "ep"), data_axes="ep")
+    with pytest.raises(ValueError, match="logical_axis_rules: mesh_axis_names must be a seq"):
+        mnn.logical_axis_rules("ep")
+    assert dict(mnn.logical_axis_rules(["dp", "ep"], data_axes=["ep"]))["batch"] == ("ep",)
 
 
 def test_eager_sharding_under_a_mesh():

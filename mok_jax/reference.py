@@ -68,22 +68,24 @@ def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
     safe_ids = jnp.where(kept, expert_ids, 0)
 
     # Which tokens each expert takes (a kept pair), and which experts take any. The
-    # weights of an expert no pair reaches are zeros here and, in the native recipe,
-    # so are the x rows an expert does not take, selected by `where`: a NaN or inf
-    # in them must not reach y or the gradients (0 * NaN), as in `mok_jax.moe`,
-    # which never reads them.
+    # weights of an expert no pair reaches are zeros here and so are the x rows an
+    # expert does not take, selected by `where`: a NaN or inf in them must not
+    # reach y or the gradients (0 * NaN), as in `mok_jax.moe`, which never reads
+    # them. Zero rows leave the fp8 recipe's other rows alone (no block spans two
+    # rows).
     takes = jnp.any(kept[:, :, None] & (safe_ids[:, :, None] == jnp.arange(num_experts)),
                     axis=1).T                                        # [E, T]
     used = jnp.any(takes, axis=1)[:, None, None]                     # [E, 1, 1]
     w_gate_up = jnp.where(used, w_gate_up, 0)
     w_down = jnp.where(used, w_down, 0)
+    # Every expert on every token (the rows it does not take as zeros). x_e is f32
+    # so that dx sums the experts' parts before its one rounding.
+    x_e = jnp.where(takes[:, :, None], x.astype(jnp.float32)[None], 0.0)  # [E, T, H]
 
     if recipe == Recipe.FP8:
-        o = expert_outputs_fp8(x, w_gate_up, w_down)                # [E, T, H]
+        o = expert_outputs_fp8(x_e, w_gate_up, w_down)              # [E, T, H]
     else:
-        # Every expert on every token (the rows it does not take as zeros): [E, T, 2F]
-        # in f32. x_e is f32 so that dx sums the experts' parts before its one rounding.
-        x_e = jnp.where(takes[:, :, None], x.astype(jnp.float32)[None], 0.0)  # [E, T, H]
+        # [E, T, 2F] in f32
         gate_up = jnp.einsum("eth,ehf->etf", x_e, w_gate_up, preferred_element_type=jnp.float32)
         g, u = gate_up[..., :ffn], gate_up[..., ffn:]
         h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)

@@ -182,7 +182,8 @@ def _gemm(aq, sa, bq, sb_col):
 
 def expert_outputs_fp8(x, w_gate_up, w_down):
     """Every expert on every token with the fp8 recipe: ``[E, T, H]`` f32 holding
-    the outputs rounded to bfloat16 (x and the weights bfloat16)."""
+    the outputs rounded to bfloat16 (the weights bfloat16; x ``[T, H]``, or
+    ``[E, T, H]`` with a row per expert, holding bfloat16 values)."""
     ffn = w_down.shape[1]
     xq, sx = quantize_last_axis(x)
     gq, gs = quantize_matrices(w_gate_up[:, :, :ffn])

@@ -319,14 +319,15 @@ def _shape(a) -> tuple[int, ...]:
 
 
 def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
-              capacity_factor, backend) -> tuple[int, int]:
-    """Checks every static property of a call; returns (global experts, EP size)."""
+              capacity_factor, backend, where="mok_jax.moe") -> tuple[int, int]:
+    """Checks every static property of a call; returns (global experts, EP size).
+    The messages start with `where`."""
     shapes = (f"x {_shape(x)}, expert_ids {_shape(expert_ids)}, expert_weights "
               f"{_shape(expert_weights)}, w_gate_up {_shape(w_gate_up)}, "
               f"w_down {_shape(w_down)}")
 
     def fail(msg):
-        raise ValueError(f"mok_jax.moe: {msg} (got {shapes})")
+        raise ValueError(f"{where}: {msg} (got {shapes})")
 
     operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
     for array, a in zip(primitives.MOE_OPERANDS, operands):
@@ -370,7 +371,7 @@ def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
     if experts_local < 1:
         fail("w_gate_up must hold at least one expert")
 
-    check_option_values("mok_jax.moe", capacity_factor=capacity_factor, backend=backend)
+    check_option_values(where, capacity_factor=capacity_factor, backend=backend)
     if backend == "fused" and jax.default_backend() != "gpu":
         raise ValueError("mok_jax.moe: backend='fused' needs a CUDA GPU; on "
                          f"{jax.default_backend()!r} use backend='xla' or 'auto'")

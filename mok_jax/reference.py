@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from mok_jax.fp8 import expert_outputs_fp8
-from mok_jax.moe import MoEStats, capacity
+from mok_jax.moe import MoEStats, _validate, capacity
 from mok_jax.recipe import Recipe, check_dtypes
 from mok_jax.recipe import resolve as resolve_recipe
 
@@ -45,9 +45,6 @@ def routing_masks(expert_ids: jax.Array, num_experts: int, capacity_factor: floa
     return valid, kept, stats
 
 
-# Jitted: one XLA program per shape instead of an op-by-op run (which compiles
-# every operation for each new shape: seconds per call on a CPU).
-@functools.partial(jax.jit, static_argnames=("capacity_factor", "recipe", "return_stats"))
 def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
                   capacity_factor=None, recipe=None, return_stats=False):
     """Same contract as `mok_jax.moe` for one device (no ``axis_name``); `recipe`
@@ -62,28 +59,50 @@ def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
     recipe's backward: compare gradients with an emulation of the backward."""
     recipe = resolve_recipe(recipe, "moe_reference")
     check_dtypes(recipe, "moe_reference", x=x, w_gate_up=w_gate_up, w_down=w_down)
+    # mok_jax.moe's checks of the arrays, before jax.jit sees them: a ValueError
+    # naming the argument, not a result from mismatched shapes (JAX's indexing
+    # clamps) or dtypes.
+    num_experts, _ = _validate(x, expert_ids, expert_weights, w_gate_up, w_down,
+                               axis_name=None, capacity_factor=capacity_factor,
+                               backend="auto", where="moe_reference")
+    if expert_ids.shape[1] > num_experts:
+        raise ValueError(f"moe_reference: top-k K={expert_ids.shape[1]} exceeds the number "
+                         f"of experts E={num_experts} (got expert_ids "
+                         f"{tuple(expert_ids.shape)}, w_gate_up {tuple(w_gate_up.shape)})")
+    return _moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down,
+                          capacity_factor=capacity_factor, recipe=recipe,
+                          return_stats=return_stats)
+
+
+# Jitted: one XLA program per shape instead of an op-by-op run (which compiles
+# every operation for each new shape: seconds per call on a CPU).
+@functools.partial(jax.jit, static_argnames=("capacity_factor", "recipe", "return_stats"))
+def _moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
+                   capacity_factor, recipe, return_stats):
     num_experts = w_gate_up.shape[0]
     ffn = w_down.shape[1]
     _, kept, stats = routing_masks(expert_ids, num_experts, capacity_factor)
     safe_ids = jnp.where(kept, expert_ids, 0)
 
     # Which tokens each expert takes (a kept pair), and which experts take any. The
-    # weights of an expert no pair reaches are zeros here and, in the native recipe,
-    # so are the x rows an expert does not take, selected by `where`: a NaN or inf
-    # in them must not reach y or the gradients (0 * NaN), as in `mok_jax.moe`,
-    # which never reads them.
+    # weights of an expert no pair reaches are zeros here and so are the x rows an
+    # expert does not take, selected by `where`: a NaN or inf in them must not
+    # reach y or the gradients (0 * NaN), as in `mok_jax.moe`, which never reads
+    # them. Zero rows leave the fp8 recipe's other rows alone (no block spans two
+    # rows).
     takes = jnp.any(kept[:, :, None] & (safe_ids[:, :, None] == jnp.arange(num_experts)),
                     axis=1).T                                        # [E, T]
     used = jnp.any(takes, axis=1)[:, None, None]                     # [E, 1, 1]
     w_gate_up = jnp.where(used, w_gate_up, 0)
     w_down = jnp.where(used, w_down, 0)
+    # Every expert on every token (the rows it does not take as zeros). x_e is f32
+    # so that dx sums the experts' parts before its one rounding.
+    x_e = jnp.where(takes[:, :, None], x.astype(jnp.float32)[None], 0.0)  # [E, T, H]
 
     if recipe == Recipe.FP8:
-        o = expert_outputs_fp8(x, w_gate_up, w_down)                # [E, T, H]
+        o = expert_outputs_fp8(x_e, w_gate_up, w_down)              # [E, T, H]
     else:
-        # Every expert on every token (the rows it does not take as zeros): [E, T, 2F]
-        # in f32. x_e is f32 so that dx sums the experts' parts before its one rounding.
-        x_e = jnp.where(takes[:, :, None], x.astype(jnp.float32)[None], 0.0)  # [E, T, H]
+        # [E, T, 2F] in f32
         gate_up = jnp.einsum("eth,ehf->etf", x_e, w_gate_up, preferred_element_type=jnp.float32)
         g, u = gate_up[..., :ffn], gate_up[..., ffn:]
         h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import mok_jax
+from mok_jax.reference import moe_reference
 
 T, K, E, H, F = 6, 2, 4, 8, 3
 
@@ -75,6 +76,25 @@ def test_bad_arrays_raise_at_trace_time(over, match):
         jax.jit(mok_jax.moe).trace(*structs)
     with pytest.raises(ValueError, match=match):
         mok_jax.moe(*_concrete(structs))
+
+
+@pytest.mark.parametrize("over,match", BAD_ARRAYS)
+def test_the_reference_refuses_what_moe_refuses(over, match):
+    """moe_reference takes the contract's arrays only: a call mok_jax.moe refuses is
+    a ValueError naming the argument, not a result (weights [T, K + 1] would
+    combine the first K columns) nor an error from inside JAX."""
+    args = _concrete(_args(**over))
+    with pytest.raises(ValueError, match=rf"^moe_reference: (.*\b)?({match})"):
+        moe_reference(*args)
+
+
+@pytest.mark.parametrize("which", [0, 2, 4])
+def test_the_reference_refuses_a_python_list_by_name(which):
+    args = _concrete(_args())
+    name = ("x", "expert_ids", "expert_weights", "w_gate_up", "w_down")[which]
+    args[which] = np.asarray(args[which]).tolist()
+    with pytest.raises(ValueError, match=rf"moe_reference: {name} must be an array"):
+        moe_reference(*args)
 
 
 def test_bf16_x_with_bf16_weights_is_accepted():

@@ -541,6 +541,34 @@ def test_the_references_gradient_goes_straight_through_the_roundings(dy_scale):
         assert rel_fro(f32(g), ww) < 2.0 ** -7, f"{name}: {rel_fro(f32(g), ww):.3g}"
 
 
+@pytest.mark.parametrize("case", ["no valid pair", "every pair dropped"])
+def test_the_references_gradient_ignores_x_rows_no_pair_reads(case):
+    """A NaN in the x row of a token whose pairs are all invalid or all dropped
+    reaches none of moe_reference(recipe="fp8")'s gradients (its dx row is 0),
+    as in the native recipe: the oracle runs every expert on every token, and
+    0 * NaN in the rows an expert does not take must not reach dx or the
+    weight gradients."""
+    tokens = 24
+    x, ids, w, wgu, wd = problem(29, tokens=tokens)
+    capacity_factor, cap, row = None, None, 5
+    if case == "no valid pair":
+        ids = ids.at[row].set(jnp.asarray([-1, E], jnp.int32))
+    else:  # every token on experts 0 and 1: the last tokens' pairs are dropped
+        ids = jnp.zeros_like(ids).at[:, 1].set(1)
+        capacity_factor, cap, row = 1.0, tokens * K // E, tokens - 1  # cap = 6 rows
+    x = x.at[row].set(jnp.nan)
+    dy = cotangent(30, (tokens, H))
+    _, vjp = jax.vjp(lambda *a: moe_reference(a[0], ids, *a[1:], recipe="fp8",
+                                              capacity_factor=capacity_factor),
+                     x, w, wgu, wd)
+    got = vjp(dy)
+    want = straight_through_grads(x, ids, w, wgu, wd, dy, capacity=cap)
+    for name, g, ww in zip(GRADS, got, want):
+        assert np.all(np.isfinite(f32(g))), name
+        assert rel_fro(f32(g), ww) < 2.0 ** -7, f"{name}: {rel_fro(f32(g), ww):.3g}"
+    assert not np.any(f32(got[0])[row])
+
+
 def test_no_tokens_give_an_empty_y_in_the_op_and_the_reference():
     x, ids, w, wgu, wd = (a[:0] if i < 3 else a for i, a in enumerate(problem(8)))
     for fn in (mok_jax.moe, moe_reference):

@@ -143,11 +143,8 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
     operands = (x, expert_ids, expert_weights, w_gate_up, w_down)
     if check_mesh:
         _check_mesh_axes(operands, axis_name)  # before K <= E: a mesh mistake changes E
+    _check_top_k(expert_ids, w_gate_up, num_experts)
     tokens, top_k = expert_ids.shape
-    if top_k > num_experts:
-        raise ValueError(f"mok_jax.moe: top-k K={top_k} exceeds the number of experts "
-                         f"E={num_experts} (got expert_ids {tuple(expert_ids.shape)}, "
-                         f"w_gate_up {tuple(w_gate_up.shape)})")
     cap = capacity(capacity_factor, tokens * ep_size, top_k, num_experts)
     cap = primitives.NO_CAPACITY if cap is None else cap
     path = _choose_path(backend, axis_name, ep_size, cap, recipe, operands)
@@ -172,6 +169,15 @@ def moe(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
 
 _STATIC_OPTIONS = ("axis_name", "capacity_factor", "backend", "recipe", "return_stats",
                    "check_mesh")
+
+
+def _check_top_k(expert_ids, w_gate_up, num_experts: int, where: str = "mok_jax.moe"):
+    """A ValueError where the top-k K (expert_ids' columns) exceeds the global E."""
+    top_k = expert_ids.shape[1]
+    if top_k > num_experts:
+        raise ValueError(f"{where}: top-k K={top_k} exceeds the number of experts "
+                         f"E={num_experts} (got expert_ids {tuple(expert_ids.shape)}, "
+                         f"w_gate_up {tuple(w_gate_up.shape)})")
 
 
 def _check_static_options(**options):

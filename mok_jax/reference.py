@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from mok_jax.fp8 import expert_outputs_fp8
-from mok_jax.moe import MoEStats, _validate, capacity
+from mok_jax.moe import MoEStats, _check_top_k, _validate, capacity
 from mok_jax.recipe import Recipe, check_dtypes
 from mok_jax.recipe import resolve as resolve_recipe
 
@@ -65,10 +65,7 @@ def moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *,
     num_experts, _ = _validate(x, expert_ids, expert_weights, w_gate_up, w_down,
                                axis_name=None, capacity_factor=capacity_factor,
                                backend="auto", where="moe_reference")
-    if expert_ids.shape[1] > num_experts:
-        raise ValueError(f"moe_reference: top-k K={expert_ids.shape[1]} exceeds the number "
-                         f"of experts E={num_experts} (got expert_ids "
-                         f"{tuple(expert_ids.shape)}, w_gate_up {tuple(w_gate_up.shape)})")
+    _check_top_k(expert_ids, w_gate_up, num_experts, where="moe_reference")
     return _moe_reference(x, expert_ids, expert_weights, w_gate_up, w_down,
                           capacity_factor=capacity_factor, recipe=recipe,
                           return_stats=return_stats)

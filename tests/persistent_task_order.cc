@@ -60,7 +60,7 @@ int check_band_order(const std::vector<int32_t>& blocks_of, uint32_t n, int P) {
 // rank whose next task waits stays put; if no rank can go on, the lists deadlock.
 int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& blocks_of,
           int P = 1, int wgrad_rows = kTileRows, uint32_t lag = mok::cuda::kBandBlocks,
-          uint32_t wn = 1u << 20) {
+          uint32_t wn = 1u << 20, uint32_t combine_tokens = 2) {
   const int64_t E = static_cast<int64_t>(blocks_of.size());
   std::vector<int32_t> begin(E + 1, 0);
   std::vector<int64_t> expert_of_block;
@@ -74,14 +74,15 @@ int check(int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& bloc
   const uint32_t n2f = ceil_div(2 * F, 256);  // dW_gate_up's N tiles (dW_down's: nh)
   const uint32_t cd = ceil_div(nh, wn), cg = ceil_div(n2f, wn);  // N chunks per M tile
   const int64_t rank_tokens = tokens / P, rank_experts = E / P;
-  const uint32_t combines = ceil_div(rank_tokens, 2);
+  const uint32_t combines = ceil_div(rank_tokens, combine_tokens);
   std::vector<TaskList> lists;
   std::vector<uint64_t> expected;
   for (int o = 0; o < P; ++o) {
     const int64_t e0 = o * rank_experts, e1 = e0 + rank_experts;
-    lists.push_back(P == 1 ? TaskList(tokens, E, H, F, begin.data(), wgrad_rows, lag, wn)
+    lists.push_back(P == 1 ? TaskList(tokens, E, H, F, begin.data(), wgrad_rows, lag, wn,
+                                      combine_tokens)
                            : TaskList(rank_tokens, E, H, F, begin.data(), e0, e1, wgrad_rows,
-                                      lag, wn));
+                                      lag, wn, combine_tokens));
     expected.push_back(uint64_t(begin[e1] - begin[e0]) * (nf + 1 + nh) +
                        uint64_t(rank_experts) * (mf * cd + mh * cg) + combines);
   }
@@ -238,6 +239,7 @@ int main() {
   auto run = [&](int64_t tokens, int64_t H, int64_t F, const std::vector<int32_t>& blocks) {
     ++cases;
     errors += check(tokens, H, F, blocks) + check(tokens, H, F, blocks, 1, kWideRows);
+    errors += check(tokens, H, F, blocks, 1, kWideRows, mok::cuda::kBandBlocks, 1u << 20, 8);
     for (uint32_t lag : {0u, 9u, 23u, TaskList::swiglu_lag(F, 132)}) {
       errors += check(tokens, H, F, blocks, 1, kTileRows, lag);
     }
@@ -270,6 +272,7 @@ int main() {
     ++cases;
     errors += check(tokens, H, F, blocks, P) + check(tokens, H, F, blocks, P, kWideRows);
     errors += check(tokens, H, F, blocks, P, kTileRows, TaskList::swiglu_lag(F, 132 / P), 2);
+    errors += check(tokens, H, F, blocks, P, kWideRows, mok::cuda::kBandBlocks, 1u << 20, 8);
     errors += check_band_order(blocks, ceil_div(H, 256), P);
   };
   run_ranks(8, 8, 64, 72, std::vector<int32_t>(8, 0));  // one token per rank, no rows

@@ -360,7 +360,10 @@ def test_backward_bitwise_deterministic_over_20_runs(persistent):
 
 VRANK_SHAPES = [(256, 8, 128, 2048, 768), (96, 3, 8, 136, 200),
                 (512, 4, 8, 256, 128),  # 128-row tiles in the forward
-                (8, 2, 8, 64, 72)]      # one token per rank at P = 8
+                (8, 2, 8, 64, 72),      # one token per rank at P = 8
+                # Enough tokens that every rank's combine tasks take eight tokens
+                # at P = 1, 2, 4 and 8 (at least four such tasks a CTA on 132 SMs).
+                (8704, 3, 8, 64, 72)]
 
 
 def _vranks_grads(ids, fn):

@@ -23,9 +23,6 @@ using namespace persistent;
 constexpr int kGemm1Cols = 128;       // F columns per GEMM1 task (gate and up each)
 constexpr int kSlabCols = 64;         // B columns per TMA box (one 128-byte swizzle row)
 constexpr int kGemm2Cols = 256;       // H columns per GEMM2 task
-constexpr int kCombineTokens = 2;     // tokens per combine task (four warps each)
-constexpr int kCombineWarps = 4;      // warps per token, side by side along H
-static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
 constexpr int kMaxRanks = kMaxPersistentRanks;  // EP ranks of one launch
 // Where the persistent forward tiles by 64 rows (streaming the weights): experts
 // average at most this many rows.
@@ -151,6 +148,7 @@ struct Params {
   // expert-output rows in row order [R, H] (one rank).
   TmaDescriptor h_store, gate_up_store, out_store;
   int64_t tokens, top_k, experts, hidden, ffn;
+  int32_t combine_tokens;  // tokens per combine task (combine_tokens_per_task)
   // EP ranks: rank o holds tokens [o T/P, (o+1) T/P) and experts [o E/P, (o+1) E/P);
   // its windows are reached through these pointer tables only.
   int32_t ranks;                  // P (1: the one-device forward)
@@ -237,7 +235,8 @@ struct TaskList {
     gemm1 = row_blocks * n1;
     gemm12 = gemm1 + row_blocks * n2;
     gemm2_all = static_cast<uint32_t>(block_begin[p.experts]) * n2;
-    total = gemm12 + static_cast<uint32_t>((p.rank_tokens + kCombineTokens - 1) / kCombineTokens);
+    total = gemm12 + static_cast<uint32_t>((p.rank_tokens + p.combine_tokens - 1) /
+                                           p.combine_tokens);
   }
 };
 
@@ -585,27 +584,17 @@ __device__ void gemm2_epilogue(const Params& p, const Windows& win, const Task& 
   if (n0 + 192 < H) staged_pass<24>(buf, pair, tile, y, 192, H - n0 - 192);
 }
 
-// Rank `rank`'s combine task: y for two of its tokens, four warps each, each warp
-// on every fourth 8-column chunk of 256 lanes' worth; per column the token's K rows
-// times their weights, k ascending, summed in f32 and rounded once (combine_rows'
-// arithmetic, sum_pair_rows). Its rows: one rank's from the row-ordered
-// expert-output rows by pair_row, P ranks' from the rank's receive window at the
-// pairs' places; y into the rank's y window.
+// Rank `rank`'s combine task: y for p.combine_tokens of its tokens (combine_tokens);
+// per column the token's K rows times their weights, k ascending, summed in f32 and
+// rounded once (combine_rows' arithmetic, sum_pair_rows). Its rows: one rank's from
+// the row-ordered expert-output rows by pair_row, P ranks' from the rank's receive
+// window at the pairs' places; y into the rank's y window.
 template <typename W>
 __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, int64_t task) {
-  const int ctid = threadIdx.x - kProducerThreads;
-  const int warp = ctid >> 5, lane = ctid & 31;
-  const int64_t H = p.hidden;
-  const int64_t local = task * kCombineTokens + warp / kCombineWarps;  // of the rank's tokens
-  if (local >= p.rank_tokens) return;
-  const int64_t t = int64_t(rank) * p.rank_tokens + local;
-  const Elem* rows = win.recv[rank] + local * p.top_k * H;
-  constexpr int64_t kStep = kCombineWarps * 32 * 8;
-  for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
-    const uint4 o = sum_pair_rows(p.pair_row, static_cast<const W*>(p.weights), t, p.top_k,
-                                  p.ranks == 1, win.recv[0], rows, H, c);
-    store_global_16(win.y[rank] + local * H + c, o);
-  }
+  combine_tokens<W>(threadIdx.x - kProducerThreads, p.combine_tokens, p.pair_row,
+                    static_cast<const W*>(p.weights), task * p.combine_tokens, p.rank_tokens,
+                    int64_t(rank) * p.rank_tokens, p.top_k, p.ranks == 1, win.recv[0],
+                    win.recv[rank], win.y[rank], p.hidden);
 }
 
 // A GEMM task's outputs are signalled (its counter raised) one task late: the
@@ -916,9 +905,10 @@ std::string persistent_forward(const PersistentForwardArgs& a, void* workspace,
   DeviceInfo info;
   MOK_RETURN_IF_MESSAGE(current_device_info(&info));
   if (a.ranks > info.sm_count) return "persistent MoE forward: more ranks than SMs";
+  p.combine_tokens = combine_tokens_per_task(p.rank_tokens, info.sm_count / a.ranks);
   const int64_t tasks = max_row_blocks(s) * ((s.ffn + kGemm1Cols - 1) / kGemm1Cols +
                                              (s.hidden + kGemm2Cols - 1) / kGemm2Cols) +
-                        s.tokens / kCombineTokens + 1;
+                        s.tokens / kCombineSlots + 1;
   // Every CTA claims one ticket past the last task: no claim may wrap around 2^32.
   if (tasks + info.sm_count >= (int64_t(1) << 32)) {
     return "persistent MoE forward: 2^32 tasks or more";

@@ -17,7 +17,6 @@ namespace {
 using namespace persistent;
 using backward_tasks::Counter;
 using backward_tasks::Kind;
-using backward_tasks::kCombineTokens;
 using backward_tasks::kWideRows;
 using backward_tasks::TaskId;
 using backward_tasks::TaskList;
@@ -42,8 +41,6 @@ constexpr int tiles_bytes(int slot) {
 }
 static_assert(tiles_bytes(kBlockRows) == tile_bytes(kStages) + 32 * 1024 &&
               tiles_bytes(kWideRows) == tile_bytes(kStages, kWideRows) + 16 * 1024);
-constexpr int kCombineWarps = 4;  // warps per combine token, side by side along H
-static_assert(kCombineTokens * kCombineWarps == kConsumerThreads / 32);
 // setmaxnreg: the producer's task decoding and weight-gradient loads need more than
 // the forward's 56 registers (it spilled there).
 constexpr int kBwdProducerRegs = 88;
@@ -229,6 +226,7 @@ struct Params {
   // gradients). P = 1: the one-device backward.
   int32_t ranks;
   int32_t rank_tokens;                 // T / P
+  int32_t combine_tokens;              // tokens per combine task (combine_tokens_per_task)
   int32_t rank_experts;                // E / P
   cutlass::FastDivmod by_rank_tokens;  // t -> (t / (T/P), t % (T/P))
   const Elem* dy_win[kMaxRanks];       // rank o's dy rows [T/P, H]
@@ -309,7 +307,7 @@ int64_t max_tasks(const MoeShape& s) {
   return blocks * (tiles_of(s.ffn, kStageCols) + 1 + tiles_of(s.hidden, kStageCols)) +
          s.experts * (int64_t(tiles_of(s.ffn, kBlockRows)) * tiles_of(s.hidden, kStageCols) +
                       int64_t(tiles_of(s.hidden, kBlockRows)) * tiles_of(2 * s.ffn, kStageCols)) +
-         tiles_of(s.tokens, kCombineTokens) + 1;
+         tiles_of(s.tokens, kCombineSlots) + 1;
 }
 
 // ---- Producer
@@ -748,7 +746,7 @@ __device__ void swiglu_task(const Params& p, const Windows& win, Control& ctl, c
   }
 }
 
-// Rank `rank`'s combine task: dx for two of its tokens, four warps each along H:
+// Rank `rank`'s combine task: dx for p.combine_tokens of its tokens (combine_tokens):
 // each token's dx rows (one rank: by their rows; P ranks: from the rank's receive
 // window, at the pairs' places) summed over k ascending in f32 and rounded once
 // (combine_rows' arithmetic without weights); an unrouted or dropped pair adds
@@ -756,24 +754,18 @@ __device__ void swiglu_task(const Params& p, const Windows& win, Control& ctl, c
 template <typename W>
 __device__ void combine_task(const Params& p, const Windows& win, int32_t rank, int64_t task) {
   const int ctid = threadIdx.x - kProducerThreads;
-  const int warp = ctid >> 5, lane = ctid & 31;
-  const int64_t H = p.hidden, K = p.top_k;
-  const int64_t local = task * kCombineTokens + warp / kCombineWarps;  // of the rank's tokens
-  if (local >= p.rank_tokens) return;
-  const int64_t t = int64_t(rank) * p.rank_tokens + local;
-  const Elem* rows = win.recv[rank] + local * K * H;
-  if (warp % kCombineWarps == 0) {
-    W* d_weights = static_cast<W*>(win.dw[rank]) + local * K;
-    for (int64_t k = lane; k < K; k += 32) {
-      if (p.pair_row[t * K + k] < 0) d_weights[k] = from_float<W>(0.0f);
+  const int64_t K = p.top_k, local0 = task * p.combine_tokens;
+  W* d_weights = static_cast<W*>(win.dw[rank]);
+  for (int64_t i = ctid; i < p.combine_tokens * K; i += kConsumerThreads) {
+    const int64_t local = local0 + i / K;
+    if (local < p.rank_tokens &&
+        p.pair_row[(int64_t(rank) * p.rank_tokens + local0) * K + i] < 0) {
+      d_weights[local0 * K + i] = from_float<W>(0.0f);
     }
   }
-  constexpr int64_t kStep = kCombineWarps * 32 * 8;
-  for (int64_t c = (warp % kCombineWarps) * 256 + int64_t(lane) * 8; c < H; c += kStep) {
-    const uint4 o = sum_pair_rows<void>(p.pair_row, nullptr, t, K, p.ranks == 1, win.recv[0],
-                                        rows, H, c);
-    store_global_16(win.dx[rank] + local * H + c, o);
-  }
+  combine_tokens<void>(ctid, p.combine_tokens, p.pair_row, nullptr, local0, p.rank_tokens,
+                       int64_t(rank) * p.rank_tokens, K, p.ranks == 1, win.recv[0],
+                       win.recv[rank], win.dx[rank], p.hidden);
 }
 
 // A weight-gradient tile's K loop over its expert's k_blocks 64-row blocks; an expert
@@ -979,7 +971,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<kBwdProducerRegs>();
     const TaskList list(p.rank_tokens, p.experts, p.hidden, p.ffn, block_begin,
                         int64_t(rank) * p.rank_experts, int64_t(rank + 1) * p.rank_experts,
-                        kSlot, TaskList::swiglu_lag(p.ffn, gridDim.x / p.ranks), p.wgrad_n);
+                        kSlot, TaskList::swiglu_lag(p.ffn, gridDim.x / p.ranks), p.wgrad_n,
+                        static_cast<uint32_t>(p.combine_tokens));
     produce<kSlot>(p, win, ctl, tiles, block_begin, list, p.ticket + rank);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kBwdConsumerRegs>();
@@ -1127,6 +1120,7 @@ std::string persistent_backward(const PersistentBackwardArgs& a, void* workspace
   DeviceInfo info;
   MOK_RETURN_IF_MESSAGE(current_device_info(&info));
   if (a.ranks > info.sm_count) return "persistent MoE backward: more ranks than SMs";
+  p.combine_tokens = combine_tokens_per_task(p.rank_tokens, info.sm_count / a.ranks);
   // Every CTA claims one ticket past the last task: no claim may wrap around 2^32.
   if (max_tasks(s) + info.sm_count >= (int64_t(1) << 32)) {
     return "persistent MoE backward: 2^32 tasks or more";

@@ -15,7 +15,6 @@ namespace mok::cuda::backward_tasks {
 constexpr int kTileCols = 256;     // the N tile of every GEMM task
 constexpr int kTileRows = 64;      // a row block and the weight gradients' M tile, or:
 constexpr int kWideRows = 128;     // both past 128 rows per expert
-constexpr int kCombineTokens = 2;  // tokens per combine task
 
 enum class Kind : int32_t { kDgrad2, kSwiglu, kDgrad1, kWgradDown, kWgradGateUp, kCombine, kEnd };
 
@@ -65,7 +64,8 @@ MOK_HOST_DEVICE constexpr uint32_t tiles_of(int64_t n, int tile) {
 //       smaller side's panels come back after few tasks, so that L2 serves both.
 //       (dW_gate_up at Mixtral's shapes, 32 M tiles x 112 N tiles over 4096 rows:
 //       with the N tiles inner, 112 panels of 2 MB were in flight at once);
-//   the combine (2 of the rank's tokens, numbered from 0 in each rank): after every
+//   the combine (`combine_tokens` of the rank's tokens, numbered from 0 in each rank,
+//     the kernel's combine_tokens_per_task): after every
 //     rank's dgrad1 tasks (a token has rows at every rank's experts), dx = the sum
 //     of each token's dx rows over k ascending, f32, rounded once.
 // Each task waits only for tasks of its rank numbered before it (the SwiGLU tasks
@@ -108,15 +108,16 @@ struct TaskList {
   // The one-device list: every expert and token.
   MOK_HOST_DEVICE TaskList(int64_t tokens, int64_t experts, int64_t hidden, int64_t ffn,
                            const int32_t* block_begin, int wgrad_rows = kTileRows,
-                           uint32_t swiglu_lag_ = kBandBlocks, uint32_t wgrad_n_ = 1u << 20)
+                           uint32_t swiglu_lag_ = kBandBlocks, uint32_t wgrad_n_ = 1u << 20,
+                           uint32_t combine_tokens = 2)
       : TaskList(tokens, experts, hidden, ffn, block_begin, 0, experts, wgrad_rows,
-                 swiglu_lag_, wgrad_n_) {}
+                 swiglu_lag_, wgrad_n_, combine_tokens) {}
 
   // Rank o's of P: experts [e0, e1) and `rank_tokens` = T/P tokens.
   MOK_HOST_DEVICE TaskList(int64_t rank_tokens, int64_t experts, int64_t hidden, int64_t ffn,
                            const int32_t* block_begin, int64_t e0_, int64_t e1_,
                            int wgrad_rows = kTileRows, uint32_t swiglu_lag_ = kBandBlocks,
-                           uint32_t wgrad_n_ = 1u << 20)
+                           uint32_t wgrad_n_ = 1u << 20, uint32_t combine_tokens = 2)
       : nf(tiles_of(ffn, kTileCols)),
         nh(tiles_of(hidden, kTileCols)),
         mf(tiles_of(ffn, wgrad_rows)),
@@ -136,7 +137,7 @@ struct TaskList {
     lag = at_least < blocks ? at_least : blocks;
     swiglu_end = blocks * (nf + 1);
     experts_end = swiglu_end + group_begin(block_begin, e1);
-    total = experts_end + tiles_of(rank_tokens, kCombineTokens);
+    total = experts_end + tiles_of(rank_tokens, combine_tokens > 0 ? combine_tokens : 1);
   }
 
   // Expert e's first task, counted from swiglu_end (strictly increasing in e: every

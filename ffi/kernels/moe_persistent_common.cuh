@@ -511,59 +511,144 @@ __device__ __forceinline__ RankPlace pair_place(const cutlass::FastDivmod& by_ra
   return {q.rank, q.local * top_k + k};
 }
 
-// The combines' sum (both kernels): 8 columns [c, c + 8) of token t's K rows,
-// k ascending, in f32, rounded once; an unrouted or dropped pair (pair_row < 0)
-// adds nothing (not even a zero). One rank: pair (t, k)'s row is row pair_row of
-// `by_row`; P ranks: row k of `by_k` (the token's rows at its pairs' places).
-// Weighted (W not void): each row times its pair's weight, weights[t K + k]. A
-// batch of kBatch pairs loads its pairs and weights first, then all its rows,
-// before any is summed: ptxas does not move a load above the rows' strong
-// (`ld.global.cg`) loads, so with each pair's loads next to its row's the batch's
-// pairs would wait for one another, and a token for one or two load latencies per
-// row instead of two per batch.
-template <class W, int kBatch = 8>
-__device__ __forceinline__ uint4 sum_pair_rows(const int32_t* pair_row, const W* weights,
-                                               int64_t t, int64_t K, bool one_rank,
-                                               const Elem* by_row, const Elem* by_k,
-                                               int64_t H, int64_t c) {
+// The combines' sum (both kernels), for kUnits (token, column) units of one thread
+// at once: unit u is the 8 columns [c[u], c[u] + 8) of token t[u]'s K rows, k
+// ascending, in f32, rounded once into out[u] (t[u] < 0: no unit; out[u] is not
+// written); an unrouted or dropped pair (pair_row < 0) adds nothing (not even a
+// zero). One rank: pair (t, k)'s row is row pair_row of `by_row`; P ranks: row k of
+// by_k[u] (the token's rows at its pairs' places). Weighted (W not void): each row
+// times its pair's weight, weights[t K + k]. A batch of kBatch pairs of every unit
+// loads its pairs and weights first, then all its rows, before any is summed:
+// ptxas does not move a load above the rows' strong (`ld.global.cg`) loads, so with
+// each pair's loads next to its row's the pairs would wait for one another, and
+// with one unit at a time a combine task would wait two load latencies per unit
+// instead of two per batch.
+template <class W, int kUnits, int kBatch = 4>
+__device__ __forceinline__ void sum_pair_rows(const int32_t* pair_row, const W* weights,
+                                              const int64_t (&t)[kUnits],
+                                              const int64_t (&c)[kUnits], int64_t K,
+                                              bool one_rank, const Elem* by_row,
+                                              const Elem* const (&by_k)[kUnits], int64_t H,
+                                              uint4 (&out)[kUnits]) {
   constexpr bool kWeighted = !std::is_void_v<W>;
-  float acc[8];
+  float acc[kUnits][8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+  for (int u = 0; u < kUnits; ++u) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
+  }
   for (int64_t k0 = 0; k0 < K; k0 += kBatch) {
-    int32_t r[kBatch];
-    float wk[kBatch];
+    int32_t r[kUnits][kBatch];
+    float wk[kUnits][kBatch];
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int64_t k = k0 + j;
-      r[j] = k < K ? pair_row[t * K + k] : -1;  // past K: not read
-      if constexpr (kWeighted) wk[j] = k < K ? to_float(weights[t * K + k]) : 0.0f;
+    for (int u = 0; u < kUnits; ++u) {
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int64_t k = k0 + j;
+        const bool in = t[u] >= 0 && k < K;  // else not read
+        r[u][j] = in ? pair_row[t[u] * K + k] : -1;
+        if constexpr (kWeighted) wk[u][j] = in ? to_float(weights[t[u] * K + k]) : 0.0f;
+      }
     }
-    uint4 v[kBatch];
+    uint4 v[kUnits][kBatch];
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const Elem* row = one_rank ? by_row + int64_t(r[j]) * H : by_k + (k0 + j) * H;
-      v[j] = r[j] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0, 0, 0, 0);
+    for (int u = 0; u < kUnits; ++u) {
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const Elem* row = one_rank ? by_row + int64_t(r[u][j]) * H : by_k[u] + (k0 + j) * H;
+        v[u][j] = r[u][j] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(row + c[u]))
+                               : make_uint4(0, 0, 0, 0);
+      }
     }
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      if (r[j] < 0) continue;
-      const bf16* e = reinterpret_cast<const bf16*>(&v[j]);
+    for (int u = 0; u < kUnits; ++u) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if constexpr (kWeighted) {
-          acc[i] += wk[j] * to_float(e[i]);
-        } else {
-          acc[i] += to_float(e[i]);
+      for (int j = 0; j < kBatch; ++j) {
+        if (r[u][j] < 0) continue;
+        const bf16* e = reinterpret_cast<const bf16*>(&v[u][j]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if constexpr (kWeighted) {
+            acc[u][i] += wk[u][j] * to_float(e[i]);
+          } else {
+            acc[u][i] += to_float(e[i]);
+          }
         }
       }
     }
   }
-  uint4 o;
-  bf16* oe = reinterpret_cast<bf16*>(&o);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) oe[i] = float_to_bf16(acc[i]);
-  return o;
+  for (int u = 0; u < kUnits; ++u) {
+    bf16* oe = reinterpret_cast<bf16*>(&out[u]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) oe[i] = float_to_bf16(acc[u][i]);
+  }
+}
+
+// A combine task (both kernels): the rank's tokens [local0, local0 + tokens) below
+// rank_tokens (`tokens` a multiple of two: combine_tokens_per_task), each by
+// kCombineWarps warps side by side along H, two tokens at a time over the
+// consumers' eight warps; a thread sums kCombineUnits of its (token, column) units
+// at once (sum_pair_rows), so that their loads are in flight together. Token
+// `local` is token token0 + local; its rows: one rank's by pair_row from `by_row`,
+// P ranks' from `recv` at local K; its sum into row `local` of `out`.
+constexpr int kCombineWarps = 4;
+constexpr int kCombineUnits = 4;
+constexpr int kCombineSlots = kConsumerThreads / 32 / kCombineWarps;  // tokens side by side
+
+// Tokens per combine task: eight (four per token slot, a thread's kCombineUnits
+// units at H <= 1024) where each of a rank's `ctas` CTAs gets at least four such
+// tasks, else two (at few tokens, eight a task would leave most CTAs without one;
+// a thread then sums its units one at a time, each's pairs in batches of eight).
+MOK_HOST_DEVICE constexpr int32_t combine_tokens_per_task(int64_t rank_tokens, int64_t ctas) {
+  return rank_tokens >= int64_t(8) * 4 * ctas ? 8 : kCombineSlots;
+}
+
+template <class W>
+__device__ __forceinline__ void combine_tokens(int ctid, int32_t tokens, const int32_t* pair_row,
+                                               const W* weights, int64_t local0,
+                                               int64_t rank_tokens, int64_t token0, int64_t K,
+                                               bool one_rank, const Elem* by_row,
+                                               const Elem* recv, Elem* out, int64_t H) {
+  const int32_t rounds = tokens / kCombineSlots;
+  constexpr int64_t kStep = kCombineWarps * 32 * 8;
+  const int warp = ctid >> 5, lane = ctid & 31;
+  const int slot = warp / kCombineWarps;
+  const int64_t c0 = (warp % kCombineWarps) * 256 + int64_t(lane) * 8;
+  if (rounds == 1) {
+    // Two tokens a task (few tokens): a thread's units one at a time, its pairs in
+    // batches of eight (two latencies per unit at K <= 8, not four).
+    const int64_t local1[1] = {local0 + slot};
+    if (local1[0] >= rank_tokens) return;
+    const int64_t t1[1] = {token0 + local1[0]};
+    const Elem* const by_k1[1] = {recv + local1[0] * K * H};
+    for (int64_t c = c0; c < H; c += kStep) {
+      const int64_t c1[1] = {c};
+      uint4 o[1];
+      sum_pair_rows<W, 1, 8>(pair_row, weights, t1, c1, K, one_rank, by_row, by_k1, H, o);
+      store_global_16(out + local1[0] * H + c, o[0]);
+    }
+    return;
+  }
+  const int32_t units = static_cast<int32_t>(c0 < H ? (H - c0 + kStep - 1) / kStep : 0) * rounds;
+  for (int32_t u0 = 0; u0 < units; u0 += kCombineUnits) {
+    int64_t t[kCombineUnits], c[kCombineUnits], local[kCombineUnits];
+    const Elem* by_k[kCombineUnits];
+#pragma unroll
+    for (int u = 0; u < kCombineUnits; ++u) {
+      const int32_t i = u0 + u;  // round i % rounds, column step i / rounds
+      local[u] = local0 + (i % rounds) * kCombineSlots + slot;
+      t[u] = i < units && local[u] < rank_tokens ? token0 + local[u] : -1;
+      c[u] = c0 + int64_t(i / rounds) * kStep;
+      by_k[u] = recv + local[u] * K * H;
+    }
+    uint4 o[kCombineUnits];
+    sum_pair_rows<W, kCombineUnits>(pair_row, weights, t, c, K, one_rank, by_row, by_k, H, o);
+#pragma unroll
+    for (int u = 0; u < kCombineUnits; ++u) {
+      if (t[u] >= 0) store_global_16(out + local[u] * H + c[u], o[u]);
+    }
+  }
 }
 
 }  // namespace mok::cuda::persistent

@@ -703,6 +703,23 @@ def test_a_block_whose_scale_underflows_stays_finite():
     assert np.all(np.isfinite(y[1]))
 
 
+def test_subnormal_results_of_the_combine_are_kept():
+    """Combine weights of 2^-125 make much of y and dx f32 subnormals (below
+    2^-126). The kernels compute with IEEE subnormals, the combine included,
+    while XLA's CPU threads flush them: y and dx must be the emulation's (numpy,
+    IEEE), not zeros where the weighted rows or their sums fall below 2^-126."""
+    x, ids, w, wgu, wd = problem(31)
+    w = jnp.full(w.shape, 2.0 ** -125, jnp.float32)
+    dy = cotangent(32, (T, H))
+    y, grads = _run(x, ids, w, wgu, wd, dy)
+    y_emu, grads_emu = emulate(x, ids, w, wgu, wd, dy)
+    sub = (y_emu != 0) & (np.abs(y_emu) < 2.0 ** -126)
+    assert sub.sum() > 0.2 * y_emu.size  # the case this checks
+    assert np.count_nonzero(f32(y)[sub]) > 0.99 * sub.sum()
+    assert rel_fro(f32(y), y_emu) < 2.0 ** -8
+    assert rel_fro(f32(grads[0]), grads_emu[0]) < 2.0 ** -8
+
+
 def test_a_nan_in_one_token_stays_in_that_token():
     x, ids, w, wgu, wd = problem(21)
     x = x.at[11, 150].set(jnp.nan)

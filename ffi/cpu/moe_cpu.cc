@@ -376,9 +376,12 @@ std::string group_offsets(const int32_t* group_sizes, int64_t experts, int64_t r
   return {};
 }
 
-// Calls fn.template operator()<X, W>() for the runtime element types.
+// Calls fn.template operator()<X, W>() for the runtime element types, with IEEE
+// subnormals on the calling thread: the work outside parallel_for (the combine)
+// runs there, and XLA's CPU threads flush subnormals.
 template <typename Fn>
 std::string dispatch(DType x_dtype, DType weight_dtype, Fn&& fn) {
+  IeeeSubnormals ieee;
   try {
     if (x_dtype == DType::kF32 && weight_dtype == DType::kF32) {
       fn.template operator()<float, float>();

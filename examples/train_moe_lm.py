@@ -408,60 +408,65 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
         mark(upto, now)
 
     deferred = None  # a log step whose line waits until the next step is dispatched
-    for step in range(start, stop):
-        batch = jax.device_put(batch_at(corpus.train, step, cfg), tokens_sharding)
-        if step == profile_from:
-            if deferred is not None:  # its interval must not time the tracer's start
+    # A run that stops early (a diverged step, an error, Ctrl-C) still finishes
+    # writing the checkpoints it saved: they are written in the background, and
+    # the log already names them.
+    try:
+        for step in range(start, stop):
+            batch = jax.device_put(batch_at(corpus.train, step, cfg), tokens_sharding)
+            if step == profile_from:
+                if deferred is not None:  # its interval must not time the tracer's start
+                    log_interval(deferred)
+                    deferred = None
+                jax.block_until_ready(state)
+                jax.profiler.start_trace(args.profile)
+                t_profile = time.perf_counter()
+            state, metrics = train_step(state, batch)
+            done = step + 1
+            pending.append((done, metrics))
+            if deferred is not None:  # step `done` is queued: now wait for `deferred`
                 log_interval(deferred)
                 deferred = None
-            jax.block_until_ready(state)
-            jax.profiler.start_trace(args.profile)
-            t_profile = time.perf_counter()
-        state, metrics = train_step(state, batch)
-        done = step + 1
-        pending.append((done, metrics))
-        if deferred is not None:  # step `done` is queued: now wait for `deferred`
-            log_interval(deferred)
-            deferred = None
-        if done == profile_to:
-            jax.block_until_ready((state, metrics))
-            profile_wall = time.perf_counter() - t_profile
-            jax.profiler.stop_trace()
-            log["profile"] = profile_step(args, cfg, train_step, state, batch, profile_wall)
-            mark(done)  # profiling is not training
-        if done - start <= untimed:  # compiling steps: time them apart
-            jax.block_until_ready(metrics)
-            if compile_s is None:
-                compile_s = time.perf_counter() - t_run
-            mark(done)
-        evaluating = done % cfg.eval_every == 0 or done == cfg.steps
-        saving = not args.no_checkpoint and (done % cfg.ckpt_every == 0 or done == stop)
-        if done % cfg.log_every == 0 or done == stop:
-            if done == stop or evaluating or saving:
-                log_interval(done)  # waits anyway
-            else:
-                deferred = done
+            if done == profile_to:
+                jax.block_until_ready((state, metrics))
+                profile_wall = time.perf_counter() - t_profile
+                jax.profiler.stop_trace()
+                log["profile"] = profile_step(args, cfg, train_step, state, batch, profile_wall)
+                mark(done)  # profiling is not training
+            if done - start <= untimed:  # compiling steps: time them apart
+                jax.block_until_ready(metrics)
+                if compile_s is None:
+                    compile_s = time.perf_counter() - t_run
+                mark(done)
+            evaluating = done % cfg.eval_every == 0 or done == cfg.steps
+            saving = not args.no_checkpoint and (done % cfg.ckpt_every == 0 or done == stop)
+            if done % cfg.log_every == 0 or done == stop:
+                if done == stop or evaluating or saving:
+                    log_interval(done)  # waits anyway
+                else:
+                    deferred = done
+            if progress is not None:
+                progress.update(1)
+            if evaluating:
+                flush()
+                log["eval"].append({"step": done, "loss": evaluate(state),
+                                    "batches": cfg.eval_batches})
+                msg = f"step {done}: eval loss {log['eval'][-1]['loss']:.4f}"
+                (progress.write if progress is not None else print)(msg)
+                mark(done)  # evaluating is not training
+            if saving:
+                flush()
+                check_finite(log, done)  # a diverged state must not replace a good checkpoint
+                save_checkpoint(manager, state)
+                write_json(log_path, log)
+                mark(done)  # nor is saving
+        flush()
+    finally:
         if progress is not None:
-            progress.update(1)
-        if evaluating:
-            flush()
-            log["eval"].append({"step": done, "loss": evaluate(state),
-                                "batches": cfg.eval_batches})
-            msg = f"step {done}: eval loss {log['eval'][-1]['loss']:.4f}"
-            (progress.write if progress is not None else print)(msg)
-            mark(done)  # evaluating is not training
-        if saving:
-            flush()
-            check_finite(log, done)  # a diverged state must not replace a good checkpoint
-            save_checkpoint(manager, state)
-            write_json(log_path, log)
-            mark(done)  # nor is saving
-    flush()
-    if progress is not None:
-        progress.close()
-    if manager is not None:
-        manager.wait_until_finished()
-        manager.close()
+            progress.close()
+        if manager is not None:
+            manager.wait_until_finished()
+            manager.close()
 
     wall = time.perf_counter() - t_run
     # A run resumed on another mesh holds both meshes' intervals: the summary is this

@@ -611,6 +611,28 @@ def test_a_diverged_run_stops_without_a_checkpoint(tmp_path, steps, every):
     assert not (out / "ckpt" / str(steps)).exists()
 
 
+@pytest.mark.slow  # a command-line run (20 s)
+def test_a_stopped_run_keeps_the_checkpoint_it_saved(tmp_path):
+    """Checkpoints are written in the background: a run that stops (here: diverged
+    at step 2, its first step's checkpoint saved the step before) finishes writing
+    the checkpoints it saved before it exits. Its log names step 1, so step 1 must be
+    on disk, complete, for --resume."""
+    out = tmp_path / "run"
+    proc = _run_script("train_moe_lm.py", "--steps", "8", "--eval-every", "8", "--out", str(out),
+                       *SMALL, "--lr", "1e30", "--log-every", "1", "--ckpt-every", "1")
+    assert proc.returncode != 0 and "without saving a checkpoint" in proc.stderr, proc.stderr
+    log = json.loads((out / "log.json").read_text())
+    saved = max(r["step"] for r in log["train"])
+    assert saved >= 1
+    names = sorted(p.name for p in (out / "ckpt").iterdir() if p.name != "run.json")
+    assert names and all(n.isdigit() for n in names), (names, proc.stderr)
+    manager = lm.checkpoint_manager(str(out / "ckpt"))
+    try:
+        assert manager.latest_step() == saved
+    finally:
+        manager.close()
+
+
 @pytest.mark.slow  # the module's trained run (14 s), shared with the slow tests
 def test_refuses_to_overwrite_checkpoints_without_flag(straight_run):
     out, _ = straight_run

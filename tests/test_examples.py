@@ -921,6 +921,34 @@ def test_factorisations():
     assert mesh_experiments.factorisations(1) == [(1, 1)]
 
 
+def test_mesh_experiments_fails_a_mesh_whose_gradient_is_not_finite():
+    """A row fails when its largest relative difference from the baseline exceeds
+    GRAD_RTOL. A gradient with a NaN or an inf where the baseline's is finite (or
+    the other way round) is such a difference, whichever leaf it is in; a row that
+    differs only in summation order is not."""
+    import mesh_experiments
+
+    rng = np.random.default_rng(0)
+    base = {"loss": np.float32(2.5), "logits": rng.normal(size=(2, 3)).astype(np.float32),
+            "grad/a": rng.normal(size=(4, 4)).astype(np.float32),
+            "grad/b": rng.normal(size=(8,)).astype(np.float32)}
+    rounding = dict(base, **{"grad/a": np.nextafter(base["grad/a"], np.float32(np.inf))})
+    row = {}
+    mesh_experiments.compare(row, rounding, base)
+    assert row["differ"] == ["grad/a"] and row["outputs_bitwise"]
+    assert 0 < row["max_rel_diff"] <= mesh_experiments.GRAD_RTOL
+    for leaf in ("grad/a", "grad/b"):
+        for bad in (np.nan, np.inf):
+            broken = dict(rounding, **{leaf: rounding[leaf].copy()})
+            broken[leaf][1] = bad
+            for result, baseline in ((broken, base), (base, broken)):
+                row = {}
+                mesh_experiments.compare(row, result, baseline)
+                assert row["outputs_bitwise"] and not row["grads_bitwise"]
+                # what run() fails a row on
+                assert row["max_rel_diff"] > mesh_experiments.GRAD_RTOL, (leaf, bad, row)
+
+
 @pytest.mark.slow
 def test_profile_attributes_the_step_to_the_parts_of_the_model(tmp_path, monkeypatch):
     """--profile: the traced steps' device time goes to the model's parts through the

@@ -147,12 +147,16 @@ def parse_args(argv=None):
                              "turns XLA's CUDA graphs off for the run")
     parser.add_argument("--profile-steps", type=positive_int, default=5, metavar="N")
     args = parser.parse_args(argv)
-    if args.trace_only and (args.dp is not None or args.ep != 1 or args.host_devices):
+    if args.trace_only and (args.dp is not None or args.ep != 1 or args.host_devices
+                            or args.shard_optimizer):
         parser.error("--trace-only traces the one-device step (jax.eval_shape, no mesh): "
-                     "--dp, --ep and --host-devices are not used there")
-    if args.trace_only and (args.resume or args.out or args.profile or args.overwrite):
+                     "--dp, --ep, --host-devices and --shard-optimizer are not used there")
+    if args.trace_only and (args.resume or args.out or args.profile or args.overwrite
+                            or args.data_dir or args.stop_after or args.pgle
+                            or args.peak_tflops):
         parser.error("--trace-only runs nothing and writes nothing: --resume, --out, "
-                     "--overwrite and --profile are not used there")
+                     "--overwrite, --profile, --data-dir, --stop-after, --pgle and "
+                     "--peak-tflops are not used there")
     if args.recipe == "fp8" and (args.dtype or PRESETS[args.preset].dtype) != "bfloat16":
         parser.error("--recipe fp8 runs the expert GEMMs from bfloat16 operands: add "
                      "--dtype bfloat16")

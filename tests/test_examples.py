@@ -814,11 +814,14 @@ def test_train_mesh_mistakes_are_messages_not_tracebacks(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"--ep 3 must divide the preset's 8 experts"):
         train_moe_lm.main(["--ep", "3", "--dp", "1", "--batch", "3", "--out",
                            str(tmp_path / "a"), *SMALL[4:-3], "--no-progress"])
-    for flags in (["--dp", "2"], ["--ep", "2"], ["--host-devices", "4"]):
+    for flags in (["--dp", "2"], ["--ep", "2"], ["--host-devices", "4"],
+                  ["--shard-optimizer"]):
         usage_error(capsys, ["--trace-only", *flags], "--trace-only traces the one-device step")
-    # It writes nothing either: flags about where a run writes are refused, not ignored.
+    # It reads, runs and writes nothing either: flags about what a run reads, how it
+    # runs and where it writes are refused, not ignored.
     for flags in (["--resume"], ["--out", str(tmp_path)], ["--profile", str(tmp_path)],
-                  ["--overwrite"]):
+                  ["--overwrite"], ["--data-dir", str(tmp_path)], ["--stop-after", "3"],
+                  ["--pgle"], ["--peak-tflops", "500"]):
         usage_error(capsys, ["--trace-only", *flags],
                     "--trace-only runs nothing and writes nothing")
 

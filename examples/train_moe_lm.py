@@ -145,7 +145,8 @@ def parse_args(argv=None):
                              "into DIR and write the step-time breakdown by part of the model "
                              "to DIR/breakdown.json (GPU kernels; see examples/step_profile.py); "
                              "turns XLA's CUDA graphs off for the run")
-    parser.add_argument("--profile-steps", type=positive_int, default=5, metavar="N")
+    parser.add_argument("--profile-steps", type=positive_int, metavar="N",
+                        help="steps --profile traces (default 5)")
     args = parser.parse_args(argv)
     if args.trace_only and (args.dp is not None or args.ep != 1 or args.host_devices
                             or args.shard_optimizer):
@@ -168,6 +169,11 @@ def parse_args(argv=None):
                      "give one")
     if args.no_checkpoint and (args.resume or args.stop_after):
         parser.error("--no-checkpoint cannot be combined with --resume or --stop-after")
+    if args.profile_steps is not None and not args.profile:
+        parser.error(f"--profile-steps {args.profile_steps} needs --profile DIR: it sets how "
+                     "many steps --profile traces")
+    if args.profile_steps is None:
+        args.profile_steps = 5
     if args.profile and (args.pgle or jax.config.jax_enable_pgle):
         parser.error("--profile cannot be combined with PGLE (--pgle, JAX_ENABLE_PGLE): the "
                      "breakdown names kernels through a compile of the step without PGLE's "

@@ -529,6 +529,14 @@ def test_profile_refuses_pgle(capsys):
     assert train_moe_lm.parse_args(["--profile", "p"]).profile == "p"
 
 
+def test_profile_steps_needs_profile(capsys):
+    """--profile-steps only sets how many steps --profile traces: alone it is a usage
+    error, not a flag accepted and ignored."""
+    usage_error(capsys, ["--profile-steps", "3"], "--profile-steps 3 needs --profile")
+    assert train_moe_lm.parse_args(["--profile", "p", "--profile-steps", "3"]).profile_steps == 3
+    assert train_moe_lm.parse_args(["--profile", "p"]).profile_steps == 5
+
+
 def test_dp_default_lag_only_where_measured():
     """The barrier's default (lag 1) is for dp > 1 with ep = 1 and a replicated
     optimizer, what was measured; elsewhere it stays off unless asked for. (That

@@ -104,6 +104,40 @@ def factorisations(n: int) -> list[tuple[int, int]]:
     return [(n // ep, ep) for ep in range(1, n + 1) if n % ep == 0]
 
 
+def bits_equal(a, b) -> bool:
+    """Whether two arrays have the same dtype, shape and bits."""
+    import numpy as np
+
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def max_rel(a, b) -> float:
+    """The largest ``|a - b|`` over the largest ``|b|`` (``b``: the baseline); inf
+    where the two are not finite in the same places with the same values (a NaN
+    compares as no difference, and a NaN here would pass any tolerance)."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    finite = np.isfinite(b)
+    if not (np.array_equal(np.isfinite(a), finite)
+            and np.array_equal(a[~finite], b[~finite], equal_nan=True)):
+        return float("inf")
+    a, b = a[finite], b[finite]
+    return float(np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(b), initial=0.0), 1e-30))
+
+
+def compare(row: dict, result: dict, base: dict) -> None:
+    """Bitwise comparison of every output and gradient of ``result`` with the
+    baseline's, into ``row``: which differ, whether the outputs and the gradients
+    are the same bits, and the largest relative difference (`max_rel`)."""
+    differ = [k for k in base if not bits_equal(result[k], base[k])]
+    row["differ"] = differ
+    row["outputs_bitwise"] = not any(k in OUTPUTS for k in differ)
+    row["grads_bitwise"] = not any(k not in OUTPUTS for k in differ)
+    row["max_rel_diff"] = max((max_rel(result[k], base[k]) for k in differ), default=0.0)
+
+
 def run(args) -> dict:
     if args.host_devices:
         set_host_devices(args.host_devices)
@@ -169,22 +203,6 @@ def run(args) -> dict:
         def step(params, bias, tokens):
             return jax.value_and_grad(lambda p: sharded(p, bias, tokens), has_aux=True)(params)
         return step
-
-    def bits_equal(a, b) -> bool:
-        a, b = np.asarray(a), np.asarray(b)
-        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-    def max_rel(a, b) -> float:
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-    def compare(row, result, base):
-        """Bitwise comparison of every output and gradient with the baseline."""
-        differ = [k for k in base if not bits_equal(result[k], base[k])]
-        row["differ"] = differ
-        row["outputs_bitwise"] = not any(k in OUTPUTS for k in differ)
-        row["grads_bitwise"] = not any(k not in OUTPUTS for k in differ)
-        row["max_rel_diff"] = max((max_rel(result[k], base[k]) for k in differ), default=0.0)
 
     def run_mesh(mode, mesh, row):
         """Compiles and times one loss+grad step; returns {name: array} or None."""

@@ -145,14 +145,19 @@ def parse_args(argv=None):
                              "into DIR and write the step-time breakdown by part of the model "
                              "to DIR/breakdown.json (GPU kernels; see examples/step_profile.py); "
                              "turns XLA's CUDA graphs off for the run")
-    parser.add_argument("--profile-steps", type=positive_int, default=5, metavar="N")
+    parser.add_argument("--profile-steps", type=positive_int, metavar="N",
+                        help="steps --profile traces (default 5)")
     args = parser.parse_args(argv)
-    if args.trace_only and (args.dp is not None or args.ep != 1 or args.host_devices):
+    if args.trace_only and (args.dp is not None or args.ep != 1 or args.host_devices
+                            or args.shard_optimizer):
         parser.error("--trace-only traces the one-device step (jax.eval_shape, no mesh): "
-                     "--dp, --ep and --host-devices are not used there")
-    if args.trace_only and (args.resume or args.out or args.profile or args.overwrite):
+                     "--dp, --ep, --host-devices and --shard-optimizer are not used there")
+    if args.trace_only and (args.resume or args.out or args.profile or args.overwrite
+                            or args.data_dir or args.stop_after or args.pgle
+                            or args.peak_tflops):
         parser.error("--trace-only runs nothing and writes nothing: --resume, --out, "
-                     "--overwrite and --profile are not used there")
+                     "--overwrite, --profile, --data-dir, --stop-after, --pgle and "
+                     "--peak-tflops are not used there")
     if args.recipe == "fp8" and (args.dtype or PRESETS[args.preset].dtype) != "bfloat16":
         parser.error("--recipe fp8 runs the expert GEMMs from bfloat16 operands: add "
                      "--dtype bfloat16")
@@ -164,6 +169,11 @@ def parse_args(argv=None):
                      "give one")
     if args.no_checkpoint and (args.resume or args.stop_after):
         parser.error("--no-checkpoint cannot be combined with --resume or --stop-after")
+    if args.profile_steps is not None and not args.profile:
+        parser.error(f"--profile-steps {args.profile_steps} needs --profile DIR: it sets how "
+                     "many steps --profile traces")
+    if args.profile_steps is None:
+        args.profile_steps = 5
     if args.profile and (args.pgle or jax.config.jax_enable_pgle):
         parser.error("--profile cannot be combined with PGLE (--pgle, JAX_ENABLE_PGLE): the "
                      "breakdown names kernels through a compile of the step without PGLE's "
@@ -408,60 +418,65 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
         mark(upto, now)
 
     deferred = None  # a log step whose line waits until the next step is dispatched
-    for step in range(start, stop):
-        batch = jax.device_put(batch_at(corpus.train, step, cfg), tokens_sharding)
-        if step == profile_from:
-            if deferred is not None:  # its interval must not time the tracer's start
+    # A run that stops early (a diverged step, an error, Ctrl-C) still finishes
+    # writing the checkpoints it saved: they are written in the background, and
+    # the log already names them.
+    try:
+        for step in range(start, stop):
+            batch = jax.device_put(batch_at(corpus.train, step, cfg), tokens_sharding)
+            if step == profile_from:
+                if deferred is not None:  # its interval must not time the tracer's start
+                    log_interval(deferred)
+                    deferred = None
+                jax.block_until_ready(state)
+                jax.profiler.start_trace(args.profile)
+                t_profile = time.perf_counter()
+            state, metrics = train_step(state, batch)
+            done = step + 1
+            pending.append((done, metrics))
+            if deferred is not None:  # step `done` is queued: now wait for `deferred`
                 log_interval(deferred)
                 deferred = None
-            jax.block_until_ready(state)
-            jax.profiler.start_trace(args.profile)
-            t_profile = time.perf_counter()
-        state, metrics = train_step(state, batch)
-        done = step + 1
-        pending.append((done, metrics))
-        if deferred is not None:  # step `done` is queued: now wait for `deferred`
-            log_interval(deferred)
-            deferred = None
-        if done == profile_to:
-            jax.block_until_ready((state, metrics))
-            profile_wall = time.perf_counter() - t_profile
-            jax.profiler.stop_trace()
-            log["profile"] = profile_step(args, cfg, train_step, state, batch, profile_wall)
-            mark(done)  # profiling is not training
-        if done - start <= untimed:  # compiling steps: time them apart
-            jax.block_until_ready(metrics)
-            if compile_s is None:
-                compile_s = time.perf_counter() - t_run
-            mark(done)
-        evaluating = done % cfg.eval_every == 0 or done == cfg.steps
-        saving = not args.no_checkpoint and (done % cfg.ckpt_every == 0 or done == stop)
-        if done % cfg.log_every == 0 or done == stop:
-            if done == stop or evaluating or saving:
-                log_interval(done)  # waits anyway
-            else:
-                deferred = done
+            if done == profile_to:
+                jax.block_until_ready((state, metrics))
+                profile_wall = time.perf_counter() - t_profile
+                jax.profiler.stop_trace()
+                log["profile"] = profile_step(args, cfg, train_step, state, batch, profile_wall)
+                mark(done)  # profiling is not training
+            if done - start <= untimed:  # compiling steps: time them apart
+                jax.block_until_ready(metrics)
+                if compile_s is None:
+                    compile_s = time.perf_counter() - t_run
+                mark(done)
+            evaluating = done % cfg.eval_every == 0 or done == cfg.steps
+            saving = not args.no_checkpoint and (done % cfg.ckpt_every == 0 or done == stop)
+            if done % cfg.log_every == 0 or done == stop:
+                if done == stop or evaluating or saving:
+                    log_interval(done)  # waits anyway
+                else:
+                    deferred = done
+            if progress is not None:
+                progress.update(1)
+            if evaluating:
+                flush()
+                log["eval"].append({"step": done, "loss": evaluate(state),
+                                    "batches": cfg.eval_batches})
+                msg = f"step {done}: eval loss {log['eval'][-1]['loss']:.4f}"
+                (progress.write if progress is not None else print)(msg)
+                mark(done)  # evaluating is not training
+            if saving:
+                flush()
+                check_finite(log, done)  # a diverged state must not replace a good checkpoint
+                save_checkpoint(manager, state)
+                write_json(log_path, log)
+                mark(done)  # nor is saving
+        flush()
+    finally:
         if progress is not None:
-            progress.update(1)
-        if evaluating:
-            flush()
-            log["eval"].append({"step": done, "loss": evaluate(state),
-                                "batches": cfg.eval_batches})
-            msg = f"step {done}: eval loss {log['eval'][-1]['loss']:.4f}"
-            (progress.write if progress is not None else print)(msg)
-            mark(done)  # evaluating is not training
-        if saving:
-            flush()
-            check_finite(log, done)  # a diverged state must not replace a good checkpoint
-            save_checkpoint(manager, state)
-            write_json(log_path, log)
-            mark(done)  # nor is saving
-    flush()
-    if progress is not None:
-        progress.close()
-    if manager is not None:
-        manager.wait_until_finished()
-        manager.close()
+            progress.close()
+        if manager is not None:
+            manager.wait_until_finished()
+            manager.close()
 
     wall = time.perf_counter() - t_run
     # A run resumed on another mesh holds both meshes' intervals: the summary is this

@@ -529,6 +529,14 @@ def test_profile_refuses_pgle(capsys):
     assert train_moe_lm.parse_args(["--profile", "p"]).profile == "p"
 
 
+def test_profile_steps_needs_profile(capsys):
+    """--profile-steps only sets how many steps --profile traces: alone it is a usage
+    error, not a flag accepted and ignored."""
+    usage_error(capsys, ["--profile-steps", "3"], "--profile-steps 3 needs --profile")
+    assert train_moe_lm.parse_args(["--profile", "p", "--profile-steps", "3"]).profile_steps == 3
+    assert train_moe_lm.parse_args(["--profile", "p"]).profile_steps == 5
+
+
 def test_dp_default_lag_only_where_measured():
     """The barrier's default (lag 1) is for dp > 1 with ep = 1 and a replicated
     optimizer, what was measured; elsewhere it stays off unless asked for. (That
@@ -609,6 +617,28 @@ def test_a_diverged_run_stops_without_a_checkpoint(tmp_path, steps, every):
                            *SMALL, "--lr", "1e30", "--log-every", str(every),
                            "--ckpt-every", str(steps)])
     assert not (out / "ckpt" / str(steps)).exists()
+
+
+@pytest.mark.slow  # a command-line run (20 s)
+def test_a_stopped_run_keeps_the_checkpoint_it_saved(tmp_path):
+    """Checkpoints are written in the background: a run that stops (here: diverged
+    at step 2, its first step's checkpoint saved the step before) finishes writing
+    the checkpoints it saved before it exits. Its log names step 1, so step 1 must be
+    on disk, complete, for --resume."""
+    out = tmp_path / "run"
+    proc = _run_script("train_moe_lm.py", "--steps", "8", "--eval-every", "8", "--out", str(out),
+                       *SMALL, "--lr", "1e30", "--log-every", "1", "--ckpt-every", "1")
+    assert proc.returncode != 0 and "without saving a checkpoint" in proc.stderr, proc.stderr
+    log = json.loads((out / "log.json").read_text())
+    saved = max(r["step"] for r in log["train"])
+    assert saved >= 1
+    names = sorted(p.name for p in (out / "ckpt").iterdir() if p.name != "run.json")
+    assert names and all(n.isdigit() for n in names), (names, proc.stderr)
+    manager = lm.checkpoint_manager(str(out / "ckpt"))
+    try:
+        assert manager.latest_step() == saved
+    finally:
+        manager.close()
 
 
 @pytest.mark.slow  # the module's trained run (14 s), shared with the slow tests
@@ -792,11 +822,14 @@ def test_train_mesh_mistakes_are_messages_not_tracebacks(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"--ep 3 must divide the preset's 8 experts"):
         train_moe_lm.main(["--ep", "3", "--dp", "1", "--batch", "3", "--out",
                            str(tmp_path / "a"), *SMALL[4:-3], "--no-progress"])
-    for flags in (["--dp", "2"], ["--ep", "2"], ["--host-devices", "4"]):
+    for flags in (["--dp", "2"], ["--ep", "2"], ["--host-devices", "4"],
+                  ["--shard-optimizer"]):
         usage_error(capsys, ["--trace-only", *flags], "--trace-only traces the one-device step")
-    # It writes nothing either: flags about where a run writes are refused, not ignored.
+    # It reads, runs and writes nothing either: flags about what a run reads, how it
+    # runs and where it writes are refused, not ignored.
     for flags in (["--resume"], ["--out", str(tmp_path)], ["--profile", str(tmp_path)],
-                  ["--overwrite"]):
+                  ["--overwrite"], ["--data-dir", str(tmp_path)], ["--stop-after", "3"],
+                  ["--pgle"], ["--peak-tflops", "500"]):
         usage_error(capsys, ["--trace-only", *flags],
                     "--trace-only runs nothing and writes nothing")
 
@@ -897,6 +930,34 @@ def test_factorisations():
     assert mesh_experiments.factorisations(8) == [(8, 1), (4, 2), (2, 4), (1, 8)]
     assert mesh_experiments.factorisations(6) == [(6, 1), (3, 2), (2, 3), (1, 6)]
     assert mesh_experiments.factorisations(1) == [(1, 1)]
+
+
+def test_mesh_experiments_fails_a_mesh_whose_gradient_is_not_finite():
+    """A row fails when its largest relative difference from the baseline exceeds
+    GRAD_RTOL. A gradient with a NaN or an inf where the baseline's is finite (or
+    the other way round) is such a difference, whichever leaf it is in; a row that
+    differs only in summation order is not."""
+    import mesh_experiments
+
+    rng = np.random.default_rng(0)
+    base = {"loss": np.float32(2.5), "logits": rng.normal(size=(2, 3)).astype(np.float32),
+            "grad/a": rng.normal(size=(4, 4)).astype(np.float32),
+            "grad/b": rng.normal(size=(8,)).astype(np.float32)}
+    rounding = dict(base, **{"grad/a": np.nextafter(base["grad/a"], np.float32(np.inf))})
+    row = {}
+    mesh_experiments.compare(row, rounding, base)
+    assert row["differ"] == ["grad/a"] and row["outputs_bitwise"]
+    assert 0 < row["max_rel_diff"] <= mesh_experiments.GRAD_RTOL
+    for leaf in ("grad/a", "grad/b"):
+        for bad in (np.nan, np.inf):
+            broken = dict(rounding, **{leaf: rounding[leaf].copy()})
+            broken[leaf][1] = bad
+            for result, baseline in ((broken, base), (base, broken)):
+                row = {}
+                mesh_experiments.compare(row, result, baseline)
+                assert row["outputs_bitwise"] and not row["grads_bitwise"]
+                # what run() fails a row on
+                assert row["max_rel_diff"] > mesh_experiments.GRAD_RTOL, (leaf, bad, row)
 
 
 @pytest.mark.slow

@@ -273,15 +273,23 @@ def profile_step(args, cfg: Config, train_step, state, batch, wall_s: float) -> 
     return result
 
 
-def check_finite(log: dict, step: int) -> None:
-    """Stops the run when the newest logged step's loss or gradient norm, or the
-    newest eval loss, is not finite: the run has diverged (a loss is computed before
-    its step's update, so a finite loss beside a NaN gradient norm still means a NaN
-    update), and nothing after it (in particular no checkpoint) is worth keeping."""
-    for what, rows, key in (("train loss", log["train"], "loss"),
-                            ("train grad norm", log["train"], "grad_norm"),
-                            ("eval loss", log["eval"], "loss")):
-        row = rows[-1] if rows else {}
+def check_finite(log: dict, step: int, since: int = 0) -> None:
+    """Stops the run when a logged step after `since` has a loss or gradient norm
+    that is not finite (the first such step is named), or the newest eval loss is
+    not: the run has diverged (a loss is computed before its step's update, so a
+    finite loss beside a NaN gradient norm still means a NaN update), and nothing
+    after it (in particular no checkpoint) is worth keeping."""
+    new_rows = []
+    for row in reversed(log["train"]):
+        if row["step"] <= since:
+            break
+        new_rows.append(row)
+    checks = [("train loss", row, "loss") for row in reversed(new_rows)]
+    checks += [("train grad norm", row, "grad_norm") for row in reversed(new_rows)]
+    checks.sort(key=lambda c: c[1]["step"])  # the first bad step, loss before norm
+    if log["eval"]:
+        checks.append(("eval loss", log["eval"][-1], "loss"))
+    for what, row, key in checks:
         if key in row and not math.isfinite(row[key]):
             raise SystemExit(f"step {step}: the {what} is {row[key]} (step {row['step']}); "
                              "stopping without saving a checkpoint")
@@ -390,6 +398,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
     def log_interval(upto):
         """The log line of step `upto`: waits for it (only for it: a later step may
         already be queued, so the GPU does not idle while the host logs)."""
+        nonlocal checked
         flush(upto)
         now = time.perf_counter()
         profiled = profile_from is not None and mark_step < profile_to and upto > profile_from
@@ -401,7 +410,8 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
             if peak:
                 row["mfu"] = row["tokens_per_s"] * flops_per_token(cfg) / (peak * 1e12 * dp * ep)
             log["throughput"].append(row)
-        check_finite(log, upto)
+        check_finite(log, upto, since=checked)
+        checked = log["train"][-1]["step"] if log["train"] else checked
         last = log["train"][-1]
         tps = log["throughput"][-1]["tokens_per_s"] if log["throughput"] else float("nan")
         if progress is not None:
@@ -418,6 +428,7 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
         mark(upto, now)
 
     deferred = None  # a log step whose line waits until the next step is dispatched
+    checked = start  # the train rows up to this step have been checked for divergence
     # A run that stops early (a diverged step, an error, Ctrl-C) still finishes
     # writing the checkpoints it saved: they are written in the background, and
     # the log already names them.
@@ -466,7 +477,9 @@ def _train_on_mesh(args, cfg: Config, mesh: Mesh, corpus: Corpus, out: str, peak
                 mark(done)  # evaluating is not training
             if saving:
                 flush()
-                check_finite(log, done)  # a diverged state must not replace a good checkpoint
+                # a diverged state must not replace a good checkpoint
+                check_finite(log, done, since=checked)
+                checked = done
                 save_checkpoint(manager, state)
                 write_json(log_path, log)
                 mark(done)  # nor is saving

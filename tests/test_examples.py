@@ -537,6 +537,24 @@ def test_profile_steps_needs_profile(capsys):
     assert train_moe_lm.parse_args(["--profile", "p"]).profile_steps == 5
 
 
+def test_divergence_inside_a_log_interval_stops_the_run():
+    """Every step logged since the last check is checked, not only the newest: a
+    gradient norm of inf at step 7 of an interval ending at 10 stops the run and is
+    named, though step 10's row is finite; rows up to `since` are not checked again."""
+    rows = [{"step": s, "loss": 2.0, "grad_norm": 1.0} for s in range(1, 11)]
+    rows[6]["grad_norm"] = math.inf
+    log = {"train": rows, "eval": []}
+    with pytest.raises(SystemExit, match=r"train grad norm is inf \(step 7\)"):
+        train_moe_lm.check_finite(log, 10, since=5)
+    train_moe_lm.check_finite(log, 10, since=7)  # step 7 was checked before
+    rows[3]["loss"] = math.nan
+    with pytest.raises(SystemExit, match=r"train loss is nan \(step 4\)"):
+        train_moe_lm.check_finite(log, 10, since=0)
+    log["eval"].append({"step": 10, "loss": math.nan})
+    with pytest.raises(SystemExit, match=r"eval loss is nan"):
+        train_moe_lm.check_finite(log, 10, since=10)
+
+
 def test_dp_default_lag_only_where_measured():
     """The barrier's default (lag 1) is for dp > 1 with ep = 1 and a replicated
     optimizer, what was measured; elsewhere it stays off unless asked for. (That

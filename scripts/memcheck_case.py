@@ -60,16 +60,20 @@ def persistent_cases():
     block, H and F not multiples of the 64-wide tiles, capacity drops, T below a
     block; then the EP role on virtual ranks (each rank's windows its own), both
     tile heights; then the backward's 128-row blocks with H > F + 256, whose
-    SwiGLU tasks stream dy rows in stages of their own."""
+    SwiGLU tasks stream dy rows in stages of their own; then enough tokens for
+    combine tasks of eight tokens (at least 32 a CTA on 132 SMs), on one rank and
+    on two virtual ranks."""
     return [lambda: run(200, 2, 6, 128, 64, jnp.bfloat16, None),
             lambda: run(100, 2, 4, 136, 200, jnp.bfloat16, 0.5),
             lambda: run(3, 2, 3, 8, 8, jnp.bfloat16, None),
             lambda: run_virtual_ranks(96, 3, 8, 136, 200, 4),
             lambda: run_virtual_ranks(512, 4, 8, 256, 128, 2),
-            lambda: run(600, 2, 4, 520, 136, jnp.bfloat16, None)]
+            lambda: run(600, 2, 4, 520, 136, jnp.bfloat16, None),
+            lambda: run(4352, 2, 4, 64, 72, jnp.bfloat16, None),
+            lambda: run_virtual_ranks(8704, 3, 8, 64, 72, 2)]
 
 
-PERSISTENT_CASES = 6
+PERSISTENT_CASES = 8
 
 
 def run_persistent(only=None):

@@ -306,6 +306,24 @@ def test_padded_token_split_keeps_the_ep_residuals(tokens, routing):
     assert int(s.invalid) == int(s1.invalid)
 
 
+@pytest.mark.parametrize("experts", ["split", "replicated"])
+def test_plain_jit_gradients_of_no_tokens_on_a_mesh(experts):
+    """T = 0 on a mesh of 4 devices: the forward saves its (empty) rows for the
+    backward like any even split. y, dx and d expert_weights are empty, the weight
+    gradients and statistics those of one device with no tokens (all zero)."""
+    mesh = jax.make_mesh((4,), ("ep",), devices=CPUS[:4])
+    x, ids, w, wgu, wd = (a[:0] if i < 3 else a
+                          for i, a in enumerate(problem(jnp.float32, seed=11)))
+    y1, s1, g1 = single_device(x, ids, w, wgu, wd, 1.0)
+    y, s, g, _ = jit_on_mesh(mesh, P("ep"), P("ep") if experts == "split" else P(),
+                             x, ids, w, wgu, wd, 1.0)
+    assert y.shape == (0, H) and g[0].shape == (0, H) and g[1].shape == (0, K)
+    assert_same_results((y, *g), (y1, *g1))
+    assert not np.any(np.asarray(g[2])) and not np.any(np.asarray(g[3]))
+    np.testing.assert_array_equal(s.tokens_per_expert, np.zeros(E, np.int32))
+    assert int(s.dropped) == int(s.invalid) == 0
+
+
 @pytest.mark.parametrize("tokens, returned", [(31, "as XLA chooses"), (32, "replicated")])
 @pytest.mark.parametrize("experts", ["replicated", "split"])
 def test_a_vjp_across_two_jits_gives_the_single_device_bits(experts, tokens, returned):

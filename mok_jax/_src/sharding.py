@@ -352,6 +352,12 @@ def _to_residual(rows, T, r):
     return rows.reshape(T, r, cols)
 
 
+def _from_residual(residual):
+    """A ``[T, r, C]`` residual as its ``[T * r, C]`` rows (explicit sizes: T may be 0)."""
+    T, r, cols = residual.shape
+    return residual.reshape(T * r, cols)
+
+
 # --- forward -------------------------------------------------------------------
 
 def _stats_only(recipe, cap, operands):
@@ -460,8 +466,8 @@ def _forward_saving_partition(cap, backend, recipe, bound, mesh, arg_shapes, res
             return (y, _pack_stats(stats, pad), _to_residual(x_rows, T, r),
                     _to_residual(gate_up, T, r), tag)
         y, stats, res = path.forward(*operands, save=True)
-        return (y, _pack_stats(stats, pad), res.x_rows.reshape(T, r, -1),
-                res.gate_up.reshape(T, r, -1), tag)
+        return (y, _pack_stats(stats, pad), _to_residual(res.x_rows, T, r),
+                _to_residual(res.gate_up, T, r), tag)
 
     operand_shardings, result_shardings = FORWARD_SAVING.shardings(mesh, split)
     return mesh, per_device(lower_fn), result_shardings, operand_shardings
@@ -529,15 +535,15 @@ def _backward_partition(cap, backend, recipe, bound, mesh, arg_shapes, result_sh
             if not saved:  # run the forward again
                 _, _, (gate_up_rows, x_rows_rows) = _local_forward(cfg, operands, save=True)
             else:
-                gate_up_rows = gate_up.reshape(T * r, -1)[:T * K]
-                x_rows_rows = x_rows.reshape(T * r, -1)[:T * K]
+                gate_up_rows = _from_residual(gate_up)[:T * K]
+                x_rows_rows = _from_residual(x_rows)[:T * K]
             return _local_backward(cfg, operands, gate_up_rows, x_rows_rows, dy)
         path = ep.ExchangePath(cfg, transport, rows=T * r)
         if not saved:  # run the forward again
             _, _, res = path.forward(*operands, save=True)
             return path.backward(res, dy)
         p, route = path.routing(expert_ids, w_gate_up.shape[0])  # the plan, again (cheap)
-        res = ep.Residuals(p, route, x_rows.reshape(T * r, -1), gate_up.reshape(T * r, -1),
+        res = ep.Residuals(p, route, _from_residual(x_rows), _from_residual(gate_up),
                            expert_weights, w_gate_up, w_down)
         return path.backward(res, dy)
 

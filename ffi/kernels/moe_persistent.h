@@ -19,8 +19,8 @@
 //   GEMM2 tasks (BM rows x 256 H columns): after h_ready[row block] reaches the
 //     number of GEMM1 column tiles, h @ W_down to the expert-output rows; then
 //     gemm2_done += 1.
-//   combine tasks (2 tokens): after every GEMM2 task, each token's K rows summed
-//     over k ascending in f32 and rounded once.
+//   combine tasks (2 or 8 tokens: combine_tokens_per_task): after every GEMM2
+//     task, each token's K rows summed over k ascending in f32 and rounded once.
 // EP on one launch (`ranks` P > 1, virtual ranks on one device): the CTAs form P
 // groups, rank o's group takes the GEMM tasks of experts [o E/P, (o+1) E/P) and
 // the combine of tokens [o T/P, (o+1) T/P) (with 64-row tiles from its own ticket).
@@ -144,8 +144,8 @@ std::string persistent_forward(const PersistentForwardArgs& args, void* workspac
 //     blocks' height of dW_down, then of dW_gate_up, each over a chunk of its
 //     256-column N tiles in turn), after the expert's SwiGLU tasks, over its rows
 //     in 64-row K blocks, ascending;
-//   the combine (2 tokens): after every dgrad1 task, dx = the sum over k ascending
-//     of each token's dx rows (f32, rounded once).
+//   the combine (2 or 8 tokens, as the forward's): after every dgrad1 task, dx =
+//     the sum over k ascending of each token's dx rows (f32, rounded once).
 // EP on one launch (`ranks` P > 1, virtual ranks on one device), as the forward:
 // rank o's CTAs take the tasks of experts [o E/P, (o+1) E/P) and the combine of
 // tokens [o T/P, (o+1) T/P); the dy, dx, expert_weights and d expert_weights rows

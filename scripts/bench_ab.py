@@ -8,7 +8,10 @@ DIR holds an installed mok_jax, e.g. from `pip install --no-deps --target DIR
 mok_jax-*.whl`. Each round runs `python -m mok_jax.bench BENCH_ARGS --json
 OUTDIR/TAG_ROUND.json` once per build, in the order given. DIR goes first on
 PYTHONPATH and OUTDIR is the working directory, so no source tree's mok_jax shadows the
-build. The log of each process goes to OUTDIR/TAG_ROUND.txt.
+build. The log of each process goes to OUTDIR/TAG_ROUND.txt. The JSON files that an
+earlier run left in OUTDIR for these TAGs are removed first, and the table after the
+runs has these builds only: a process that fails before writing its JSON leaves no
+earlier file in its place.
 
 One GPU's processes differ by 1-3 % from one to the next, so a difference between
 builds is only seen with both in the same rounds.
@@ -105,7 +108,13 @@ def format_table(rows: list[dict], base: str) -> str:
 
 def run(outdir: str, builds: list[tuple[str, str]], rounds: int, bench_args: list[str],
         module: str = "mok_jax.bench") -> int:
-    """The alternating processes; returns how many failed."""
+    """The alternating processes; returns how many failed. The TAG_ROUND.json files
+    of these builds' tags already in `outdir` are removed first."""
+    tags = {tag for tag, _ in builds}
+    for path in glob.glob(os.path.join(outdir, "*.json")):
+        m = _FILE.match(os.path.basename(path))
+        if m is not None and m["tag"] in tags:
+            os.remove(path)
     failed = 0
     for r in range(1, rounds + 1):
         for tag, build_dir in builds:
@@ -166,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.outdir, exist_ok=True)
         failed = run(args.outdir, args.build, args.rounds, bench_args, args.module)
     runs = load(args.outdir)
+    if not args.compare:  # this run's builds only
+        runs = {tag: rounds for tag, rounds in runs.items() if tag in tags}
     base = args.base or (args.build[0][0] if args.build else None)
     if base is None:
         ap.error("--compare needs --base TAG")

@@ -120,3 +120,25 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
         with pytest.raises(SystemExit):
             bench_ab.main(argv)
         assert message in capsys.readouterr().err
+
+
+def test_a_run_compares_only_the_json_of_its_own_processes(tmp_path, monkeypatch, capsys):
+    """JSON files an earlier run left in OUTDIR (another build's, a round beyond
+    --rounds, and the file of a process that now fails before writing) stay out of
+    this run's table."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for tag, rnd, median in (("a", 1, 50.0), ("a", 3, 70.0), ("b", 1, 10.0),
+                             ("b", 3, 30.0), ("c", 1, 5.0)):
+        write(out, tag, rnd, [record("shapeX", "moe", "fwd", median, median)])
+    a = fake_build(tmp_path, "buildA", 2.0)
+    b = fake_build(tmp_path, "buildB", 3.0)
+    (tmp_path / "buildB" / "fakebench" / "__main__.py").write_text(
+        "import sys\nsys.exit(3)\n")  # fails before writing its JSON
+    monkeypatch.setenv("AB_ORDER_LOG", str(tmp_path / "order.log"))
+    rc = bench_ab.main([str(out), "--build", f"a={a}", "--build", f"b={b}", "--rounds", "1",
+                        "--module", "fakebench", "--", "shapeX"])
+    assert rc == 1
+    text = capsys.readouterr().out
+    rows = [line for line in text.splitlines() if line.startswith("shapeX")]
+    assert rows == ["shapeX, moe, fwd, native | a | 2.000 | 1.000 | 1.000 | 1.000"], text

@@ -180,7 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     base = args.base or (args.build[0][0] if args.build else None)
     if base is None:
         ap.error("--compare needs --base TAG")
-    print(format_table(compare(runs, base), base))
+    try:
+        rows = compare(runs, base)
+    except ValueError as err:  # the base has no JSON file
+        if args.compare:
+            ap.error(str(err))
+        print(f"no table: {err}", file=sys.stderr)
+        return 1
+    print(format_table(rows, base))
     return 1 if failed else 0
 
 

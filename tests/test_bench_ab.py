@@ -142,3 +142,21 @@ def test_a_run_compares_only_the_json_of_its_own_processes(tmp_path, monkeypatch
     text = capsys.readouterr().out
     rows = [line for line in text.splitlines() if line.startswith("shapeX")]
     assert rows == ["shapeX, moe, fwd, native | a | 2.000 | 1.000 | 1.000 | 1.000"], text
+
+
+def test_a_base_without_runs_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch, capsys):
+    write(tmp_path, "old", 1, [record("s", "moe", "fwd", 2.0, 2.0)])
+    with pytest.raises(SystemExit):
+        bench_ab.main([str(tmp_path), "--compare", "--base", "gone"])
+    assert "base build 'gone' has no runs" in capsys.readouterr().err
+    # A run whose base build fails in every round: its failures, and no table.
+    a = fake_build(tmp_path, "buildA", 2.0)
+    (tmp_path / "buildA" / "fakebench" / "__main__.py").write_text("import sys\nsys.exit(3)\n")
+    b = fake_build(tmp_path, "buildB", 3.0)
+    monkeypatch.setenv("AB_ORDER_LOG", str(tmp_path / "order.log"))
+    rc = bench_ab.main([str(tmp_path / "out"), "--build", f"a={a}", "--build", f"b={b}",
+                        "--rounds", "1", "--module", "fakebench", "--", "s"])
+    assert rc == 1
+    captured = capsys.readouterr()
+    assert "a round 1: rc=3" in captured.out
+    assert "base build 'a' has no runs" in captured.err

@@ -792,6 +792,30 @@ def test_ep_rows_are_time_ratios_to_compute_only_never_speedups():
             assert "speedup" not in line, line
 
 
+def test_ep_summary_and_progress_lines_name_the_recipe(capsys):
+    def moe(ms, recipe):
+        return {"shape": "ep", "impl": "moe", "pass": "fwd", "median_ms": ms, "min_ms": ms,
+                "tflops": 1.0, "status": "ok", "error": None, "recipe": recipe}
+
+    records = [moe(0.5, "native"), moe(0.4, "fp8")]
+    for recipe, compute_ms, ep_ms in (("native", 1.0, 1.9), ("fp8", 0.5, 1.5)):
+        records += [dict(_compute_record(compute_ms), recipe=recipe),
+                    dict(_ep_record(ep_ms), recipe=recipe)]
+    bench.report.add_speedups(records)
+    text = bench.report.format_table(records)
+    summary = text.split("EP against compute-only")[1].splitlines()[1:]
+    assert len(summary) == 2 and summary[0] != summary[1], summary
+    (fp8_line,) = [line for line in summary if "compute-only: 3.00x" in line]
+    assert "moe_ep2_xla [fp8]" in fp8_line, summary
+    (native_line,) = [line for line in summary if "compute-only: 1.90x" in line]
+    assert "[fp8]" not in native_line, summary
+    for record in records[:2]:
+        bench.cli._print_progress(record)
+    progress = capsys.readouterr().err.splitlines()
+    assert progress[0].startswith("  ep moe fwd:"), progress
+    assert progress[1].startswith("  ep moe [fp8] fwd:"), progress
+
+
 def test_a_json_path_that_cannot_be_written_is_refused_before_timing(tmp_path, capsys):
     """The JSON is written after each record, the first one after a measurement that
     can take minutes: a path it cannot write is a usage error up front."""

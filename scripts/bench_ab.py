@@ -151,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("outdir")
     ap.add_argument("--build", type=_build, action="append", default=[],
                     help="TAG=DIR: a build to time (repeatable; the first is the base)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="processes per build, alternating (default 2)")
     ap.add_argument("--base", help="the build the ratios are to (default: the first)")
-    ap.add_argument("--module", default="mok_jax.bench", help="the module each process runs")
+    ap.add_argument("--module", default=None,
+                    help="the module each process runs (default mok_jax.bench)")
     ap.add_argument("--compare", action="store_true",
                     help="no runs: the table from OUTDIR's JSON files")
     args = ap.parse_args(argv)
@@ -161,8 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     args.outdir = os.path.abspath(args.outdir)
     if any(a == "--json" or a.startswith("--json=") for a in bench_args):
         ap.error("the bench's --json is set per process; leave it out of BENCH_ARGS")
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.compare:  # what only a run uses would be ignored
+        for given, name in ((args.rounds is not None, "--rounds"),
+                            (args.module is not None, "--module"),
+                            (bool(bench_args), "BENCH_ARGS")):
+            if given:
+                ap.error(f"--compare with {name}: --compare runs nothing, it reads "
+                         "OUTDIR's JSON files")
     failed = 0
     if not args.compare:
         if len(args.build) < 2:
@@ -173,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.base is not None and args.base not in tags:  # before the runs, not after
             ap.error(f"--base {args.base!r} is none of the --build tags {tags}")
         os.makedirs(args.outdir, exist_ok=True)
-        failed = run(args.outdir, args.build, args.rounds, bench_args, args.module)
+        failed = run(args.outdir, args.build, args.rounds or 2, bench_args,
+                     args.module or "mok_jax.bench")
     runs = load(args.outdir)
     if not args.compare:  # this run's builds only
         runs = {tag: rounds for tag, rounds in runs.items() if tag in tags}

@@ -116,7 +116,11 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
             ([d, "--build", f"a={d}", "--build", f"b={d}", "--base", "c"], "--base 'c'"),
             ([d, "--build", f"a={d}", "--build", f"b={d}", "--", "--json", "x"], "--json"),
             ([d, "--build", f"a={d}", "--build", f"b={d}", "--", "--json=x"], "--json"),
-            ([d, "--compare"], "needs --base")):
+            ([d, "--compare"], "needs --base"),
+            ([d, "--compare", "--base", "a", "--rounds", "3"], "--compare with --rounds"),
+            ([d, "--compare", "--base", "a", "--module", "m"], "--compare with --module"),
+            ([d, "--compare", "--base", "a", "--", "--shapes", "ep"],
+             "--compare with BENCH_ARGS")):
         with pytest.raises(SystemExit):
             bench_ab.main(argv)
         assert message in capsys.readouterr().err

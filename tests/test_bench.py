@@ -727,6 +727,32 @@ def test_custom_shape_is_benchmarked(tmp_path):
         {"name": "mine", "tokens": 24, "top_k": 2, "experts": 4, "hidden": 16, "ffn": 8}]
 
 
+def test_a_run_stopped_while_writing_its_json_keeps_the_last_full_one(tmp_path, monkeypatch):
+    """The JSON is rewritten after every record so that a run cut short keeps what it
+    measured: a stop in the middle of a rewrite must leave the previous file whole."""
+    path = tmp_path / "cut.json"
+    real_dump, dumps = json.dump, []
+
+    class Stopped(BaseException):
+        pass
+
+    def dump_then_stop(obj, f, **kwargs):
+        dumps.append(len(obj["records"]))
+        if len(dumps) == 2:
+            f.write('{"records": [')  # part of the second file, then the stop
+            raise Stopped
+        real_dump(obj, f, **kwargs)
+
+    monkeypatch.setattr(bench.cli.json, "dump", dump_then_stop)
+    with pytest.raises(Stopped):
+        bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe,ragged_dot",
+                    "--passes", "fwd", "--repeats", "1", "--warmup", "0",
+                    "--dtype", "f32", "--json", str(path)])
+    monkeypatch.undo()
+    records = json.loads(path.read_text())["records"]
+    assert [(r["impl"], r["status"]) for r in records] == [("moe", "ok")]
+
+
 @pytest.mark.parametrize("bad, why", [
     ("1,2,3,4", "five comma-separated"),
     ("1,2,3,4,5,6", "five comma-separated"),

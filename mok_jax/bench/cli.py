@@ -587,9 +587,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if args.json:
             directory = os.path.dirname(os.path.abspath(args.json))
             os.makedirs(directory, exist_ok=True)
-            with open(args.json, "w", encoding="utf-8") as f:
+            # Written beside it, then renamed over it: a run stopped mid-write keeps
+            # the previous file whole.
+            partial = args.json + ".partial"
+            with open(partial, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)
                 f.write("\n")
+            os.replace(partial, args.json)
         return result
 
     def why_not(shape: Shape, impl: str, pass_name: str) -> str | None:

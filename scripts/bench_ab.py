@@ -8,7 +8,10 @@ DIR holds an installed mok_jax, e.g. from `pip install --no-deps --target DIR
 mok_jax-*.whl`. Each round runs `python -m mok_jax.bench BENCH_ARGS --json
 OUTDIR/TAG_ROUND.json` once per build, in the order given. DIR goes first on
 PYTHONPATH and OUTDIR is the working directory, so no source tree's mok_jax shadows the
-build. The log of each process goes to OUTDIR/TAG_ROUND.txt.
+build. The log of each process goes to OUTDIR/TAG_ROUND.txt. The JSON files that an
+earlier run left in OUTDIR for these TAGs are removed first, and the table after the
+runs has these builds only: a process that fails before writing its JSON leaves no
+earlier file in its place.
 
 One GPU's processes differ by 1-3 % from one to the next, so a difference between
 builds is only seen with both in the same rounds.
@@ -105,7 +108,13 @@ def format_table(rows: list[dict], base: str) -> str:
 
 def run(outdir: str, builds: list[tuple[str, str]], rounds: int, bench_args: list[str],
         module: str = "mok_jax.bench") -> int:
-    """The alternating processes; returns how many failed."""
+    """The alternating processes; returns how many failed. The TAG_ROUND.json files
+    of these builds' tags already in `outdir` are removed first."""
+    tags = {tag for tag, _ in builds}
+    for path in glob.glob(os.path.join(outdir, "*.json")):
+        m = _FILE.match(os.path.basename(path))
+        if m is not None and m["tag"] in tags:
+            os.remove(path)
     failed = 0
     for r in range(1, rounds + 1):
         for tag, build_dir in builds:
@@ -142,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("outdir")
     ap.add_argument("--build", type=_build, action="append", default=[],
                     help="TAG=DIR: a build to time (repeatable; the first is the base)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="processes per build, alternating (default 2)")
     ap.add_argument("--base", help="the build the ratios are to (default: the first)")
-    ap.add_argument("--module", default="mok_jax.bench", help="the module each process runs")
+    ap.add_argument("--module", default=None,
+                    help="the module each process runs (default mok_jax.bench)")
     ap.add_argument("--compare", action="store_true",
                     help="no runs: the table from OUTDIR's JSON files")
     args = ap.parse_args(argv)
@@ -152,8 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     args.outdir = os.path.abspath(args.outdir)
     if any(a == "--json" or a.startswith("--json=") for a in bench_args):
         ap.error("the bench's --json is set per process; leave it out of BENCH_ARGS")
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.compare:  # what only a run uses would be ignored
+        for given, name in ((args.rounds is not None, "--rounds"),
+                            (args.module is not None, "--module"),
+                            (bool(bench_args), "BENCH_ARGS")):
+            if given:
+                ap.error(f"--compare with {name}: --compare runs nothing, it reads "
+                         "OUTDIR's JSON files")
     failed = 0
     if not args.compare:
         if len(args.build) < 2:
@@ -164,12 +182,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.base is not None and args.base not in tags:  # before the runs, not after
             ap.error(f"--base {args.base!r} is none of the --build tags {tags}")
         os.makedirs(args.outdir, exist_ok=True)
-        failed = run(args.outdir, args.build, args.rounds, bench_args, args.module)
+        failed = run(args.outdir, args.build, args.rounds or 2, bench_args,
+                     args.module or "mok_jax.bench")
     runs = load(args.outdir)
+    if not args.compare:  # this run's builds only
+        runs = {tag: rounds for tag, rounds in runs.items() if tag in tags}
     base = args.base or (args.build[0][0] if args.build else None)
     if base is None:
         ap.error("--compare needs --base TAG")
-    print(format_table(compare(runs, base), base))
+    try:
+        rows = compare(runs, base)
+    except ValueError as err:  # the base has no JSON file
+        if args.compare:
+            ap.error(str(err))
+        print(f"no table: {err}", file=sys.stderr)
+        return 1
+    print(format_table(rows, base))
     return 1 if failed else 0
 
 

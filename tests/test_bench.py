@@ -727,6 +727,32 @@ def test_custom_shape_is_benchmarked(tmp_path):
         {"name": "mine", "tokens": 24, "top_k": 2, "experts": 4, "hidden": 16, "ffn": 8}]
 
 
+def test_a_run_stopped_while_writing_its_json_keeps_the_last_full_one(tmp_path, monkeypatch):
+    """The JSON is rewritten after every record so that a run cut short keeps what it
+    measured: a stop in the middle of a rewrite must leave the previous file whole."""
+    path = tmp_path / "cut.json"
+    real_dump, dumps = json.dump, []
+
+    class Stopped(BaseException):
+        pass
+
+    def dump_then_stop(obj, f, **kwargs):
+        dumps.append(len(obj["records"]))
+        if len(dumps) == 2:
+            f.write('{"records": [')  # part of the second file, then the stop
+            raise Stopped
+        real_dump(obj, f, **kwargs)
+
+    monkeypatch.setattr(bench.cli.json, "dump", dump_then_stop)
+    with pytest.raises(Stopped):
+        bench.main(["--shape", "mine=24,2,4,16,8", "--impls", "moe,ragged_dot",
+                    "--passes", "fwd", "--repeats", "1", "--warmup", "0",
+                    "--dtype", "f32", "--json", str(path)])
+    monkeypatch.undo()
+    records = json.loads(path.read_text())["records"]
+    assert [(r["impl"], r["status"]) for r in records] == [("moe", "ok")]
+
+
 @pytest.mark.parametrize("bad, why", [
     ("1,2,3,4", "five comma-separated"),
     ("1,2,3,4,5,6", "five comma-separated"),
@@ -790,6 +816,30 @@ def test_ep_rows_are_time_ratios_to_compute_only_never_speedups():
     for line in text.splitlines():
         if "moe_ep" in line or "EP=" in line:
             assert "speedup" not in line, line
+
+
+def test_ep_summary_and_progress_lines_name_the_recipe(capsys):
+    def moe(ms, recipe):
+        return {"shape": "ep", "impl": "moe", "pass": "fwd", "median_ms": ms, "min_ms": ms,
+                "tflops": 1.0, "status": "ok", "error": None, "recipe": recipe}
+
+    records = [moe(0.5, "native"), moe(0.4, "fp8")]
+    for recipe, compute_ms, ep_ms in (("native", 1.0, 1.9), ("fp8", 0.5, 1.5)):
+        records += [dict(_compute_record(compute_ms), recipe=recipe),
+                    dict(_ep_record(ep_ms), recipe=recipe)]
+    bench.report.add_speedups(records)
+    text = bench.report.format_table(records)
+    summary = text.split("EP against compute-only")[1].splitlines()[1:]
+    assert len(summary) == 2 and summary[0] != summary[1], summary
+    (fp8_line,) = [line for line in summary if "compute-only: 3.00x" in line]
+    assert "moe_ep2_xla [fp8]" in fp8_line, summary
+    (native_line,) = [line for line in summary if "compute-only: 1.90x" in line]
+    assert "[fp8]" not in native_line, summary
+    for record in records[:2]:
+        bench.cli._print_progress(record)
+    progress = capsys.readouterr().err.splitlines()
+    assert progress[0].startswith("  ep moe fwd:"), progress
+    assert progress[1].startswith("  ep moe [fp8] fwd:"), progress
 
 
 def test_a_json_path_that_cannot_be_written_is_refused_before_timing(tmp_path, capsys):

@@ -116,7 +116,51 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
             ([d, "--build", f"a={d}", "--build", f"b={d}", "--base", "c"], "--base 'c'"),
             ([d, "--build", f"a={d}", "--build", f"b={d}", "--", "--json", "x"], "--json"),
             ([d, "--build", f"a={d}", "--build", f"b={d}", "--", "--json=x"], "--json"),
-            ([d, "--compare"], "needs --base")):
+            ([d, "--compare"], "needs --base"),
+            ([d, "--compare", "--base", "a", "--rounds", "3"], "--compare with --rounds"),
+            ([d, "--compare", "--base", "a", "--module", "m"], "--compare with --module"),
+            ([d, "--compare", "--base", "a", "--", "--shapes", "ep"],
+             "--compare with BENCH_ARGS")):
         with pytest.raises(SystemExit):
             bench_ab.main(argv)
         assert message in capsys.readouterr().err
+
+
+def test_a_run_compares_only_the_json_of_its_own_processes(tmp_path, monkeypatch, capsys):
+    """JSON files an earlier run left in OUTDIR (another build's, a round beyond
+    --rounds, and the file of a process that now fails before writing) stay out of
+    this run's table."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for tag, rnd, median in (("a", 1, 50.0), ("a", 3, 70.0), ("b", 1, 10.0),
+                             ("b", 3, 30.0), ("c", 1, 5.0)):
+        write(out, tag, rnd, [record("shapeX", "moe", "fwd", median, median)])
+    a = fake_build(tmp_path, "buildA", 2.0)
+    b = fake_build(tmp_path, "buildB", 3.0)
+    (tmp_path / "buildB" / "fakebench" / "__main__.py").write_text(
+        "import sys\nsys.exit(3)\n")  # fails before writing its JSON
+    monkeypatch.setenv("AB_ORDER_LOG", str(tmp_path / "order.log"))
+    rc = bench_ab.main([str(out), "--build", f"a={a}", "--build", f"b={b}", "--rounds", "1",
+                        "--module", "fakebench", "--", "shapeX"])
+    assert rc == 1
+    text = capsys.readouterr().out
+    rows = [line for line in text.splitlines() if line.startswith("shapeX")]
+    assert rows == ["shapeX, moe, fwd, native | a | 2.000 | 1.000 | 1.000 | 1.000"], text
+
+
+def test_a_base_without_runs_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch, capsys):
+    write(tmp_path, "old", 1, [record("s", "moe", "fwd", 2.0, 2.0)])
+    with pytest.raises(SystemExit):
+        bench_ab.main([str(tmp_path), "--compare", "--base", "gone"])
+    assert "base build 'gone' has no runs" in capsys.readouterr().err
+    # A run whose base build fails in every round: its failures, and no table.
+    a = fake_build(tmp_path, "buildA", 2.0)
+    (tmp_path / "buildA" / "fakebench" / "__main__.py").write_text("import sys\nsys.exit(3)\n")
+    b = fake_build(tmp_path, "buildB", 3.0)
+    monkeypatch.setenv("AB_ORDER_LOG", str(tmp_path / "order.log"))
+    rc = bench_ab.main([str(tmp_path / "out"), "--build", f"a={a}", "--build", f"b={b}",
+                        "--rounds", "1", "--module", "fakebench", "--", "s"])
+    assert rc == 1
+    captured = capsys.readouterr()
+    assert "a round 1: rc=3" in captured.out
+    assert "base build 'a' has no runs" in captured.err

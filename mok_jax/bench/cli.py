@@ -25,7 +25,7 @@ from mok_jax.bench.pipelines import (DTYPES, EXTRA_IMPLS, GPU_ONLY, IMPL_ABOUT, 
                                      RAGGED_DOT_DENSE_WGRAD_LIMIT, RECIPES, auto_skip,
                                      platform_skip, skipped)
 from mok_jax.bench.report import (LEGEND, add_speedups, format_exchanges, format_table,
-                                  is_ep_record, machine_info)
+                                  impl_label, is_ep_record, machine_info)
 from mok_jax.bench.shapes import (DEFAULT_SHAPES, FULL_SHAPES, QUICK_SHAPES, SHAPE_ABOUT,
                                   Shape, custom_shape, make_inputs)
 from mok_jax.bench.torch_baselines import TORCH_ABOUT, TORCH_IMPLS, torch_records
@@ -523,8 +523,8 @@ def _print_progress(record: dict) -> None:
         done = f"{record['median_ms']:.3f} ms, {record['tflops']:.3g} TFLOP/s{per}"
     else:  # the reason, shortened: a timeout may keep the JSON from being written
         done = f"{record['status']}: {str(record.get('error') or '')[:200]}"
-    print(f"  {record['shape']} {record['impl']} {record['pass']}: {done}", file=sys.stderr,
-          flush=True)
+    print(f"  {record['shape']} {impl_label(record)} {record['pass']}: {done}",
+          file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -587,9 +587,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if args.json:
             directory = os.path.dirname(os.path.abspath(args.json))
             os.makedirs(directory, exist_ok=True)
-            with open(args.json, "w", encoding="utf-8") as f:
+            # Written beside it, then renamed over it: a run stopped mid-write keeps
+            # the previous file whole.
+            partial = args.json + ".partial"
+            with open(partial, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)
                 f.write("\n")
+            os.replace(partial, args.json)
         return result
 
     def why_not(shape: Shape, impl: str, pass_name: str) -> str | None:

@@ -204,7 +204,7 @@ def format_table(records: list[dict]) -> str:
     if ep_records:
         text += "\n\nEP against compute-only (one device, one rank's E/N experts):"
         for r in ep_records:
-            text += f"\n  {r['shape']} {r['pass']} {r['impl']}: {ep_ratio_text(r)}"
+            text += f"\n  {r['shape']} {r['pass']} {impl_label(r)}: {ep_ratio_text(r)}"
     return text
 
 

@@ -852,6 +852,7 @@ def test_train_mesh_mistakes_are_messages_not_tracebacks(tmp_path, capsys):
                     "--trace-only runs nothing and writes nothing")
 
 
+@pytest.mark.slow  # subprocesses that each import jax
 def test_mesh_experiments_refuses_more_devices_than_visible(tmp_path):
     proc = _run_script("mesh_experiments.py", "--host-devices", "2", "--devices", "3",
                        "--out", str(tmp_path), timeout=120)

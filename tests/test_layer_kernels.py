@@ -39,6 +39,7 @@ def test_both_passes_list_the_layers_calls_in_order():
     assert abs(sum(shares) - 100.0) < 0.5, shares
 
 
+@pytest.mark.slow  # subprocesses that each import jax
 def test_bad_arguments_are_refused_by_name():
     code, out = _run("--shapes", "nope")
     assert code == 2 and "unknown bench shape" in out

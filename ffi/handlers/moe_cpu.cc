@@ -32,7 +32,7 @@ ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
   MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *x_rows, *tokens_per_expert,
-                                            save_gate_up));
+                                            *dropped, *invalid, save_gate_up));
 
   const MoeForwardArgs args = ffi_checks::forward_args(
       d, x, expert_ids, expert_weights, w_gate_up, w_down, recipe, capacity, save_gate_up, *y,

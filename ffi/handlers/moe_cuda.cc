@@ -65,7 +65,7 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *x_rows, *tokens_per_expert,
-                                            save_gate_up));
+                                            *dropped, *invalid, save_gate_up));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
 
   const MoeForwardArgs args = ffi_checks::forward_args(
@@ -97,7 +97,7 @@ ffi::Error MoeForwardRanksCuda(cudaStream_t stream, ffi::ScratchAllocator scratc
   Decoded d;
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *x_rows, *tokens_per_expert,
-                                            save_gate_up));
+                                            *dropped, *invalid, save_gate_up));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
   // Before the workspace is sized: its receive windows follow `ranks`.
   const std::string bad_ranks = cuda::persistent_ranks_error(d.shape, ranks);

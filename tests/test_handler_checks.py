@@ -47,3 +47,30 @@ def test_forward_with_scalar_stats_runs():
 def test_forward_refuses_stats_that_are_not_scalars(name, dropped, invalid):
     with pytest.raises(Exception, match=rf"mok_moe_fwd( \(CUDA\))?: {name} has shape"):
         jax.block_until_ready(_moe_forward(dropped, invalid)(*_moe_operands()))
+
+
+def _expert_ffn_forward(gate_up_dtype, rows_dtype=jnp.float32):
+    R = T * K
+    outs = (jax.ShapeDtypeStruct((R, H), rows_dtype),
+            jax.ShapeDtypeStruct((R, 2 * F), gate_up_dtype))
+    call = jax.ffi.ffi_call(ext.EXPERT_FFN_FORWARD, outs)
+    x_rows = jnp.ones((R, H), rows_dtype)
+    sizes = jnp.asarray([3, 3, 2], jnp.int32)
+    wgu = jnp.full((E, H, 2 * F), 0.01, rows_dtype)
+    wd = jnp.full((E, F, H), 0.01, rows_dtype)
+    fn = jax.jit(lambda *a: call(*a, recipe=np.int32(ext.recipes()["native"]), save_gate_up=True))
+    return fn(x_rows, sizes, wgu, wd)
+
+
+def test_expert_ffn_forward_saves_gate_up_in_the_rows_dtype():
+    out_rows, gate_up = _expert_ffn_forward(jnp.float32)
+    assert out_rows.shape == (T * K, H) and gate_up.shape == (T * K, 2 * F)
+
+
+@pytest.mark.parametrize("rows_dtype,gate_up_dtype", [
+    (jnp.float32, jnp.bfloat16),  # f32 stores into a buffer half their size
+    (jnp.bfloat16, jnp.float32),
+])
+def test_expert_ffn_forward_refuses_gate_up_of_another_dtype(rows_dtype, gate_up_dtype):
+    with pytest.raises(Exception, match=r"mok_expert_ffn_fwd( \(CUDA\))?: gate_up must be"):
+        jax.block_until_ready(_expert_ffn_forward(gate_up_dtype, rows_dtype))

@@ -94,6 +94,7 @@ ffi::Error ExpertFfnForwardCpu(ffi::AnyBuffer x_rows, ffi::Buffer<ffi::S32> grou
   MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "out_rows", *out_rows, dt));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "gate_up", *gate_up,
                                                {save_gate_up ? s.tokens : 0, 2 * s.ffn}));
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "gate_up", *gate_up, dt));
   cpu::ExpertFfnForwardArgs a{};
   a.rows = s.tokens;
   a.experts = s.experts;

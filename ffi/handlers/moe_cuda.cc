@@ -192,6 +192,7 @@ ffi::Error ExpertFfnForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scrat
   MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "out_rows", *out_rows, dt));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "gate_up", *gate_up,
                                                {save_gate_up ? s.tokens : 0, 2 * s.ffn}));
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "gate_up", *gate_up, dt));
   const cuda::ExpertFfnShape shape{s.tokens, s.experts, s.hidden, s.ffn};
   const size_t bytes = cuda::expert_ffn_forward_workspace_bytes(shape, recipe, dt);
   void* ws = nullptr;

@@ -1,5 +1,8 @@
 """The CPU handlers split experts over threads; the bits must not depend on it."""
 
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,3 +39,36 @@ def test_thread_count_does_not_change_bits(dtype, monkeypatch):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+# Runs in a process of its own: quantizes rows with 128 threads wanted while the
+# address space has room for only a few thread stacks.
+_THREADS_THAT_CANNOT_START = """
+import os, resource
+os.environ["MOK_CPU_THREADS"] = "128"
+import jax, jax.numpy as jnp, numpy as np
+import mok_jax
+x = jnp.sin(jnp.arange(128 * 256, dtype=jnp.float32)).reshape(128, 256)
+run = jax.jit(mok_jax.quantize_rows_fp8).lower(x).compile()
+want = [np.asarray(a) for a in run(x)]
+with open("/proc/self/status") as status:
+    kib = int(next(l for l in status if l.startswith("VmSize")).split()[1])
+limit = kib * 1024 + (96 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+got = [np.asarray(a) for a in run(x)]
+for a, b in zip(want, got):
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+print("same bits")
+"""
+
+
+def test_threads_that_cannot_start_leave_the_work_to_the_others():
+    """A worker thread that cannot start (no room for its stack) is not a crash:
+    the started threads take its items and the bits are the same."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+        [package_parent] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-c", _THREADS_THAT_CANNOT_START], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "same bits" in proc.stdout

@@ -58,8 +58,13 @@ void parallel_for(int64_t n, int workers, Fn&& fn) {
     }
   };
   std::vector<std::thread> threads;
-  threads.reserve(workers - 1);
-  for (int w = 1; w < workers; ++w) threads.emplace_back(run, w);
+  try {
+    threads.reserve(workers - 1);
+    for (int w = 1; w < workers; ++w) threads.emplace_back(run, w);
+  } catch (...) {
+    // A thread that cannot start (no memory for its stack, a process limit):
+    // the started ones and this one take every item, and the bits are the same.
+  }
   run(0);
   for (auto& t : threads) t.join();
   for (auto& e : errors) {

@@ -71,6 +71,8 @@ inline ffi::Error check_forward_results(const char* op, const Decoded& d, const 
                                         const ffi::AnyBuffer& gate_up,
                                         const ffi::AnyBuffer& x_rows,
                                         const ffi::Buffer<ffi::S32>& tokens_per_expert,
+                                        const ffi::Buffer<ffi::S32>& dropped,
+                                        const ffi::Buffer<ffi::S32>& invalid,
                                         bool save_gate_up) {
   const auto [T, K, E, H, F] = d.shape;
   MOK_RETURN_IF_ERROR(expect_shape(op, "y", y, {T, H}));
@@ -80,6 +82,9 @@ inline ffi::Error check_forward_results(const char* op, const Decoded& d, const 
   MOK_RETURN_IF_ERROR(expect_shape(op, "x_rows", x_rows, {save_gate_up ? T * K : 0, H}));
   MOK_RETURN_IF_ERROR(expect_dtype(op, "x_rows", x_rows, d.x_dtype));
   MOK_RETURN_IF_ERROR(expect_shape(op, "tokens_per_expert", tokens_per_expert, {E}));
+  // Scalars: the launchers store one int32 into each.
+  MOK_RETURN_IF_ERROR(expect_shape(op, "dropped", dropped, {}));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "invalid", invalid, {}));
   return ffi::Error::Success();
 }
 

@@ -32,7 +32,7 @@ ffi::Error MoeForwardCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
   MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *x_rows, *tokens_per_expert,
-                                            save_gate_up));
+                                            *dropped, *invalid, save_gate_up));
 
   const MoeForwardArgs args = ffi_checks::forward_args(
       d, x, expert_ids, expert_weights, w_gate_up, w_down, recipe, capacity, save_gate_up, *y,
@@ -94,6 +94,7 @@ ffi::Error ExpertFfnForwardCpu(ffi::AnyBuffer x_rows, ffi::Buffer<ffi::S32> grou
   MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "out_rows", *out_rows, dt));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "gate_up", *gate_up,
                                                {save_gate_up ? s.tokens : 0, 2 * s.ffn}));
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "gate_up", *gate_up, dt));
   cpu::ExpertFfnForwardArgs a{};
   a.rows = s.tokens;
   a.experts = s.experts;

@@ -65,7 +65,7 @@ ffi::Error MoeForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *x_rows, *tokens_per_expert,
-                                            save_gate_up));
+                                            *dropped, *invalid, save_gate_up));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
 
   const MoeForwardArgs args = ffi_checks::forward_args(
@@ -97,7 +97,7 @@ ffi::Error MoeForwardRanksCuda(cudaStream_t stream, ffi::ScratchAllocator scratc
   Decoded d;
   MOK_RETURN_IF_ERROR(decode(op, x, expert_ids, expert_weights, w_gate_up, w_down, &d));
   MOK_RETURN_IF_ERROR(check_forward_results(op, d, *y, *gate_up, *x_rows, *tokens_per_expert,
-                                            save_gate_up));
+                                            *dropped, *invalid, save_gate_up));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, d.shape.tokens * d.shape.top_k));
   // Before the workspace is sized: its receive windows follow `ranks`.
   const std::string bad_ranks = cuda::persistent_ranks_error(d.shape, ranks);
@@ -192,6 +192,7 @@ ffi::Error ExpertFfnForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scrat
   MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "out_rows", *out_rows, dt));
   MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "gate_up", *gate_up,
                                                {save_gate_up ? s.tokens : 0, 2 * s.ffn}));
+  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "gate_up", *gate_up, dt));
   const cuda::ExpertFfnShape shape{s.tokens, s.experts, s.hidden, s.ffn};
   const size_t bytes = cuda::expert_ffn_forward_workspace_bytes(shape, recipe, dt);
   void* ws = nullptr;

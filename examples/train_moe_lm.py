@@ -279,16 +279,14 @@ def check_finite(log: dict, step: int, since: int = 0) -> None:
     not: the run has diverged (a loss is computed before its step's update, so a
     finite loss beside a NaN gradient norm still means a NaN update), and nothing
     after it (in particular no checkpoint) is worth keeping."""
-    new_rows = []
+    new_rows = []  # newest first
     for row in reversed(log["train"]):
         if row["step"] <= since:
             break
         new_rows.append(row)
-    checks = [("train loss", row, "loss") for row in reversed(new_rows)]
-    checks += [("train grad norm", row, "grad_norm") for row in reversed(new_rows)]
-    checks.sort(key=lambda c: c[1]["step"])  # the first bad step, loss before norm
-    if log["eval"]:
-        checks.append(("eval loss", log["eval"][-1], "loss"))
+    checks = [(what, row, key) for row in reversed(new_rows)  # the first bad step is named
+              for what, key in (("train loss", "loss"), ("train grad norm", "grad_norm"))]
+    checks += [("eval loss", row, "loss") for row in log["eval"][-1:]]
     for what, row, key in checks:
         if key in row and not math.isfinite(row[key]):
             raise SystemExit(f"step {step}: the {what} is {row[key]} (step {row['step']}); "

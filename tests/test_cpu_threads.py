@@ -62,13 +62,17 @@ print("same bits")
 """
 
 
-def test_threads_that_cannot_start_leave_the_work_to_the_others():
+def test_threads_that_cannot_start_leave_the_work_to_the_others(tmp_path):
     """A worker thread that cannot start (no room for its stack) is not a crash:
     the started threads take its items and the bits are the same."""
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(mok_jax.__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
         [package_parent] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    # From outside the source tree: `python -c` puts its working directory first on
+    # sys.path, where a checkout's mok_jax (without its compiled extension) would
+    # shadow the package under test.
     proc = subprocess.run([sys.executable, "-c", _THREADS_THAT_CANNOT_START], env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "same bits" in proc.stdout

@@ -140,6 +140,19 @@ inline ffi::Error decode_expert_side(const char* op, const ffi::AnyBuffer& x_row
   return ffi::Error::Success();
 }
 
+// The expert-side forward's results: out_rows [R, H] and gate_up [R or 0, 2F], both in
+// the rows' dtype.
+inline ffi::Error check_expert_forward(const char* op, const MoeShape& s, DType dt,
+                                       const ffi::AnyBuffer& out_rows,
+                                       const ffi::AnyBuffer& gate_up, bool save_gate_up) {
+  MOK_RETURN_IF_ERROR(expect_shape(op, "out_rows", out_rows, {s.tokens, s.hidden}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "out_rows", out_rows, dt));
+  MOK_RETURN_IF_ERROR(expect_shape(op, "gate_up", gate_up,
+                                   {save_gate_up ? s.tokens : 0, 2 * s.ffn}));
+  MOK_RETURN_IF_ERROR(expect_dtype(op, "gate_up", gate_up, dt));
+  return ffi::Error::Success();
+}
+
 // The expert-side backward's other operands and results; sets the weight dtype.
 inline ffi::Error check_expert_backward(const char* op, const MoeShape& s, DType dt,
                                         const ffi::AnyBuffer& dy_rows,

@@ -90,11 +90,8 @@ ffi::Error ExpertFfnForwardCpu(ffi::AnyBuffer x_rows, ffi::Buffer<ffi::S32> grou
   Recipe recipe;
   MOK_RETURN_IF_ERROR(ffi_checks::decode_recipe(op, recipe_attr, &recipe));
   MOK_RETURN_IF_ERROR(ffi_checks::decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "out_rows", *out_rows, {s.tokens, s.hidden}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "out_rows", *out_rows, dt));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "gate_up", *gate_up,
-                                               {save_gate_up ? s.tokens : 0, 2 * s.ffn}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "gate_up", *gate_up, dt));
+  MOK_RETURN_IF_ERROR(
+      ffi_checks::check_expert_forward(op, s, dt, *out_rows, *gate_up, save_gate_up));
   cpu::ExpertFfnForwardArgs a{};
   a.rows = s.tokens;
   a.experts = s.experts;

@@ -188,11 +188,8 @@ ffi::Error ExpertFfnForwardCuda(cudaStream_t stream, ffi::ScratchAllocator scrat
   MOK_RETURN_IF_ERROR(
       ffi_checks::decode_expert_side(op, x_rows, group_sizes, w_gate_up, w_down, &s, &dt));
   MOK_RETURN_IF_ERROR(rows_fit_int32(op, s.tokens));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "out_rows", *out_rows, {s.tokens, s.hidden}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "out_rows", *out_rows, dt));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_shape(op, "gate_up", *gate_up,
-                                               {save_gate_up ? s.tokens : 0, 2 * s.ffn}));
-  MOK_RETURN_IF_ERROR(ffi_checks::expect_dtype(op, "gate_up", *gate_up, dt));
+  MOK_RETURN_IF_ERROR(
+      ffi_checks::check_expert_forward(op, s, dt, *out_rows, *gate_up, save_gate_up));
   const cuda::ExpertFfnShape shape{s.tokens, s.experts, s.hidden, s.ffn};
   const size_t bytes = cuda::expert_ffn_forward_workspace_bytes(shape, recipe, dt);
   void* ws = nullptr;

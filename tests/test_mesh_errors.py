@@ -134,6 +134,25 @@ def test_plain_jit_layouts_it_cannot_run_as_asked_are_errors(case, match):
         jax.jit(mok_jax.moe)(*args)
 
 
+@pytest.mark.parametrize("axis_types", [AxisType.Explicit, AxisType.Auto])
+def test_experts_over_a_size_one_axis_and_the_ep_axis(axis_types):
+    """An axis of size 1 splits nothing: experts over ("dp", "ep") with dp of size 1
+    run as experts over "ep" alone, with the same bits, x's H dim over dp too."""
+    x, ids, w, wgu, wd = _problem(5)
+    mesh = jax.make_mesh((1, 4), ("dp", "ep"), devices=CPUS[:4], axis_types=(axis_types,) * 2)
+
+    def run(expert_spec, x_spec):
+        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+        args = (put(x, x_spec), put(ids, P("ep")), put(w, P("ep")), put(wgu, expert_spec),
+                put(wd, expert_spec))
+        with jax.set_mesh(mesh):
+            return jax.jit(mok_jax.moe)(*args)
+
+    y = run(P(("dp", "ep")), P("ep", "dp"))
+    np.testing.assert_array_equal(y, run(P("ep"), P("ep")))
+    np.testing.assert_array_equal(y, mok_jax.moe(x, ids, w, wgu, wd))
+
+
 @pytest.mark.parametrize("placed", [True, False], ids=["placed", "numpy"])
 @pytest.mark.parametrize("case, match", [
     pytest.param("experts over two axes", r"experts dim of w_gate_up is split over "

@@ -100,9 +100,16 @@ def _dim0_axes(sharding) -> tuple[str, ...]:
     return mesh_axes(sharding.spec, 0) if isinstance(sharding, NamedSharding) else ()
 
 
+def _split_axes(mesh, axes) -> tuple[str, ...]:
+    """The axes among `axes` that split a dimension: those of size above 1 (a size-1
+    axis leaves every device the whole dimension)."""
+    return tuple(a for a in axes if mesh.shape[a] > 1)
+
+
 def _check_one_expert_axis(expert_axes) -> None:
-    """The experts dim may be split over one mesh axis (the EP axis) at most: checked
-    at trace time for Explicit axes (`check_layout`), at partition time for Auto."""
+    """The experts dim may be split over one mesh axis (the EP axis) at most, axes
+    of size 1 not counted: checked at trace time for Explicit axes
+    (`check_layout`), at partition time for Auto."""
     if len(expert_axes) > 1:
         raise ValueError(
             f"mok_jax.moe: the experts dim of w_gate_up is split over {expert_axes}; split it "
@@ -111,7 +118,8 @@ def _check_one_expert_axis(expert_axes) -> None:
 
 def _layout(mesh, x_sharding, w_sharding, num_experts):
     """(token_axes, ep_axis) from the shardings of x and w_gate_up."""
-    token_axes, expert_axes = _dim0_axes(x_sharding), _dim0_axes(w_sharding)
+    token_axes = _dim0_axes(x_sharding)
+    expert_axes = _split_axes(mesh, _dim0_axes(w_sharding))
     _check_one_expert_axis(expert_axes)
     ep_axis = expert_axes[0] if expert_axes else None
     if ep_axis is not None and num_experts % mesh.shape[ep_axis]:
@@ -188,7 +196,15 @@ def check_layout(x, expert_ids, expert_weights, w_gate_up, w_down):
     XLA's propagation; the partitioner then refuses experts over two axes and
     E % P != 0 and reshards (gathers) what it does not split."""
     del expert_ids, expert_weights  # token-major: any split is fine
-    wgu, wd, xs = explicit_spec(w_gate_up), explicit_spec(w_down), explicit_spec(x)
+
+    def split_spec(a):  # explicit_spec less the axes of size 1
+        spec = explicit_spec(a)
+        if not any(spec):
+            return spec
+        mesh = jax.typeof(a).sharding.mesh
+        return tuple(_split_axes(mesh, d) for d in spec)
+
+    wgu, wd, xs = split_spec(w_gate_up), split_spec(w_down), split_spec(x)
     _check_one_expert_axis(wgu[0])
     if wgu[0] != wd[0]:
         raise ValueError(

@@ -193,6 +193,22 @@ def test_make_inputs_routing():
     assert inputs["x"].dtype == jnp.bfloat16
 
 
+def test_seeds_2_to_the_32_apart_make_different_inputs():
+    """--seed takes [0, 2^63), and jax.random.key keeps a seed's low 32 bits
+    (jax_enable_x64 off): --seed 1 and --seed 2^32 + 1 timed the same inputs and
+    routing. Each seed now has its own; one seed twice gives the same."""
+    shape = bench.QUICK_SHAPES["small-experts"]
+    make = lambda seed: {k: np.asarray(v)  # noqa: E731
+                         for k, v in bench.make_inputs(shape, jnp.float32, seed).items()}
+    first, again = make(1), make(1)
+    for name in first:
+        np.testing.assert_array_equal(first[name], again[name], name)
+    for seed in (2**32 + 1, 2**63 - 1):
+        other = make(seed)
+        for name in first:
+            assert not np.array_equal(first[name], other[name]), (seed, name)
+
+
 @pytest.mark.slow
 def test_quick_run_writes_json(tmp_path):
     path = tmp_path / "sub" / "bench.json"

@@ -212,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "same process (default native: GEMMs in --dtype; fp8: "
                              "float8_e4m3fn with block scales, bf16 only); the baselines "
                              "always compute in --dtype")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random inputs and routing: an integer in "
+                             "[0, 2^63), each its own inputs (default 0)")
     parser.add_argument("--check", action="store_true",
                         help="also compare each pipeline's outputs (and gradients) "
                              "with the dense reference; costs memory and time")

@@ -1161,3 +1161,90 @@ def test_skip_names_a_torch_baseline(monkeypatch, capsys):
     status = {(r["impl"], r["pass"]): r["status"] for r in records}
     assert status.pop(("torch_pipeline", "fwdbwd")) == "skipped"
     assert set(status.values()) == {"ok"}
+
+
+def test_the_seed_reaches_the_torch_subprocess(monkeypatch):
+    """--seed chose the JAX inputs only: the torch baselines drew from fixed seeds
+    whatever it said. main hands it to torch_records, which passes it on."""
+    seen = {}
+
+    def fake_records(shapes, passes, **kw):
+        seen.update(kw)
+        return []
+
+    monkeypatch.setattr(bench.cli, "torch_records", fake_records)
+    bench.main(["--shape", "s=16,2,4,16,8", "--impls", "moe", "--passes", "fwd", "--torch",
+                "--seed", str(2**40 + 3), "--repeats", "1", "--warmup", "0"])
+    assert seen["seed"] == 2**40 + 3
+
+    def fake_run(cmd, *a, **kw):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"records": []}) + "\n", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    bench.torch_baselines.torch_records([bench.QUICK_SHAPES["ep"]], ["fwd"], warmup=0,
+                                        repeats=1, seed=2**40 + 3)
+    assert seen["cmd"][seen["cmd"].index("--seed") + 1] == str(2**40 + 3)
+
+
+class _Drawn(Exception):
+    """Stops a fake torch at its first random draw."""
+
+
+def _fake_torch(seeded):
+    """A stand-in for the torch module, enough for _torch_moe up to its first draw:
+    each generator's (device, seed) goes to `seeded`, then randn stops the run."""
+    class Generator:
+        def __init__(self, device):
+            self.device = device
+
+        def manual_seed(self, seed):
+            seeded.append((self.device, seed))
+            return self
+
+    def randn(*_, **__):
+        raise _Drawn
+
+    class cuda:  # noqa: N801  (torch.cuda's spelling)
+        @staticmethod
+        def is_available():
+            return True
+
+    return type("FakeTorch", (), {"Generator": Generator, "randn": staticmethod(randn),
+                                  "cuda": cuda, "bfloat16": "bf16", "__version__": "fake"})
+
+
+def test_torch_baselines_draw_from_the_seed(monkeypatch):
+    """_torch_moe seeds its routing (CPU) and input (CUDA) generators from --seed:
+    every seed, and each of the two roles, its own generator seed within torch's
+    [0, 2^64); seed 0 keeps the seeds the baselines always used (0 and 1)."""
+    from mok_jax.bench import _torch_moe  # pylint: disable=import-outside-toplevel
+
+    def seeds_of(seed):
+        seeded = []
+        torch = _fake_torch(seeded)
+        with pytest.raises(_Drawn):
+            _torch_moe._routing(torch, 16, 2, 4, 16, 8, "cuda", seed)
+        real_routing = _torch_moe._routing
+        monkeypatch.setattr(_torch_moe, "_routing", lambda *a: (None, None, None, None, 16))
+        with pytest.raises(_Drawn):
+            _torch_moe.bench_shape(torch, (16, 2, 4, 16, 8), ["fwd"], 0, 1, seed=seed)
+        monkeypatch.setattr(_torch_moe, "_routing", real_routing)
+        assert [device for device, _ in seeded] == ["cpu", "cuda"]
+        return [s for _, s in seeded]
+
+    assert seeds_of(0) == [0, 1]
+    drawn = [s for seed in (0, 1, 2, 2**32, 2**32 + 1, 2**63 - 1) for s in seeds_of(seed)]
+    assert len(set(drawn)) == len(drawn), drawn
+    assert all(0 <= s < 2**64 for s in drawn)
+
+    # The command line: --seed reaches bench_shape; one outside [0, 2^63) is refused.
+    got = []
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch([]))
+    monkeypatch.setattr(_torch_moe, "bench_shape",
+                        lambda torch, shape, *a, **kw: got.append((a, kw)) or [])
+    _torch_moe.main(["--shape", "16,2,4,16,8", "--seed", str(2**40 + 3)])
+    assert len(got) == 1 and 2**40 + 3 in (*got[0][0], *got[0][1].values())
+    for bad in ("-1", str(2**63)):
+        with pytest.raises(SystemExit):
+            _torch_moe.main(["--shape", "16,2,4,16,8", "--seed", bad])

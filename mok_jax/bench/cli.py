@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "always compute in --dtype")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random inputs and routing: an integer in "
-                             "[0, 2^63), each its own inputs (default 0)")
+                             "[0, 2^63), each its own inputs (default 0); the --torch "
+                             "baselines draw theirs from it too, with torch's generators")
     parser.add_argument("--check", action="store_true",
                         help="also compare each pipeline's outputs (and gradients) "
                              "with the dense reference; costs memory and time")
@@ -552,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.torch:  # before JAX initialises the GPU and reserves its memory
         pre_records = torch_records(shapes, args.passes, warmup=args.warmup,
                                     repeats=args.repeats, backend=backend, skip=args.skip,
-                                    queue=args.queue)
+                                    queue=args.queue, seed=args.seed)
         for record in pre_records:
             _print_progress(record)
     info = machine_info()

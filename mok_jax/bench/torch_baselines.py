@@ -31,9 +31,12 @@ TORCH_ABOUT = {
 def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int,
                   repeats: int, timeout_s: float = 1800,
                   backend: str | None = None, skip: Sequence[str] = (),
-                  queue: int = 0, kernels: int = 0) -> list[dict]:
+                  queue: int = 0, kernels: int = 0, seed: int = 0) -> list[dict]:
     """PyTorch baselines (_torch_moe.py beside this file) timed in a subprocess; the
     measurements `skip` names (--skip entries) are recorded as skipped, not run.
+    The subprocess draws its routing and inputs from `seed` (the bench's --seed)
+    with torch's generators: the same problem sizes and kind of routing as the JAX
+    pipelines' draw from that seed, not the same numbers.
     kernels > 0: each measured record also holds the kernels of that many traced
     calls (`kernel_ms`, `kernels`: _torch_moe.kernel_table's rows).
 
@@ -54,7 +57,8 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
         return records
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_moe.py")
     cmd = [sys.executable, script, "--passes", ",".join(passes), "--warmup", str(warmup),
-           "--repeats", str(repeats), "--queue", str(queue), "--kernels", str(kernels)]
+           "--repeats", str(repeats), "--queue", str(queue), "--kernels", str(kernels),
+           "--seed", str(seed)]
     for shape in shapes:
         dims = ",".join(str(v) for v in (shape.tokens, shape.top_k, shape.experts,
                                          shape.hidden, shape.ffn))

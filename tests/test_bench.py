@@ -1102,8 +1102,8 @@ def test_torch_records_ask_for_kernels_and_keep_them(monkeypatch):
     def fake_run(cmd, *a, **kw):
         seen["cmd"] = cmd
         shape = [64, 8, 32, 448, 128]
-        recs = [{"shape": shape, "impl": i, "pass": "fwd", "status": "ok", "error": None,
-                 "times_ms": [1.0]} for i in bench.torch_baselines.TORCH_IMPLS]
+        recs = [{"name": "ep", "shape": shape, "impl": i, "pass": "fwd", "status": "ok",
+                 "error": None, "times_ms": [1.0]} for i in bench.torch_baselines.TORCH_IMPLS]
         recs[0].update(kernel_ms=0.4, kernels=table)
         return subprocess.CompletedProcess(cmd, 0, json.dumps({"records": recs}) + "\n", "")
 
@@ -1147,8 +1147,8 @@ def test_skip_names_a_torch_baseline(monkeypatch, capsys):
     def fake_run(cmd, *a, **kw):
         seen["cmd"] = cmd
         shape = [64, 8, 32, 448, 128]
-        recs = [{"shape": shape, "impl": i, "pass": p, "status": "ok", "error": None,
-                 "times_ms": [1.0]}
+        recs = [{"name": "ep", "shape": shape, "impl": i, "pass": p, "status": "ok",
+                 "error": None, "times_ms": [1.0]}
                 for i in bench.torch_baselines.TORCH_IMPLS for p in bench.pipelines.PASSES]
         return subprocess.CompletedProcess(cmd, 0, json.dumps({"records": recs}) + "\n", "")
 
@@ -1156,7 +1156,7 @@ def test_skip_names_a_torch_baseline(monkeypatch, capsys):
     records = bench.torch_baselines.torch_records([bench.QUICK_SHAPES["ep"]],
                                                   bench.pipelines.PASSES, warmup=0, repeats=1,
                                                   skip=args.skip)
-    assert seen["cmd"][seen["cmd"].index("--skip") + 1] == "torch_pipeline/fwdbwd/64,8,32,448,128"
+    assert seen["cmd"][seen["cmd"].index("--skip") + 1] == "torch_pipeline/fwdbwd/ep"
     assert seen["cmd"].count("--skip") == 1
     status = {(r["impl"], r["pass"]): r["status"] for r in records}
     assert status.pop(("torch_pipeline", "fwdbwd")) == "skipped"
@@ -1185,6 +1185,109 @@ def test_the_seed_reaches_the_torch_subprocess(monkeypatch):
     bench.torch_baselines.torch_records([bench.QUICK_SHAPES["ep"]], ["fwd"], warmup=0,
                                         repeats=1, seed=2**40 + 3)
     assert seen["cmd"][seen["cmd"].index("--seed") + 1] == str(2**40 + 3)
+
+
+class _AnyTensor:
+    """Whatever _torch_moe asks of torch and its tensors: every attribute, call,
+    index and operator gives this object back (int() 16: a row count)."""
+
+    __version__ = "stand-in"
+
+    def __getattr__(self, name):
+        return self
+
+    def __call__(self, *_, **__):
+        return self
+
+    def __getitem__(self, _):
+        return self
+
+    def __setitem__(self, *_):
+        pass
+
+    def __iter__(self):  # a, b = torch.topk(...)
+        return iter((self, self))
+
+    def __int__(self):
+        return 16
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow"):
+    setattr(_AnyTensor, f"__{_op}__", _AnyTensor.__call__)
+    setattr(_AnyTensor, f"__r{_op}__", _AnyTensor.__call__)
+for _op in ("ge", "gt", "le", "lt", "neg"):
+    setattr(_AnyTensor, f"__{_op}__", _AnyTensor.__call__)
+
+
+def _torch_subprocess_in_process(monkeypatch):
+    """subprocess.run for torch_records: _torch_moe.main on the command's arguments,
+    in this process, with a stand-in for torch (_AnyTensor) and every timing the
+    next integer, so that each measurement's time is its own. Returns the commands
+    run."""
+    import contextlib  # pylint: disable=import-outside-toplevel
+    import io  # pylint: disable=import-outside-toplevel
+    import itertools  # pylint: disable=import-outside-toplevel
+    from mok_jax.bench import _torch_moe  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setitem(sys.modules, "torch", _AnyTensor())
+    ticks = itertools.count(1)
+    monkeypatch.setattr(_torch_moe, "_time", lambda torch, fn, warmup, repeats:
+                        [float(next(ticks))] * repeats)
+    commands = []
+
+    def run(cmd, *a, **kw):
+        assert cmd[1].endswith("_torch_moe.py")
+        commands.append(cmd)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = _torch_moe.main(cmd[2:])
+        return subprocess.CompletedProcess(cmd, code, out.getvalue(), "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return commands
+
+
+def test_torch_records_know_shapes_by_name(monkeypatch):
+    """The torch side knew a shape by its five numbers: a --shape NAME=T,K,E,H,F of a
+    bench shape's dimensions took that shape's --skip entries (its baseline was not
+    run) and their records got one another's times. By name, each its own."""
+    commands = _torch_subprocess_in_process(monkeypatch)
+    ep = bench.QUICK_SHAPES["ep"]
+    twin = f"twin={ep.tokens},{ep.top_k},{ep.experts},{ep.hidden},{ep.ffn}"
+    args = bench.cli.parse_args(["--shapes", "ep", "--shape", twin, "--impls", "moe",
+                                 "--torch", "--passes", "fwd", "--skip",
+                                 "torch_pipeline/fwd/ep"])
+    twin = args.shape[0]
+    records = bench.torch_baselines.torch_records([ep, twin], ["fwd"], warmup=0, repeats=2,
+                                                  skip=args.skip)
+    assert len(commands) == 1
+    got = {(r["shape"], r["impl"]): r for r in records}
+    assert len(got) == 2 * len(bench.torch_baselines.TORCH_IMPLS)
+    assert got[("ep", "torch_pipeline")]["status"] == "skipped"
+    assert got[("twin", "torch_pipeline")]["status"] == "ok"
+    for impl in bench.torch_baselines.TORCH_IMPLS[1:]:
+        mine, other = got[("ep", impl)], got[("twin", impl)]
+        assert mine["status"] == other["status"] == "ok", (mine, other)
+        # ep ran first: every one of its times is below the twin's
+        assert mine["median_ms"] < other["median_ms"], impl
+    assert got[("twin", "torch_pipeline")]["median_ms"] > max(
+        got[("ep", impl)]["median_ms"] for impl in bench.torch_baselines.TORCH_IMPLS[1:])
+
+
+def test_the_torch_script_refuses_a_name_twice_and_a_skip_of_no_shape(capsys):
+    from mok_jax.bench import _torch_moe  # pylint: disable=import-outside-toplevel
+    with pytest.raises(SystemExit):
+        _torch_moe.main(["--shape", "a=16,2,4,16,8", "--shape", "a=32,2,4,16,8"])
+    assert "--shape names a more than once" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # shapes go by name, not by their numbers
+        _torch_moe.main(["--shape", "a=16,2,4,16,8", "--skip", "torch_pipeline/fwd/16,2,4,16,8"])
+    assert "is not IMPL/PASS/NAME with NAME a --shape's name (a)" in capsys.readouterr().err
 
 
 class _Drawn(Exception):

@@ -242,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "and every --shape, of those in this run)")
     parser.add_argument("--skip", type=_csv_free, default=[], metavar="IMPL/PASS[/SHAPE]",
                         help="comma list of measurements not to attempt (recorded as "
-                             "skipped), e.g. ragged_dot/fwdbwd/small-experts: a pipeline "
+                             "skipped), the torch baselines' too; SHAPE is a shape's name "
+                             "(a bench shape's, or a --shape's NAME), without it every "
+                             "shape: e.g. ragged_dot/fwdbwd/small-experts, a pipeline "
                              "XLA spends minutes failing to compile; each entry must "
                              "name a measurement of this run")
     parser.add_argument("--try-all", action="store_true",

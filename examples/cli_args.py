@@ -24,8 +24,8 @@ def positive_float(text: str) -> float:
 
 
 def seed(text: str) -> int:
-    """argparse type: an integer in [0, 2^63) (numpy's and JAX's seeds), else a usage
-    error naming the value."""
+    """argparse type: an integer in [0, 2^63) (numpy's seeds, and the 64-bit keys of
+    mok_jax._src.seeds.seed_key), else a usage error naming the value."""
     value = int(text)
     if not 0 <= value < 2**63:
         raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^63), got {value}")

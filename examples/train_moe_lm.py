@@ -77,7 +77,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=positive_int, help="sequences per step (global)")
     parser.add_argument("--seq", type=positive_int, help="bytes per sequence")
     parser.add_argument("--lr", type=positive_float, help="peak learning rate")
-    parser.add_argument("--seed", type=seed)
+    parser.add_argument("--seed", type=seed,
+                        help="seed of the initial parameters and the batches: an integer "
+                             "in [0, 2^63), each its own run (default 0)")
     parser.add_argument("--balance", choices=["aux", "bias", "none"],
                         help="load balancing: aux loss, DeepSeek-V3 bias, or none")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="computation dtype")

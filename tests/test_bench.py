@@ -193,6 +193,22 @@ def test_make_inputs_routing():
     assert inputs["x"].dtype == jnp.bfloat16
 
 
+def test_seeds_2_to_the_32_apart_make_different_inputs():
+    """--seed takes [0, 2^63), and jax.random.key keeps a seed's low 32 bits
+    (jax_enable_x64 off): --seed 1 and --seed 2^32 + 1 timed the same inputs and
+    routing. Each seed now has its own; one seed twice gives the same."""
+    shape = bench.QUICK_SHAPES["small-experts"]
+    make = lambda seed: {k: np.asarray(v)  # noqa: E731
+                         for k, v in bench.make_inputs(shape, jnp.float32, seed).items()}
+    first, again = make(1), make(1)
+    for name in first:
+        np.testing.assert_array_equal(first[name], again[name], name)
+    for seed in (2**32 + 1, 2**63 - 1):
+        other = make(seed)
+        for name in first:
+            assert not np.array_equal(first[name], other[name]), (seed, name)
+
+
 @pytest.mark.slow
 def test_quick_run_writes_json(tmp_path):
     path = tmp_path / "sub" / "bench.json"
@@ -1086,8 +1102,8 @@ def test_torch_records_ask_for_kernels_and_keep_them(monkeypatch):
     def fake_run(cmd, *a, **kw):
         seen["cmd"] = cmd
         shape = [64, 8, 32, 448, 128]
-        recs = [{"shape": shape, "impl": i, "pass": "fwd", "status": "ok", "error": None,
-                 "times_ms": [1.0]} for i in bench.torch_baselines.TORCH_IMPLS]
+        recs = [{"name": "ep", "shape": shape, "impl": i, "pass": "fwd", "status": "ok",
+                 "error": None, "times_ms": [1.0]} for i in bench.torch_baselines.TORCH_IMPLS]
         recs[0].update(kernel_ms=0.4, kernels=table)
         return subprocess.CompletedProcess(cmd, 0, json.dumps({"records": recs}) + "\n", "")
 
@@ -1131,8 +1147,8 @@ def test_skip_names_a_torch_baseline(monkeypatch, capsys):
     def fake_run(cmd, *a, **kw):
         seen["cmd"] = cmd
         shape = [64, 8, 32, 448, 128]
-        recs = [{"shape": shape, "impl": i, "pass": p, "status": "ok", "error": None,
-                 "times_ms": [1.0]}
+        recs = [{"name": "ep", "shape": shape, "impl": i, "pass": p, "status": "ok",
+                 "error": None, "times_ms": [1.0]}
                 for i in bench.torch_baselines.TORCH_IMPLS for p in bench.pipelines.PASSES]
         return subprocess.CompletedProcess(cmd, 0, json.dumps({"records": recs}) + "\n", "")
 
@@ -1140,8 +1156,198 @@ def test_skip_names_a_torch_baseline(monkeypatch, capsys):
     records = bench.torch_baselines.torch_records([bench.QUICK_SHAPES["ep"]],
                                                   bench.pipelines.PASSES, warmup=0, repeats=1,
                                                   skip=args.skip)
-    assert seen["cmd"][seen["cmd"].index("--skip") + 1] == "torch_pipeline/fwdbwd/64,8,32,448,128"
+    assert seen["cmd"][seen["cmd"].index("--skip") + 1] == "torch_pipeline/fwdbwd/ep"
     assert seen["cmd"].count("--skip") == 1
     status = {(r["impl"], r["pass"]): r["status"] for r in records}
     assert status.pop(("torch_pipeline", "fwdbwd")) == "skipped"
     assert set(status.values()) == {"ok"}
+
+
+def test_the_seed_reaches_the_torch_subprocess(monkeypatch):
+    """--seed chose the JAX inputs only: the torch baselines drew from fixed seeds
+    whatever it said. main hands it to torch_records, which passes it on."""
+    seen = {}
+
+    def fake_records(shapes, passes, **kw):
+        seen.update(kw)
+        return []
+
+    monkeypatch.setattr(bench.cli, "torch_records", fake_records)
+    bench.main(["--shape", "s=16,2,4,16,8", "--impls", "moe", "--passes", "fwd", "--torch",
+                "--seed", str(2**40 + 3), "--repeats", "1", "--warmup", "0"])
+    assert seen["seed"] == 2**40 + 3
+
+    def fake_run(cmd, *a, **kw):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"records": []}) + "\n", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    bench.torch_baselines.torch_records([bench.QUICK_SHAPES["ep"]], ["fwd"], warmup=0,
+                                        repeats=1, seed=2**40 + 3)
+    assert seen["cmd"][seen["cmd"].index("--seed") + 1] == str(2**40 + 3)
+
+
+class _AnyTensor:
+    """Whatever _torch_moe asks of torch and its tensors: every attribute, call,
+    index and operator gives this object back (int() 16: a row count)."""
+
+    __version__ = "stand-in"
+
+    def __getattr__(self, name):
+        return self
+
+    def __call__(self, *_, **__):
+        return self
+
+    def __getitem__(self, _):
+        return self
+
+    def __setitem__(self, *_):
+        pass
+
+    def __iter__(self):  # a, b = torch.topk(...)
+        return iter((self, self))
+
+    def __int__(self):
+        return 16
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow"):
+    setattr(_AnyTensor, f"__{_op}__", _AnyTensor.__call__)
+    setattr(_AnyTensor, f"__r{_op}__", _AnyTensor.__call__)
+for _op in ("ge", "gt", "le", "lt", "neg"):
+    setattr(_AnyTensor, f"__{_op}__", _AnyTensor.__call__)
+
+
+def _torch_subprocess_in_process(monkeypatch):
+    """subprocess.run for torch_records: _torch_moe.main on the command's arguments,
+    in this process, with a stand-in for torch (_AnyTensor) and every timing the
+    next integer, so that each measurement's time is its own. Returns the commands
+    run."""
+    import contextlib  # pylint: disable=import-outside-toplevel
+    import io  # pylint: disable=import-outside-toplevel
+    import itertools  # pylint: disable=import-outside-toplevel
+    from mok_jax.bench import _torch_moe  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setitem(sys.modules, "torch", _AnyTensor())
+    ticks = itertools.count(1)
+    monkeypatch.setattr(_torch_moe, "_time", lambda torch, fn, warmup, repeats:
+                        [float(next(ticks))] * repeats)
+    commands = []
+
+    def run(cmd, *a, **kw):
+        assert cmd[1].endswith("_torch_moe.py")
+        commands.append(cmd)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = _torch_moe.main(cmd[2:])
+        return subprocess.CompletedProcess(cmd, code, out.getvalue(), "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return commands
+
+
+def test_torch_records_know_shapes_by_name(monkeypatch):
+    """The torch side knew a shape by its five numbers: a --shape NAME=T,K,E,H,F of a
+    bench shape's dimensions took that shape's --skip entries (its baseline was not
+    run) and their records got one another's times. By name, each its own."""
+    commands = _torch_subprocess_in_process(monkeypatch)
+    ep = bench.QUICK_SHAPES["ep"]
+    twin = f"twin={ep.tokens},{ep.top_k},{ep.experts},{ep.hidden},{ep.ffn}"
+    args = bench.cli.parse_args(["--shapes", "ep", "--shape", twin, "--impls", "moe",
+                                 "--torch", "--passes", "fwd", "--skip",
+                                 "torch_pipeline/fwd/ep"])
+    twin = args.shape[0]
+    records = bench.torch_baselines.torch_records([ep, twin], ["fwd"], warmup=0, repeats=2,
+                                                  skip=args.skip)
+    assert len(commands) == 1
+    got = {(r["shape"], r["impl"]): r for r in records}
+    assert len(got) == 2 * len(bench.torch_baselines.TORCH_IMPLS)
+    assert got[("ep", "torch_pipeline")]["status"] == "skipped"
+    assert got[("twin", "torch_pipeline")]["status"] == "ok"
+    for impl in bench.torch_baselines.TORCH_IMPLS[1:]:
+        mine, other = got[("ep", impl)], got[("twin", impl)]
+        assert mine["status"] == other["status"] == "ok", (mine, other)
+        # ep ran first: every one of its times is below the twin's
+        assert mine["median_ms"] < other["median_ms"], impl
+    assert got[("twin", "torch_pipeline")]["median_ms"] > max(
+        got[("ep", impl)]["median_ms"] for impl in bench.torch_baselines.TORCH_IMPLS[1:])
+
+
+def test_the_torch_script_refuses_a_name_twice_and_a_skip_of_no_shape(capsys):
+    from mok_jax.bench import _torch_moe  # pylint: disable=import-outside-toplevel
+    with pytest.raises(SystemExit):
+        _torch_moe.main(["--shape", "a=16,2,4,16,8", "--shape", "a=32,2,4,16,8"])
+    assert "--shape names a more than once" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # shapes go by name, not by their numbers
+        _torch_moe.main(["--shape", "a=16,2,4,16,8", "--skip", "torch_pipeline/fwd/16,2,4,16,8"])
+    assert "is not IMPL/PASS/NAME with NAME a --shape's name (a)" in capsys.readouterr().err
+
+
+class _Drawn(Exception):
+    """Stops a fake torch at its first random draw."""
+
+
+def _fake_torch(seeded):
+    """A stand-in for the torch module, enough for _torch_moe up to its first draw:
+    each generator's (device, seed) goes to `seeded`, then randn stops the run."""
+    class Generator:
+        def __init__(self, device):
+            self.device = device
+
+        def manual_seed(self, seed):
+            seeded.append((self.device, seed))
+            return self
+
+    def randn(*_, **__):
+        raise _Drawn
+
+    class cuda:  # noqa: N801  (torch.cuda's spelling)
+        @staticmethod
+        def is_available():
+            return True
+
+    return type("FakeTorch", (), {"Generator": Generator, "randn": staticmethod(randn),
+                                  "cuda": cuda, "bfloat16": "bf16", "__version__": "fake"})
+
+
+def test_torch_baselines_draw_from_the_seed(monkeypatch):
+    """_torch_moe seeds its routing (CPU) and input (CUDA) generators from --seed:
+    every seed, and each of the two roles, its own generator seed within torch's
+    [0, 2^64); seed 0 keeps the seeds the baselines always used (0 and 1)."""
+    from mok_jax.bench import _torch_moe  # pylint: disable=import-outside-toplevel
+
+    def seeds_of(seed):
+        seeded = []
+        torch = _fake_torch(seeded)
+        with pytest.raises(_Drawn):
+            _torch_moe._routing(torch, 16, 2, 4, 16, 8, "cuda", seed)
+        real_routing = _torch_moe._routing
+        monkeypatch.setattr(_torch_moe, "_routing", lambda *a: (None, None, None, None, 16))
+        with pytest.raises(_Drawn):
+            _torch_moe.bench_shape(torch, (16, 2, 4, 16, 8), ["fwd"], 0, 1, seed=seed)
+        monkeypatch.setattr(_torch_moe, "_routing", real_routing)
+        assert [device for device, _ in seeded] == ["cpu", "cuda"]
+        return [s for _, s in seeded]
+
+    assert seeds_of(0) == [0, 1]
+    drawn = [s for seed in (0, 1, 2, 2**32, 2**32 + 1, 2**63 - 1) for s in seeds_of(seed)]
+    assert len(set(drawn)) == len(drawn), drawn
+    assert all(0 <= s < 2**64 for s in drawn)
+
+    # The command line: --seed reaches bench_shape; one outside [0, 2^63) is refused.
+    got = []
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch([]))
+    monkeypatch.setattr(_torch_moe, "bench_shape",
+                        lambda torch, shape, *a, **kw: got.append((a, kw)) or [])
+    _torch_moe.main(["--shape", "16,2,4,16,8", "--seed", str(2**40 + 3)])
+    assert len(got) == 1 and 2**40 + 3 in (*got[0][0], *got[0][1].values())
+    for bad in ("-1", str(2**63)):
+        with pytest.raises(SystemExit):
+            _torch_moe.main(["--shape", "16,2,4,16,8", "--seed", bad])

@@ -744,6 +744,62 @@ def test_param_counts_match_the_model():
     assert n == lm.param_counts(cfg)["total"]
 
 
+def _initial_params(cfg: "lm.Config") -> list[np.ndarray]:
+    """init_state's parameters for ``cfg`` on one device, as numpy arrays."""
+    tx, _ = lm.make_optimizer(cfg)
+    _, state, _ = lm.init_state(cfg, lm.make_mesh(1, 1, jax.devices()[:1]), tx)
+    return [np.asarray(a) for a in jax.tree.leaves(state.params)]
+
+
+def test_seeds_2_to_the_32_apart_start_from_different_parameters():
+    """nnx.Rngs(seed) keeps a seed's low 32 bits (jax_enable_x64 off): --seed 1 and
+    --seed 2^32 + 1 started from the same parameters. Now each seed of [0, 2^63) has
+    its own; one seed twice gives the same ones."""
+    small = lm.Config(d_model=32, n_layers=1, n_heads=2, n_experts=4, expert_ffn=16)
+    args = train_moe_lm.parse_args(["--seed", str(2**32 + 1)])
+    cfg = train_moe_lm.config_from_args(args)
+    assert cfg.seed == 2**32 + 1  # the command line keeps every bit
+    first, again = (_initial_params(dataclasses.replace(small, seed=1)) for _ in range(2))
+    high = _initial_params(dataclasses.replace(small, seed=2**32 + 1))
+    top = _initial_params(dataclasses.replace(small, seed=2**63 - 1))
+    low = _initial_params(dataclasses.replace(small, seed=2**32 - 1))
+    assert len(first) == len(high) > 0
+    for a, b in zip(first, again):
+        assert_bitwise(a, b, "one seed twice")
+    for other, seed in ((high, "2^32 + 1"), (top, "2^63 - 1"), (low, "2^32 - 1")):
+        assert all(a.shape == b.shape for a, b in zip(first, other))
+        # every random matrix differs (the norms' scales start at 1 whatever the seed)
+        random = [(a, b) for a, b in zip(first, other) if np.unique(a).size > 1]
+        assert random and not any(np.array_equal(a, b) for a, b in random), seed
+
+
+def test_seed_key_is_the_64_bit_jax_key():
+    """The key the example's parameters come from is ``jax.random.key(seed)`` as JAX
+    makes it with 64-bit integers on, and, below 2^32, the key it makes without
+    them (what nnx.Rngs(seed) used): a run of such a seed keeps its parameters."""
+    from mok_jax._src.seeds import seed_key
+    for seed in (0, 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**40 + 5, 2**63 - 1):
+        with jax.enable_x64(True):
+            want = np.asarray(jax.random.key_data(jax.random.key(seed)))
+        np.testing.assert_array_equal(jax.random.key_data(seed_key(seed)), want, str(seed))
+        if seed < 2**32:
+            np.testing.assert_array_equal(jax.random.key_data(jax.random.key(seed)), want)
+    for bad in (-1, 2**63):
+        with pytest.raises(ValueError, match=rf"seed must be an integer in \[0, 2\^63\), "
+                                             rf"got {bad}"):
+            seed_key(bad)
+    with pytest.raises(TypeError):
+        seed_key(1.5)
+
+
+def test_a_config_seed_out_of_range_is_refused_before_init():
+    """A Config built in code (no command line) with a negative seed built a model
+    from jax.random.key(-1) and failed later in numpy's batch draw."""
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\^63\), got -1"):
+        _initial_params(lm.Config(d_model=32, n_layers=1, n_heads=2, n_experts=4,
+                                  expert_ffn=16, seed=-1))
+
+
 # --------------------------------------------------------------------------------------
 # Command lines
 # --------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ checkpoints and report, one module each."""
 from moe_lm.config import PRESETS, VOCAB, Config, describe, flops_per_token, param_counts
 from moe_lm.data import EVAL_STREAM, Corpus, batch_at, check_seq, load_corpus, stdlib_root
 from moe_lm.model import (Block, CausalSelfAttention, MoELM, abstract_model, add_norm,
-                          attention_implementation, norm_implementation, qkv_projection,
-                          reduce_barrier, rope)
+                          attention_implementation, init_rngs, norm_implementation,
+                          qkv_projection, reduce_barrier, rope)
 from moe_lm.training import (EXPERT_STACKS, TrainState, aux_totals, batch_sharding,
                              cross_entropy, init_state, make_eval_step, make_mesh,
                              make_optimizer, make_train_step, shard_over_data, trace_only,
@@ -20,7 +20,7 @@ __all__ = [
     "PRESETS", "VOCAB", "Config", "describe", "flops_per_token", "param_counts",
     "EVAL_STREAM", "Corpus", "batch_at", "check_seq", "load_corpus", "stdlib_root", "Block",
     "CausalSelfAttention", "MoELM", "abstract_model", "add_norm",
-    "attention_implementation", "norm_implementation", "qkv_projection",
+    "attention_implementation", "init_rngs", "norm_implementation", "qkv_projection",
     "reduce_barrier", "rope", "EXPERT_STACKS", "TrainState", "aux_totals",
     "batch_sharding", "cross_entropy", "init_state", "make_eval_step", "make_mesh",
     "make_optimizer", "make_train_step", "shard_over_data", "trace_only",

@@ -11,6 +11,7 @@ from flax import nnx
 import mok_jax
 from mok_jax import nn as mnn
 from mok_jax._src.primitives import vary_alike
+from mok_jax._src.seeds import seed_key
 
 from moe_lm.config import VOCAB, Config
 
@@ -280,4 +281,11 @@ class MoELM(nnx.Module):
 def abstract_model(cfg: Config, **moe_kwargs) -> MoELM:
     """The model with `jax.ShapeDtypeStruct` leaves (`nnx.eval_shape`): its structure
     and shapes, nothing allocated. ``moe_kwargs`` go to every MoE layer."""
-    return nnx.eval_shape(lambda: MoELM(cfg, rngs=nnx.Rngs(cfg.seed), moe_kwargs=moe_kwargs))
+    return nnx.eval_shape(lambda: MoELM(cfg, rngs=init_rngs(cfg), moe_kwargs=moe_kwargs))
+
+
+def init_rngs(cfg: Config) -> nnx.Rngs:
+    """The parameters' random stream: ``cfg.seed``'s 64-bit threefry key, so that
+    every seed in [0, 2^63) starts from its own parameters (``nnx.Rngs(seed)`` keeps
+    a seed's low 32 bits only); ValueError for a seed outside that range."""
+    return nnx.Rngs(seed_key(cfg.seed))

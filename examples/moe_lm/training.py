@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from mok_jax import nn as mnn
 
 from moe_lm.config import Config, flops_per_token
-from moe_lm.model import MoELM, abstract_model
+from moe_lm.model import MoELM, abstract_model, init_rngs
 
 
 class TrainState(NamedTuple):
@@ -98,7 +98,7 @@ def init_state(cfg: Config, mesh: Mesh, tx, *,
     optimizer state over ``dp`` as well (`shard_over_data`)."""
 
     def init():
-        model = MoELM(cfg, rngs=nnx.Rngs(cfg.seed))
+        model = MoELM(cfg, rngs=init_rngs(cfg))
         _, params, bias = nnx.split(model, nnx.Param, mnn.BalanceBias)
         copies = weight_copies(params, cfg.dtype) if uses_weight_copies(cfg) else nnx.State({})
         return TrainState(jnp.zeros((), jnp.int32), params, bias, tx.init(params), copies)

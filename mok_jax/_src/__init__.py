@@ -6,4 +6,5 @@
 * `transport`: how EP moves rows between ranks (XLA collectives or NVLink).
 * `sharding`: `mok_jax.moe` under plain ``jax.jit`` on sharded arrays.
 * `ext`: loading the native extension and registering its FFI targets.
+* `seeds`: random keys from 63-bit integer seeds (the examples' and the bench's).
 """

@@ -1,7 +1,7 @@
 """PyTorch baselines for `python -m mok_jax.bench --torch`, run as a separate script.
 
-    python _torch_moe.py --shape T,K,E,H,F [--shape ...] --passes fwd,fwdbwd \
-        --repeats 20 --warmup 3 --json out.json
+    python _torch_moe.py --shape [NAME=]T,K,E,H,F [--shape ...] --passes fwd,fwdbwd \
+        --repeats 20 --warmup 3 --seed 0 [--skip IMPL/PASS/NAME] --json out.json
 
 Run in its own process (before JAX takes the GPU's memory) and never imported by
 mok_jax. For each shape it times, bf16 on one CUDA GPU:
@@ -19,8 +19,14 @@ mok_jax. For each shape it times, bf16 on one CUDA GPU:
   the fp8 recipe is compared with (forward; fwdbwd records what torch does with
   its backward).
 
+The routing logits (CPU generator) and x, the weights and the cotangents (CUDA
+generator) are drawn from ``--seed`` (the bench's; generator_seeds): torch's own
+draw for that seed, not the numbers of the JAX pipelines' draw.
+
 Prints one JSON document (and writes it to --json): {"records": [...]} with
-shape, impl, pass, median_ms, min_ms, times_ms, or status/error. With
+name (the shape's), shape (its T, K, E, H, F), impl, pass, median_ms, min_ms,
+times_ms, or status/error. A shape is known by its name, in --skip and in the
+records, so two shapes of the same dimensions stay apart. With
 ``--kernels N`` each record also holds the CUDA kernels of N more calls traced
 by ``torch.profiler``: ``kernel_ms`` (their time per call, summed) and
 ``kernels`` (each kernel name's ms and launches per call, most time first): the
@@ -34,10 +40,19 @@ import sys
 import time
 
 ALIGN_ROWS = 16
+SEED_LIMIT = 2**63  # the bench's --seed range
 
 
-def _routing(torch, T, K, E, H, F, device):
-    g = torch.Generator(device="cpu").manual_seed(0)
+def generator_seeds(seed):
+    """(routing seed, data seed) of the bench's ``--seed``: the seeds of torch's CPU
+    generator that draws the routing logits and of the CUDA generator that draws x,
+    the weights and the cotangents. Distinct for every seed in [0, 2^63) and for the
+    two roles, within torch's [0, 2^64); seed 0 gives 0 and 1."""
+    return 2 * seed, 2 * seed + 1
+
+
+def _routing(torch, T, K, E, H, F, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(generator_seeds(seed)[0])
     logits = torch.randn(T, E, generator=g)
     top, ids = torch.topk(logits, K, dim=1)
     weights = torch.softmax(top, dim=1)
@@ -115,14 +130,18 @@ def _trace_kernels(torch, fn, calls):
                          if e.device_type == cuda), calls)
 
 
-def bench_shape(torch, shape, passes, warmup, repeats, skip=frozenset(), queue=0, kernels=0):
-    """Records of every baseline and pass on `shape`; (impl, pass) pairs in `skip`
-    are recorded as skipped, not run. kernels > 0: each record also gets the
-    kernel table of that many traced calls (kernel_ms, kernels)."""
+def bench_shape(torch, shape, passes, warmup, repeats, skip=frozenset(), queue=0, kernels=0,
+                seed=0, name=None):
+    """Records of every baseline and pass on `shape` (T, K, E, H, F), named `name`
+    (default: the dimensions, comma-separated); (impl, pass) pairs in `skip` are
+    recorded as skipped, not run. kernels > 0: each record also gets the
+    kernel table of that many traced calls (kernel_ms, kernels). The routing and
+    the inputs are drawn from `seed` (generator_seeds)."""
     T, K, E, H, F = shape
+    name = name or ",".join(str(v) for v in shape)
     dev, bf16 = "cuda", torch.bfloat16
-    src_token, row_weight, offs, row_token, rows = _routing(torch, T, K, E, H, F, dev)
-    g = torch.Generator(device=dev).manual_seed(1)
+    src_token, row_weight, offs, row_token, rows = _routing(torch, T, K, E, H, F, dev, seed)
+    g = torch.Generator(device=dev).manual_seed(generator_seeds(seed)[1])
     x = torch.randn(T, H, device=dev, generator=g).to(bf16)
     # Weights stored [E, N, K] and used transposed: the layout grouped_mm wants for B.
     w1 = (torch.randn(E, 2 * F, H, device=dev, generator=g) * H ** -0.5).to(bf16)
@@ -165,8 +184,8 @@ def bench_shape(torch, shape, passes, warmup, repeats, skip=frozenset(), queue=0
     records = []
     for pass_name in passes:
         for impl in ("torch_pipeline", "torch_grouped_mm", "torch_scaled_grouped_mm"):
-            rec = {"shape": list(shape), "impl": impl, "pass": pass_name, "status": "ok",
-                   "error": None, "rows_padded": rows}
+            rec = {"name": name, "shape": list(shape), "impl": impl, "pass": pass_name,
+                   "status": "ok", "error": None, "rows_padded": rows}
             if (impl, pass_name) in skip:
                 rec.update(status="skipped", error="named in --skip")
                 records.append(rec)
@@ -223,36 +242,60 @@ class _null:
         return False
 
 
+def _named_shape(text):
+    """A --shape argument, [NAME=]T,K,E,H,F: (name, (T, K, E, H, F)); the default
+    name is the dimensions as given."""
+    name, _, dims = text.rpartition("=")
+    try:
+        shape = tuple(int(v) for v in dims.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 5:
+        raise argparse.ArgumentTypeError(f"{text!r} is not [NAME=]T,K,E,H,F")
+    return name or dims, shape
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", action="append", required=True,
-                        help="T,K,E,H,F (repeatable)")
+    parser.add_argument("--shape", type=_named_shape, action="append", required=True,
+                        metavar="[NAME=]T,K,E,H,F",
+                        help="a shape and its name (repeatable; default name: T,K,E,H,F)")
     parser.add_argument("--passes", default="fwd,fwdbwd")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--queue", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the routing and the inputs, in [0, 2^63) (default 0)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="also trace N calls of each and record their kernels")
-    parser.add_argument("--skip", action="append", default=[],
-                        help="IMPL/PASS/T,K,E,H,F not to run (repeatable)")
+    parser.add_argument("--skip", action="append", default=[], metavar="IMPL/PASS/NAME",
+                        help="a measurement not to run, its shape by name (repeatable)")
     args = parser.parse_args(argv)
+    if not 0 <= args.seed < SEED_LIMIT:
+        parser.error(f"--seed must be an integer in [0, 2^63), got {args.seed}")
+    names = [name for name, _ in args.shape]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        parser.error(f"--shape names {', '.join(twice)} more than once")
     skips = {}
     for entry in args.skip:
-        impl, pass_name, dims = entry.split("/")
-        skips.setdefault(tuple(int(v) for v in dims.split(",")), set()).add((impl, pass_name))
+        parts = entry.split("/")
+        if len(parts) != 3 or parts[2] not in names:
+            parser.error(f"--skip {entry!r} is not IMPL/PASS/NAME with NAME a --shape's name "
+                         f"({', '.join(names)})")
+        skips.setdefault(parts[2], set()).add((parts[0], parts[1]))
     result = {"records": []}
     try:
         import torch  # pylint: disable=import-outside-toplevel
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device for torch")
         result["torch_version"] = torch.__version__
-        for text in args.shape:
-            shape = tuple(int(v) for v in text.split(","))
+        for name, shape in args.shape:
             result["records"] += bench_shape(torch, shape, args.passes.split(","),
                                              args.warmup, args.repeats,
-                                             frozenset(skips.get(shape, ())), args.queue,
-                                             args.kernels)
+                                             frozenset(skips.get(name, ())), args.queue,
+                                             args.kernels, args.seed, name)
     except Exception as err:  # pylint: disable=broad-except
         result["error"] = f"{type(err).__name__}: {err}"
     text = json.dumps(result)

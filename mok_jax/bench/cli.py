@@ -212,7 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "same process (default native: GEMMs in --dtype; fp8: "
                              "float8_e4m3fn with block scales, bf16 only); the baselines "
                              "always compute in --dtype")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random inputs and routing: an integer in "
+                             "[0, 2^63), each its own inputs (default 0); the --torch "
+                             "baselines draw theirs from it too, with torch's generators")
     parser.add_argument("--check", action="store_true",
                         help="also compare each pipeline's outputs (and gradients) "
                              "with the dense reference; costs memory and time")
@@ -239,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "and every --shape, of those in this run)")
     parser.add_argument("--skip", type=_csv_free, default=[], metavar="IMPL/PASS[/SHAPE]",
                         help="comma list of measurements not to attempt (recorded as "
-                             "skipped), e.g. ragged_dot/fwdbwd/small-experts: a pipeline "
+                             "skipped), the torch baselines' too; SHAPE is a shape's name "
+                             "(a bench shape's, or a --shape's NAME), without it every "
+                             "shape: e.g. ragged_dot/fwdbwd/small-experts, a pipeline "
                              "XLA spends minutes failing to compile; each entry must "
                              "name a measurement of this run")
     parser.add_argument("--try-all", action="store_true",
@@ -550,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.torch:  # before JAX initialises the GPU and reserves its memory
         pre_records = torch_records(shapes, args.passes, warmup=args.warmup,
                                     repeats=args.repeats, backend=backend, skip=args.skip,
-                                    queue=args.queue)
+                                    queue=args.queue, seed=args.seed)
         for record in pre_records:
             _print_progress(record)
     info = machine_info()

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mok_jax._src.seeds import seed_key
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
@@ -84,7 +86,9 @@ SHAPE_ABOUT = {
 
 
 def _input_keys(seed: int) -> jax.Array:
-    return jax.random.split(jax.random.key(seed), 6)
+    # seed_key: every seed of [0, 2^63) its own inputs (jax.random.key keeps the
+    # low 32 bits of a seed when jax_enable_x64 is off).
+    return jax.random.split(seed_key(seed), 6)
 
 
 def make_routing(shape: Shape, seed: int = 0) -> tuple[jax.Array, jax.Array]:

@@ -31,9 +31,13 @@ TORCH_ABOUT = {
 def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int,
                   repeats: int, timeout_s: float = 1800,
                   backend: str | None = None, skip: Sequence[str] = (),
-                  queue: int = 0, kernels: int = 0) -> list[dict]:
+                  queue: int = 0, kernels: int = 0, seed: int = 0) -> list[dict]:
     """PyTorch baselines (_torch_moe.py beside this file) timed in a subprocess; the
-    measurements `skip` names (--skip entries) are recorded as skipped, not run.
+    measurements `skip` names (--skip entries: shapes by name) are recorded as
+    skipped, not run.
+    The subprocess draws its routing and inputs from `seed` (the bench's --seed)
+    with torch's generators: the same problem sizes and kind of routing as the JAX
+    pipelines' draw from that seed, not the same numbers.
     kernels > 0: each measured record also holds the kernels of that many traced
     calls (`kernel_ms`, `kernels`: _torch_moe.kernel_table's rows).
 
@@ -54,27 +58,29 @@ def torch_records(shapes: Sequence[Shape], passes: Sequence[str], *, warmup: int
         return records
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_moe.py")
     cmd = [sys.executable, script, "--passes", ",".join(passes), "--warmup", str(warmup),
-           "--repeats", str(repeats), "--queue", str(queue), "--kernels", str(kernels)]
+           "--repeats", str(repeats), "--queue", str(queue), "--kernels", str(kernels),
+           "--seed", str(seed)]
+    # Shapes go by name, there and back: two shapes of the same dimensions (a
+    # --shape NAME=... beside a bench shape) are two problems, each its own records.
     for shape in shapes:
         dims = ",".join(str(v) for v in (shape.tokens, shape.top_k, shape.experts,
                                          shape.hidden, shape.ffn))
-        cmd += ["--shape", dims]
+        cmd += ["--shape", f"{shape.name}={dims}"]
         cmd += [arg for impl in TORCH_IMPLS for pass_name in passes
                 if skipped(skip, impl, pass_name, shape.name)
-                for arg in ("--skip", f"{impl}/{pass_name}/{dims}")]
+                for arg in ("--skip", f"{impl}/{pass_name}/{shape.name}")]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                               check=False)
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     except Exception as err:  # pylint: disable=broad-except
         result = {"records": [], "error": error_string(err)}
-    by_key = {(tuple(r["shape"]), r["impl"], r["pass"]): r for r in result["records"]}
+    by_key = {(r.get("name"), r["impl"], r["pass"]): r for r in result["records"]}
     records = []
     for shape in shapes:
-        key_shape = (shape.tokens, shape.top_k, shape.experts, shape.hidden, shape.ffn)
         for pass_name in passes:
             for impl in TORCH_IMPLS:
-                got = by_key.get((key_shape, impl, pass_name), {})
+                got = by_key.get((shape.name, impl, pass_name), {})
                 record = new_record(shape, impl, pass_name, dtype_name="bf16",
                                     warmup=warmup, repeats=repeats)
                 record["recipe"] = BASELINE_RECIPE.get(impl)

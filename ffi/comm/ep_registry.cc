@@ -188,7 +188,6 @@ std::string shutdown_comm_sets() {
 }
 
 int nccl_header_version() { return kNcclHeaderVersion; }
-std::string nccl_runtime_version(int* version) { return check_nccl_runtime_version(version); }
 
 std::string comm_last_error() {
   std::lock_guard<std::mutex> g(g_report_mutex);

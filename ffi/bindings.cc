@@ -4,6 +4,7 @@
 
 #include <type_traits>
 
+#include "cpu/parallel.h"
 #include "handlers/moe_cpu.h"
 #ifdef MOK_WITH_CUDA
 #include "handlers/moe_cuda.h"
@@ -90,6 +91,19 @@ NB_MODULE(_mok, m) {
         "SwiGLU in its epilogue.");
   m.def("recipes", &recipes,
         "The recipes of the expert FFN: {name: value of the handlers' recipe attribute}.");
+  m.def(
+      "set_cpu_threads",
+      [](int threads) {
+        if (threads < 0) throw nb::value_error("set_cpu_threads: threads must be >= 0");
+        return mok::cpu::set_cpu_threads(threads);
+      },
+      nb::arg("threads"),
+      "Sets the threads of the CPU handlers for every later call in this process; 0 "
+      "means the default (MOK_CPU_THREADS as the process had it at its first CPU call, "
+      "else the machine's hardware threads). Returns the previous setting (0: the "
+      "default). Results have the same bits for every count.");
+  m.def("cpu_threads", &mok::cpu::cpu_threads,
+        "The threads the next call of a CPU handler runs on.");
 #ifdef MOK_WITH_CUDA
   m.def("set_swiglu_epilogue", &mok::cuda::set_swiglu_epilogue, nb::arg("enabled"),
         "Lets GEMM1 run SwiGLU in its epilogue where it applies (the default) or not, for "

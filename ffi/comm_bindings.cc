@@ -58,10 +58,14 @@ nb::bytes unique_id() {
   return nb::bytes(id.internal, sizeof(id.internal));
 }
 
+// The loaded library's NCCL_VERSION_CODE, also where it differs from the headers'
+// (create() refuses that case; mok_jax.comm names both versions).
 int nccl_runtime_version() {
   int v = 0;
-  std::string err = mok::comm::nccl_runtime_version(&v);
-  (void)err;  // the version is reported either way; create() refuses a mismatch
+  ncclResult_t r = ncclGetVersion(&v);
+  if (r != ncclSuccess) {
+    throw std::runtime_error(std::string("ncclGetVersion: ") + ncclGetErrorString(r));
+  }
   return v;
 }
 

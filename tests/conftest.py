@@ -27,6 +27,7 @@ tests start as well:
   way); mok_jax's CPU kernels are compiled C++, which no XLA flag reaches.
 """
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -311,3 +312,16 @@ def assert_bitwise(a, b, what=""):
         f"{what}: {diff.size} of {a.size} elements differ in bits; first at flat index "
         f"{diff[0]}: {a.ravel()[diff[0]]!r} vs {b.ravel()[diff[0]]!r}"
     )
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int):
+    """The CPU handlers run on n threads inside the block
+    (``mok_jax._mok.set_cpu_threads``); the previous setting holds again after it."""
+    from mok_jax import _mok
+    previous = _mok.set_cpu_threads(n)
+    try:
+        assert _mok.cpu_threads() == n
+        yield
+    finally:
+        _mok.set_cpu_threads(previous)

@@ -6,24 +6,10 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <cstdio>
 #include <string>
 
 namespace mok::comm {
-
-// Restores the calling thread's current device when it goes out of scope.
-class DeviceGuard {
- public:
-  DeviceGuard() { ok_ = cudaGetDevice(&saved_) == cudaSuccess; }
-  ~DeviceGuard() {
-    if (ok_) cudaSetDevice(saved_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int saved_ = 0;
-  bool ok_ = false;
-};
 
 inline std::string call_site(const char* file, int line) {
   return std::string(file) + ":" + std::to_string(line);
@@ -49,6 +35,63 @@ inline void append_error(std::string& all, const std::string& msg) {
   if (msg.empty()) return;
   if (!all.empty()) all += "\n";
   all += msg;
+}
+
+// Keeps the calling thread's current device: code that switches devices makes a
+// guard first and reports what restore() returns, on every path. The destructor
+// sets the device back only where restore() was not called (an exception passing
+// through); it cannot return an error, so it prints a failure to stderr.
+class DeviceGuard {
+ public:
+  DeviceGuard() : get_err_(cudaGetDevice(&saved_)) {}
+  ~DeviceGuard() {
+    if (restored_) return;
+    // No allocation here: the destructor may run while a std::bad_alloc unwinds.
+    const cudaError_t err = get_err_ != cudaSuccess ? get_err_ : cudaSetDevice(saved_);
+    if (err != cudaSuccess) {
+      std::fprintf(stderr,
+                   "mok::comm::DeviceGuard: the calling thread's current device was not "
+                   "restored to %d: %s (%s)\n",
+                   saved_, cudaGetErrorName(err), cudaGetErrorString(err));
+    }
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+  // Sets the current device back to the one the guard found: "" on success, else
+  // what failed (cudaGetDevice when the guard was made, or cudaSetDevice now).
+  // Once called, later calls and the destructor do nothing.
+  std::string restore() {
+    if (restored_) return "";
+    restored_ = true;
+    if (get_err_ != cudaSuccess) {
+      return cuda_message("cudaGetDevice(&saved_)", get_err_, __FILE__, __LINE__) +
+             "; the calling thread's current device was not restored";
+    }
+    const cudaError_t err = cudaSetDevice(saved_);
+    if (err != cudaSuccess) {
+      return cuda_message("cudaSetDevice(saved_)", err, __FILE__, __LINE__) +
+             "; the calling thread's current device was not restored to " +
+             std::to_string(saved_);
+    }
+    return "";
+  }
+
+ private:
+  int saved_ = 0;
+  cudaError_t get_err_;
+  bool restored_ = false;
+};
+
+// Runs fn (returning std::string, "" on success) and restores the calling
+// thread's current device after it: fn may switch devices and return early on
+// any path. Returns fn's message with a failure to restore appended.
+template <typename Fn>
+std::string keeping_current_device(Fn&& fn) {
+  DeviceGuard guard;
+  std::string err = fn();
+  append_error(err, guard.restore());
+  return err;
 }
 
 }  // namespace mok::comm

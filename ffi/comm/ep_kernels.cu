@@ -174,20 +174,18 @@ __global__ void __launch_bounds__(kCopyThreads) push_kernel(const PushArgs a) {
   }
 }
 
-int copy_grid(int device, int64_t items) {
-  int sms = 132;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    sms = 132;
-  }
+}  // namespace
+
+std::string copy_blocks(int device, int64_t items, int* blocks) {
+  int sms = 0;
+  MOK_COMM_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t warps_per_cta = kCopyThreads / 32;
   const int64_t want = (items + warps_per_cta - 1) / warps_per_cta;
   // Up to four CTAs of 16 warps per SM (full occupancy): a warp keeps 2 KiB of
   // loads in flight, so NVLink's latency is hidden many times over.
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, 4 * int64_t(sms))));
+  *blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, 4 * int64_t(sms))));
+  return "";
 }
-
-}  // namespace
 
 WindowLayout window_layout(int64_t tokens, int64_t top_k, size_t row_bytes, size_t scalar_bytes) {
   WindowLayout l;
@@ -244,10 +242,11 @@ std::string check_pull(const PullArgs& a) {
   return check_rows("pull", a.row_bytes, a.out_scalars != nullptr, a.scalar_bytes, a.out);
 }
 
-std::string launch_pull(const PullArgs& a, int device, cudaStream_t stream) {
+std::string launch_pull(const PullArgs& a, int blocks, cudaStream_t stream) {
   MOK_COMM_RETURN_IF_MESSAGE(check_pull(a));
   if (a.n_entries == 0) return "";
-  pull_kernel<<<copy_grid(device, a.n_entries), kCopyThreads, 0, stream>>>(a);
+  if (blocks < 1) return "pull: " + std::to_string(blocks) + " blocks";
+  pull_kernel<<<blocks, kCopyThreads, 0, stream>>>(a);
   MOK_COMM_CUDA_RETURN(cudaGetLastError());
   return "";
 }
@@ -258,10 +257,11 @@ std::string check_push(const PushArgs& a) {
   return check_rows("push", a.row_bytes, a.row_scalars != nullptr, a.scalar_bytes, a.rows);
 }
 
-std::string launch_push(const PushArgs& a, int device, cudaStream_t stream) {
+std::string launch_push(const PushArgs& a, int blocks, cudaStream_t stream) {
   MOK_COMM_RETURN_IF_MESSAGE(check_push(a));
   if (a.n_rows == 0) return "";
-  push_kernel<<<copy_grid(device, a.n_rows), kCopyThreads, 0, stream>>>(a);
+  if (blocks < 1) return "push: " + std::to_string(blocks) + " blocks";
+  push_kernel<<<blocks, kCopyThreads, 0, stream>>>(a);
   MOK_COMM_CUDA_RETURN(cudaGetLastError());
   return "";
 }

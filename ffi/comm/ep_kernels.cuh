@@ -100,7 +100,8 @@ struct PullArgs {
 // The argument checks of launch_pull, for a handler to run before its first
 // barrier (a rank that stops after it would leave its peers waiting).
 std::string check_pull(const PullArgs& args);
-std::string launch_pull(const PullArgs& args, int device, cudaStream_t stream);
+// `blocks`: copy_blocks(device, args.n_entries, ...).
+std::string launch_pull(const PullArgs& args, int blocks, cudaStream_t stream);
 
 struct PushArgs {
   ncclWindow_t window = nullptr;
@@ -115,7 +116,12 @@ struct PushArgs {
   int64_t n_rows = 0;
 };
 std::string check_push(const PushArgs& args);
-std::string launch_push(const PushArgs& args, int device, cudaStream_t stream);
+// `blocks`: copy_blocks(device, args.n_rows, ...).
+std::string launch_push(const PushArgs& args, int blocks, cudaStream_t stream);
+
+// The grid of a pull or push of `items` entries or rows on `device` (from its SM
+// count), for a handler to ask before its first barrier, as the checks.
+std::string copy_blocks(int device, int64_t items, int* blocks);
 
 // Loads the kernels on the current device (do it before the first launch: lazy
 // loading must not happen while a peer spins in a barrier).

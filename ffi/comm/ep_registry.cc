@@ -90,6 +90,7 @@ std::string free_ranks(CommSet& set) {
     r.error_dev = nullptr;
   }
   set.ranks.clear();
+  append_error(all, guard.restore());
   return all;
 }
 
@@ -121,29 +122,30 @@ std::string build(CommSet& set, const std::vector<GroupSpec>& groups, size_t win
     if (!err.empty()) return "EP group " + std::to_string(g) + ": " + err;
     set.comms.push_back(std::move(comm));
   }
-  DeviceGuard guard;
-  for (size_t g = 0; g < set.comms.size(); ++g) {
-    const NvlinkComm& c = *set.comms[g];
-    for (int l = 0; l < c.local_count(); ++l) {
-      LocalRank r;
-      r.group = static_cast<int>(g);
-      r.local = l;
-      r.device = c.device(l);
-      set.ranks.push_back(r);
-      LocalRank& back = set.ranks.back();
-      MOK_COMM_CUDA_RETURN(cudaSetDevice(back.device));
-      MOK_COMM_RETURN_IF_MESSAGE(load_ep_kernels());
-      MOK_COMM_CUDA_RETURN(cudaMalloc(&back.epoch, sizeof(uint64_t)));
-      MOK_COMM_CUDA_RETURN(cudaMemset(back.epoch, 0, sizeof(uint64_t)));
-      MOK_COMM_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&back.error_host),
-                                         sizeof(ErrorRecord), cudaHostAllocMapped));
-      std::memset(const_cast<ErrorRecord*>(back.error_host), 0, sizeof(ErrorRecord));
-      MOK_COMM_CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&back.error_dev),
-                                                    back.error_host, 0));
-      MOK_COMM_CUDA_RETURN(cudaDeviceSynchronize());
+  return keeping_current_device([&]() -> std::string {
+    for (size_t g = 0; g < set.comms.size(); ++g) {
+      const NvlinkComm& c = *set.comms[g];
+      for (int l = 0; l < c.local_count(); ++l) {
+        LocalRank r;
+        r.group = static_cast<int>(g);
+        r.local = l;
+        r.device = c.device(l);
+        set.ranks.push_back(r);
+        LocalRank& back = set.ranks.back();
+        MOK_COMM_CUDA_RETURN(cudaSetDevice(back.device));
+        MOK_COMM_RETURN_IF_MESSAGE(load_ep_kernels());
+        MOK_COMM_CUDA_RETURN(cudaMalloc(&back.epoch, sizeof(uint64_t)));
+        MOK_COMM_CUDA_RETURN(cudaMemset(back.epoch, 0, sizeof(uint64_t)));
+        MOK_COMM_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&back.error_host),
+                                           sizeof(ErrorRecord), cudaHostAllocMapped));
+        std::memset(const_cast<ErrorRecord*>(back.error_host), 0, sizeof(ErrorRecord));
+        MOK_COMM_CUDA_RETURN(cudaHostGetDevicePointer(
+            reinterpret_cast<void**>(&back.error_dev), back.error_host, 0));
+        MOK_COMM_CUDA_RETURN(cudaDeviceSynchronize());
+      }
     }
-  }
-  return "";
+    return "";
+  });
 }
 
 }  // namespace
@@ -186,7 +188,6 @@ std::string shutdown_comm_sets() {
 }
 
 int nccl_header_version() { return kNcclHeaderVersion; }
-std::string nccl_runtime_version(int* version) { return check_nccl_runtime_version(version); }
 
 std::string comm_last_error() {
   std::lock_guard<std::mutex> g(g_report_mutex);

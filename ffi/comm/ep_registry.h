@@ -54,10 +54,8 @@ int64_t create_comm_set(const std::vector<GroupSpec>& groups, size_t window_byte
 // Destroys every set (abort) and stops the watchdog: for interpreter exit.
 std::string shutdown_comm_sets();
 
-// NCCL versions: the headers this was compiled with, and the loaded library's
-// (with an error message when they differ).
+// The NCCL version code of the headers this was compiled with.
 int nccl_header_version();
-std::string nccl_runtime_version(int* version);
 
 // The first failure any barrier recorded, as text ("" if none).
 std::string comm_last_error();

@@ -56,12 +56,13 @@ std::string NvlinkComm::init(const NvlinkCommConfig& config) {
   if (initialized_) return "NvlinkComm::init: already initialized (call destroy() first)";
   DeviceGuard guard;
   std::string err = init_steps(config);
-  if (!err.empty()) {
+  if (err.empty()) {
+    initialized_ = true;
+  } else {
     append_error(err, destroy());
-    return err;
   }
-  initialized_ = true;
-  return "";
+  append_error(err, guard.restore());
+  return err;
 }
 
 std::string NvlinkComm::init_steps(const NvlinkCommConfig& config) {
@@ -311,6 +312,7 @@ std::string NvlinkComm::destroy(bool abort) {
   buffer_bytes_ = 0;
   lsa_barriers_ = 0;
   initialized_ = false;
+  append_error(all, guard.restore());
   return all;
 }
 

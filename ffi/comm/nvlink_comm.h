@@ -69,7 +69,9 @@ class NvlinkComm {
 
   // Builds everything (see the top of this file). On failure, what was built
   // is torn down again and the message says what failed (and anything the
-  // teardown reported). The calling thread's current device is restored.
+  // teardown reported). The calling thread's current device is restored; a
+  // failure to restore it is reported too, also after a build that succeeded
+  // (initialized() is then true, and destroy() or the destructor tears it down).
   std::string init(const NvlinkCommConfig& config);
 
   // Waits for each device (cudaDeviceSynchronize), then: window deregister,

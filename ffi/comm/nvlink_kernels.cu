@@ -99,23 +99,26 @@ std::string launch(const ncclDevComm& dev_comm, const PullRowsArgs& args, int bl
 }  // namespace
 
 std::string pull_rows_grid(int device, int lsa_barriers, int* blocks) {
-  DeviceGuard guard;
-  MOK_COMM_CUDA_RETURN(cudaSetDevice(device));
-  cudaFuncAttributes attr;
-  // Loads both instances on this device now (lazy loading would otherwise do
-  // it at the first launch, possibly while a barrier-waiting kernel runs).
-  MOK_COMM_CUDA_RETURN(cudaFuncGetAttributes(&attr, pull_rows_kernel<true>));
-  MOK_COMM_CUDA_RETURN(cudaFuncGetAttributes(&attr, pull_rows_kernel<false>));
-  int per_sm = 0, sms = 0;
-  MOK_COMM_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, pull_rows_kernel<true>, kPullRowsThreads, 0));
-  MOK_COMM_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (per_sm < 1) return "pull_rows_grid: the kernel does not fit on device " + std::to_string(device);
-  // One CTA per SM: 16 warps x 32 lanes x 4 x 16 B = 32 KiB of loads in flight
-  // per SM, far more than NVLink's bandwidth-latency product, and a grid that
-  // stays co-resident with room to spare.
-  *blocks = std::max(1, std::min(lsa_barriers, sms));
-  return "";
+  return keeping_current_device([&]() -> std::string {
+    MOK_COMM_CUDA_RETURN(cudaSetDevice(device));
+    cudaFuncAttributes attr;
+    // Loads both instances on this device now (lazy loading would otherwise do
+    // it at the first launch, possibly while a barrier-waiting kernel runs).
+    MOK_COMM_CUDA_RETURN(cudaFuncGetAttributes(&attr, pull_rows_kernel<true>));
+    MOK_COMM_CUDA_RETURN(cudaFuncGetAttributes(&attr, pull_rows_kernel<false>));
+    int per_sm = 0, sms = 0;
+    MOK_COMM_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, pull_rows_kernel<true>, kPullRowsThreads, 0));
+    MOK_COMM_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (per_sm < 1) {
+      return "pull_rows_grid: the kernel does not fit on device " + std::to_string(device);
+    }
+    // One CTA per SM: 16 warps x 32 lanes x 4 x 16 B = 32 KiB of loads in flight
+    // per SM, far more than NVLink's bandwidth-latency product, and a grid that
+    // stays co-resident with room to spare.
+    *blocks = std::max(1, std::min(lsa_barriers, sms));
+    return "";
+  });
 }
 
 std::string launch_pull_rows(const ncclDevComm& dev_comm, const PullRowsArgs& args, int blocks,

@@ -31,8 +31,14 @@ class IeeeSubnormals {
 #endif
 };
 
-// Number of worker threads: MOK_CPU_THREADS if set (>= 1), else the hardware's.
+// Number of worker threads: the count set_cpu_threads gave, else MOK_CPU_THREADS
+// (>= 1, read once, at the first call in the process), else the hardware's.
 int cpu_threads();
+
+// Sets the worker threads of every later call in this process to n (>= 1), or
+// with n = 0 to the default above; returns the previous setting (0: the default).
+// The number of threads never changes a result's bits.
+int set_cpu_threads(int n);
 
 // Calls fn(item, worker) for item in [0, n) on up to cpu_threads() threads;
 // worker in [0, workers) identifies per-thread scratch. Items are handed out

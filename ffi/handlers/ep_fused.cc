@@ -148,6 +148,9 @@ ffi::Error EpDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer values
   // Every check before the first barrier: a rank that stopped after it would
   // leave its peers waiting there until the timeout.
   MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, comm::check_pull(a)));
+  int blocks = 0;
+  MOK_RETURN_IF_ERROR(
+      ffi_checks::launcher_result(op, comm::copy_blocks(device, a.n_entries, &blocks)));
 
   char* own = static_cast<char*>(v.buffer);
   MOK_RETURN_IF_ERROR(copy_async(op, own + layout.tokens_offset, values.untyped_data(),
@@ -158,7 +161,7 @@ ffi::Error EpDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer values
                                     stream));
   }
   MOK_RETURN_IF_ERROR(barrier(op, v, Phase::kDispatchBegin, sig, stream));
-  MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, comm::launch_pull(a, device, stream)));
+  MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, comm::launch_pull(a, blocks, stream)));
   return barrier(op, v, Phase::kDispatchEnd, sig, stream);
 }
 
@@ -233,8 +236,11 @@ ffi::Error EpCombine(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t
   a.dest = dest.typed_data();
   a.n_rows = R;
   MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, comm::check_push(a)));
+  int blocks = 0;
+  MOK_RETURN_IF_ERROR(
+      ffi_checks::launcher_result(op, comm::copy_blocks(device, a.n_rows, &blocks)));
   MOK_RETURN_IF_ERROR(barrier(op, v, Phase::kCombineBegin, sig, stream));
-  MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, comm::launch_push(a, device, stream)));
+  MOK_RETURN_IF_ERROR(ffi_checks::launcher_result(op, comm::launch_push(a, blocks, stream)));
   MOK_RETURN_IF_ERROR(barrier(op, v, Phase::kCombineEnd, sig, stream));
 
   const char* own = static_cast<const char*>(v.buffer);

@@ -18,6 +18,9 @@ from mok_jax._src import ep, paths, primitives, sharding
 from mok_jax.recipe import Recipe, check_dtypes, resolve
 
 BACKENDS = ("auto", "fused", "xla")
+# Pairs (T * K) one call may have: pair and row numbers are int32 everywhere (the
+# statistics, the routing plan, the kernels' row maps; ffi/handlers/decode.h).
+MAX_PAIRS = 2**31 - 1
 _X_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 
 
@@ -363,6 +366,9 @@ def _validate(x, expert_ids, expert_weights, w_gate_up, w_down, *, axis_name,
     top_k = expert_ids.shape[1]
     if top_k < 1:
         fail("expert_ids must have at least one column (K >= 1)")
+    if tokens * top_k > MAX_PAIRS:
+        fail(f"T * K = {tokens * top_k} (token, k) pairs exceed {MAX_PAIRS} (2^31 - 1): "
+             "the routing plan, its statistics and the kernels' row indices are int32")
     if hidden < 1:
         fail("x must have a hidden dimension H >= 1")
     experts_local, wgu_hidden, two_f = w_gate_up.shape

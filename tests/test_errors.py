@@ -196,3 +196,21 @@ def test_a_python_list_is_refused_by_name(which):
         mok_jax.moe(*args)
     args[which] = np.asarray(args[which], np.float32 if which != 1 else np.int32)
     assert mok_jax.moe(*args).shape == (T, H)  # numpy arrays are fine
+
+
+@pytest.mark.parametrize("backend", ["auto", "xla"])
+def test_pairs_past_int32_raise_at_trace_time(backend):
+    """T * K >= 2^31 pairs: the plan, the statistics and the kernels' row maps are
+    int32, so the call is a ValueError naming the limit when it is traced, on every
+    backend (abstract arrays: nothing of that size is allocated)."""
+    structs = _args(x=((2**28, H), jnp.bfloat16), expert_ids=((2**28, 8), jnp.int32),
+                    expert_weights=((2**28, 8), jnp.float32),
+                    w_gate_up=((E + 4, H, 2 * F), jnp.bfloat16),
+                    w_down=((E + 4, F, H), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"mok_jax.moe: T \* K = 2147483648 .*2\^31 - 1"):
+        jax.eval_shape(lambda *a: mok_jax.moe(*a, backend=backend), *structs)
+    # Below the limit (2^31 - 8 pairs), tracing goes through.
+    ok = _args(x=((2**28 - 1, H), jnp.bfloat16), expert_ids=((2**28 - 1, 8), jnp.int32),
+               expert_weights=((2**28 - 1, 8), jnp.float32),
+               w_gate_up=((E + 4, H, 2 * F), jnp.bfloat16), w_down=((E + 4, F, H), jnp.bfloat16))
+    assert jax.eval_shape(lambda *a: mok_jax.moe(*a, backend="auto"), *ok).shape == (2**28 - 1, H)

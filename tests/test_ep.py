@@ -468,6 +468,43 @@ def test_unknown_axis_name_is_an_error():
                       in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=True)(*args)
 
 
+def test_pairs_of_all_token_shards_past_int32_raise_at_trace_time():
+    """Every rank plans over the pairs of all token shards (G * T * K) and the
+    transports number the grouped rows, both in int32: 8 shards of 2^25 tokens x 8
+    pairs (2^28 each, within one call's limit, 2^31 together) are a ValueError naming
+    the limit when traced, not an OverflowError from inside JAX (nothing is
+    allocated: abstract arrays); 8 shards of 2^24 tokens trace."""
+    mesh = jax.make_mesh((8,), ("ep",), devices=CPUS[:8])
+    shard = NamedSharding(mesh, P("ep"))
+
+    def structs(tokens_per_shard):
+        t = 8 * tokens_per_shard
+        shapes = (((t, 8), jnp.bfloat16), ((t, 8), jnp.int32), ((t, 8), jnp.float32),
+                  ((8, 8, 16), jnp.bfloat16), ((8, 8, 8), jnp.bfloat16))
+        return [jax.ShapeDtypeStruct(s, d, sharding=shard) for s, d in shapes]
+
+    layer = jax.shard_map(lambda *a: mok_jax.moe(*a, axis_name="ep", backend="xla"),
+                          mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep"))
+    with pytest.raises(ValueError, match=r"G \* T \* K .* = 2147483648 exceeds 2147483646"):
+        jax.eval_shape(layer, *structs(2**25))
+    assert jax.eval_shape(layer, *structs(2**24)).shape == (2**27, 8)
+
+
+def test_grouped_rows_past_int32_raise_at_trace_time():
+    """Grouped buffers of 2^31 - 1 rows (more than the exchange group's pairs, as
+    the partitioned layer may ask for): XLA's exchange maps cannot number them and
+    one past them, which is a ValueError naming the limit."""
+    from mok_jax._src import ep
+    from mok_jax.recipe import Recipe
+    cfg = ep.Config(None, 1, -1, (), Recipe.NATIVE)
+    ids = jax.ShapeDtypeStruct((4, 2), jnp.int32)
+    path = ep.ExchangePath(cfg, "xla", rows=2**31 - 1)
+    with pytest.raises(ValueError, match=r"expert-grouped rows .* = 2147483647 exceeds"):
+        jax.eval_shape(lambda i: path.routing(i, 4), ids)
+    ok = ep.ExchangePath(cfg, "xla", rows=2**31 - 2)
+    jax.eval_shape(lambda i: ok.routing(i, 4), ids)
+
+
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 @pytest.mark.parametrize("mesh_shape", [(4,), pytest.param((2, 2), marks=pytest.mark.slow)],
                          ids=["ep4", "dp2xep2"])

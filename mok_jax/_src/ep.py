@@ -34,7 +34,7 @@ import numpy as np
 from mok_jax import comm
 from mok_jax._src import ext, paths, primitives
 from mok_jax.recipe import Recipe
-from mok_jax._src.transport import TRANSPORTS, Transport, exclusive_cumsum
+from mok_jax._src.transport import TRANSPORTS, Transport, check_indexed_rows, exclusive_cumsum
 
 _I32 = jnp.int32
 
@@ -104,6 +104,7 @@ def plan(expert_ids, cfg: Config, experts_local: int) -> Plan:
     else:
         ids_all, g_me = expert_ids[None], 0
     G = ids_all.shape[0]
+    check_indexed_rows("G * T * K (pairs of all token shards)", G * C)
     flat = ids_all.reshape(-1)                                  # global (shard, t, k) order
     n = flat.shape[0]
     valid = (flat >= 0) & (flat < E)

@@ -33,6 +33,20 @@ import jax.numpy as jnp
 from mok_jax._src import primitives
 
 _I32 = jnp.int32
+# The EP plan and the XLA transport's maps number pairs and rows in int32 and keep
+# one number past the last for "none" (and JAX's gathers and scatters take an
+# array's length as an int32): every count of pairs or rows they number stays at
+# most this.
+MAX_INDEXED_ROWS = 2**31 - 2
+
+
+def check_indexed_rows(what: str, count: int) -> None:
+    """ValueError unless `count` (pairs or rows of `what`) fits the int32 index maps."""
+    if count > MAX_INDEXED_ROWS:
+        raise ValueError(
+            f"mok_jax.moe: {what} = {count} exceeds {MAX_INDEXED_ROWS} (2^31 - 2): the "
+            "expert-parallel plan numbers pairs and rows in int32. Use fewer tokens per "
+            "call or fewer token shards.")
 
 
 class Transport(Protocol):
@@ -88,6 +102,7 @@ class XlaTransport:
     name = "xla"
 
     def route(self, plan, cfg, top_k: int, experts_local: int, rows: int) -> XlaRoute:
+        check_indexed_rows("the expert-grouped rows (at least P * T * K)", rows)
         P = cfg.ep_size
         C = plan.my_ids.shape[0]                                 # T*K slots per peer
         my_kept = plan.kept.reshape(-1) != 0

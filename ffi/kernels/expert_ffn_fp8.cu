@@ -221,9 +221,13 @@ std::string fp8_supported(const ExpertFfnShape& s, DType dtype) {
   // K) x (K / 128) must fit, and R bounds every group's rows and padded K.
   const int64_t padded_rows = fp8_padded_rows(s.rows, s.experts);
   const int64_t widest_k = std::max(fp8_round_up(s.hidden), 2 * fp8_round_up(s.ffn));
-  if (padded_rows > INT32_MAX || 2 * fp8_round_up(s.ffn) * fp8_round_up(s.hidden) > INT32_MAX ||
-      padded_rows / 128 * widest_k > INT32_MAX) {
-    return "recipe fp8 on CUDA: sizes too large";
+  const int64_t weight = 2 * fp8_round_up(s.ffn) * fp8_round_up(s.hidden);
+  const int64_t scales = padded_rows / 128 * widest_k;
+  if (padded_rows > INT32_MAX || weight > INT32_MAX || scales > INT32_MAX) {
+    return "recipe fp8 on CUDA: its block scales are indexed in int32, so R + 127 E rounded "
+           "up to 128 (" + std::to_string(padded_rows) + "), an expert's padded 2F x H weight (" +
+           std::to_string(weight) + " elements) and the rows' scales, (R + 127 E) / 128 x "
+           "max(H, 2F) padded (" + std::to_string(scales) + "), must each be at most 2^31 - 1";
   }
   return {};
 #else

@@ -235,8 +235,8 @@ struct TaskList {
     gemm1 = row_blocks * n1;
     gemm12 = gemm1 + row_blocks * n2;
     gemm2_all = static_cast<uint32_t>(block_begin[p.experts]) * n2;
-    total = gemm12 + static_cast<uint32_t>((p.rank_tokens + p.combine_tokens - 1) /
-                                           p.combine_tokens);
+    total = gemm12 + static_cast<uint32_t>((int64_t(p.rank_tokens) + p.combine_tokens - 1) /
+                                           p.combine_tokens);  // T / P up to 2^31 - 1
   }
 };
 

@@ -9,6 +9,12 @@ invalid ids and an empty expert, so memcheck sees every kernel; then the fused
 residual add + RMSNorm on rows of every team width, with row counts that end a
 scale-gradient group part way.
 
+In the persistent cases, y and every gradient must also be the kernel chain's bits
+(with virtual ranks, the one-device chain's), computed in the same process after
+them: a run under racecheck or synccheck that reports nothing still checks what the
+instrumented kernels computed (the chain's kernels run uninstrumented under
+`--kernel-name kns=_persistent`).
+
 `--persistent-only` runs the persistent-kernel cases alone; `--persistent-case I`
 runs the I-th of them alone (I < PERSISTENT_CASES), for `--kernel-name
 kns=_persistent` runs of racecheck and synccheck one case per process (over all
@@ -20,11 +26,40 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import mok_jax
 
 
-def run(T, K, E, H, F, dtype, capacity_factor):
+def the_chains_bits(name, got, compute):
+    """Asserts that `got` (y and the gradients, as computed) has the bits of
+    compute() run on the kernel chain (the persistent kernels off)."""
+    from mok_jax import _mok
+    previous = _mok.set_persistent_kernels(_mok.PersistentMode.OFF)
+    try:
+        want = jax.block_until_ready(compute())
+    finally:
+        _mok.set_persistent_kernels(previous)
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+            bad = int(np.sum(a.view(np.uint8) != b.view(np.uint8))) if a.shape == b.shape else -1
+            raise AssertionError(f"{name}: output {i} of y and the gradients "
+                                 f"({a.dtype}{list(a.shape)}) is not the kernel chain's: "
+                                 f"{bad} bytes differ")
+
+
+def y_and_grads(loss):
+    """(y, the gradients w.r.t. x, w, w_gate_up, w_down) of loss(...) -> (value, y)."""
+    def f(*args):
+        (_, y), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+        return y, g
+    return f
+
+
+def run(T, K, E, H, F, dtype, capacity_factor, against_chain=False):
     ks = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(ks[0], (T, H)).astype(dtype)
     w, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(ks[1], (T, E))), K)
@@ -33,13 +68,17 @@ def run(T, K, E, H, F, dtype, capacity_factor):
     wgu = (jax.random.normal(ks[2], (E, H, 2 * F)) * H**-0.5).astype(dtype)
     wd = (jax.random.normal(ks[3], (E, F, H)) * F**-0.5).astype(dtype)
 
-    def loss(x, w, wgu, wd):
-        return mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=capacity_factor).astype(
-            jnp.float32).sum()
+    def loss(x, w, wgu, wd):  # the loss's value is XLA's sum: y is compared instead
+        y = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=capacity_factor)
+        return y.astype(jnp.float32).sum(), y
 
-    out = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd)
-    jax.block_until_ready(out)
-    print(f"ok T={T} K={K} E={E} H={H} F={F} {jnp.dtype(dtype).name} cf={capacity_factor}")
+    step = jax.jit(y_and_grads(loss))
+    out = jax.block_until_ready(step(x, w, wgu, wd))
+    case = f"T={T} K={K} E={E} H={H} F={F} {jnp.dtype(dtype).name} cf={capacity_factor}"
+    if against_chain:
+        the_chains_bits(case, out, lambda: step(x, w, wgu, wd))
+        case += ", the kernel chain's bits"
+    print(f"ok {case}")
 
 
 def run_norm(rows, dim, dtype):
@@ -63,13 +102,15 @@ def persistent_cases():
     SwiGLU tasks stream dy rows in stages of their own; then enough tokens for
     combine tasks of eight tokens (at least 32 a CTA on 132 SMs), on one rank and
     on two virtual ranks."""
-    return [lambda: run(200, 2, 6, 128, 64, jnp.bfloat16, None),
-            lambda: run(100, 2, 4, 136, 200, jnp.bfloat16, 0.5),
-            lambda: run(3, 2, 3, 8, 8, jnp.bfloat16, None),
+    def one(*shape):
+        return lambda: run(*shape, against_chain=True)
+    return [one(200, 2, 6, 128, 64, jnp.bfloat16, None),
+            one(100, 2, 4, 136, 200, jnp.bfloat16, 0.5),
+            one(3, 2, 3, 8, 8, jnp.bfloat16, None),
             lambda: run_virtual_ranks(96, 3, 8, 136, 200, 4),
             lambda: run_virtual_ranks(512, 4, 8, 256, 128, 2),
-            lambda: run(600, 2, 4, 520, 136, jnp.bfloat16, None),
-            lambda: run(4352, 2, 4, 64, 72, jnp.bfloat16, None),
+            one(600, 2, 4, 520, 136, jnp.bfloat16, None),
+            one(4352, 2, 4, 64, 72, jnp.bfloat16, None),
             lambda: run_virtual_ranks(8704, 3, 8, 64, 72, 2)]
 
 
@@ -106,13 +147,22 @@ def run_virtual_ranks(T, K, E, H, F, ranks):
     wgu = (jax.random.normal(ks[2], (E, H, 2 * F)) * H**-0.5).astype(jnp.bfloat16)
     wd = (jax.random.normal(ks[3], (E, F, H)) * F**-0.5).astype(jnp.bfloat16)
 
-    def loss(x, w, wgu, wd):
-        y = ep.moe_on_virtual_ranks(x, ids, w, wgu, wd, ranks=ranks, capacity=T * K // E)
-        return y.astype(jnp.float32).sum()
+    cap = T * K // E
 
-    out = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd)
-    jax.block_until_ready(out)
-    print(f"ok virtual ranks P={ranks} T={T} K={K} E={E} H={H} F={F} (forward + backward)")
+    def loss(x, w, wgu, wd):
+        y = ep.moe_on_virtual_ranks(x, ids, w, wgu, wd, ranks=ranks, capacity=cap)
+        return y.astype(jnp.float32).sum(), y
+
+    def loss_one_device(x, w, wgu, wd):
+        y = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=cap * E / (T * K))
+        return y.astype(jnp.float32).sum(), y
+
+    assert mok_jax.capacity(cap * E / (T * K), T, K, E) == cap
+    grads = lambda f: jax.jit(y_and_grads(f))  # noqa: E731
+    out = jax.block_until_ready(grads(loss)(x, w, wgu, wd))
+    case = f"virtual ranks P={ranks} T={T} K={K} E={E} H={H} F={F} (forward + backward)"
+    the_chains_bits(case, out, lambda: grads(loss_one_device)(x, w, wgu, wd))
+    print(f"ok {case}, the one-device kernel chain's bits")
 
 
 if __name__ == "__main__":

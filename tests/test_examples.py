@@ -872,6 +872,29 @@ def test_train_refuses_what_cannot_run_before_building(tmp_path):
             train_moe_lm.main(["--trace-only", flag, value])
 
 
+def test_a_refused_mesh_leaves_no_out_behind(tmp_path):
+    """A --dp/--ep that cannot run (more devices than visible, a batch that dp*ep
+    does not split, an ep that does not divide the experts), like a --seq or a
+    --grad-reduce-lag that cannot, is refused before anything is written: a new
+    --out (and the folder above it) is not created, and an existing one keeps what
+    it held, nothing added."""
+    cases = [(["--dp", "4", "--ep", "4"], r"--dp 4 --ep 4 needs 16 devices; 8 visible"),
+             (["--dp", "3"], r"--batch 8 must be a multiple of dp\*ep = 3"),
+             (["--dp", "1", "--ep", "3", "--batch", "3"], r"--ep 3 must divide the preset's 8"),
+             (["--seq", "100000000"], r"--seq 100000000 needs windows of seq \+ 1 bytes"),
+             (["--grad-reduce-lag", "2"], r"--grad-reduce-lag 2 must be below")]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    for i, (flags, message) in enumerate(cases):
+        for out in (tmp_path / f"new{i}" / "run", mine):
+            with pytest.raises(SystemExit, match=message):
+                train_moe_lm.main([*SMALL, *flags, "--out", str(out)])
+            assert not (tmp_path / f"new{i}").exists(), flags
+            assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"], flags
+    assert (mine / "notes.txt").read_text() == "kept"
+
+
 @pytest.mark.slow  # one 2-step run with a checkpoint
 def test_a_run_without_checkpoints_keeps_another_runs_log(tmp_path):
     """A --no-checkpoint run into an --out that holds a run's checkpoints would

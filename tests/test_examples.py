@@ -608,6 +608,41 @@ def test_resume_refuses_another_run_and_a_foreign_log(resumed_run, capsys):
                 "--resume continues the run in --out and --overwrite starts it over")
 
 
+@pytest.mark.slow  # a model's state saved and restored twice
+def test_a_resume_without_run_json_warns_once(tmp_path, capsys):
+    """Checkpoints without ckpt/run.json (an older version's) cannot be checked
+    against the command line: the first resume says so, and records its own
+    identity there; the resumes after it are checked against that one and do not
+    warn again."""
+    cfg = lm.Config()
+    mesh = lm.make_mesh(1, 1, jax.devices()[:1])
+    tx, _ = lm.make_optimizer(cfg)
+    _, state, shardings = lm.init_state(cfg, mesh, tx)
+    corpus = lm.Corpus(np.zeros(1000, np.uint8), np.zeros(100, np.uint8), "r", 1, 1)
+    identity = lm.run_identity(cfg, corpus)
+    ckpt = tmp_path / "ckpt"
+    manager = lm.checkpoint_manager(str(ckpt))
+    lm.save_checkpoint(manager, state._replace(step=jnp.int32(3)))
+    manager.wait_until_finished()
+    manager.close()
+    assert not (ckpt / "run.json").exists()
+
+    def resume(identity):
+        manager, restored, _ = lm.start_or_resume(
+            str(ckpt), str(tmp_path / "log.json"), identity, state, shardings, save=True,
+            resume=True, overwrite=False)
+        manager.close()
+        assert int(restored.step) == 3
+        return capsys.readouterr().out
+
+    outputs = [resume(identity) for _ in range(3)]
+    assert [o.count("run.json is missing") for o in outputs] == [1, 0, 0], outputs
+    assert json.loads((ckpt / "run.json").read_text()) == json.loads(json.dumps(identity))
+    other = lm.run_identity(dataclasses.replace(cfg, lr=2 * cfg.lr), corpus)
+    with pytest.raises(SystemExit, match=r"differs from the run that wrote .* in config\.lr: "):
+        resume(other)
+
+
 @pytest.mark.slow
 def test_a_resume_with_other_eval_batches_says_its_losses_do_not_compare(tmp_path, capsys):
     """--eval-batches may change on resume; the eval losses the summary compares are

@@ -745,16 +745,37 @@ def test_data_dir_mistakes_are_messages_naming_the_path(tmp_path):
 
 def test_a_seq_too_long_for_the_corpus_says_the_longest_that_fits():
     """check_seq's message names the longest --seq that `batch_at` can draw from the
-    shorter part; at exactly seq + 1 bytes it had read as if the window fit."""
+    shorter part: a window is seq + 1 bytes, so 10 bytes fit --seq 9."""
     corpus = lm.Corpus(np.arange(1000, dtype=np.uint8), np.arange(10, dtype=np.uint8), "r", 1, 1)
     with pytest.raises(SystemExit, match=r"held-out part of the corpus has 10 bytes.*"
-                                         r"--seq 8 at most"):
-        lm.check_seq(9, corpus)
-    lm.check_seq(8, corpus)
-    windows = lm.batch_at(corpus.eval, 0, lm.Config(batch=4, seq=8))
-    assert windows.shape == (4, 9) and (np.diff(windows, axis=1) == 1).all()
-    with pytest.raises(SystemExit, match=r"held-out part of the corpus has 2 bytes"):
-        lm.check_seq(1, corpus._replace(eval=corpus.eval[:2]))
+                                         r"--seq 9 at most"):
+        lm.check_seq(10, corpus)
+    lm.check_seq(9, corpus)
+    windows = lm.batch_at(corpus.eval, 0, lm.Config(batch=4, seq=9))
+    assert windows.shape == (4, 10) and (np.diff(windows, axis=1) == 1).all()
+    with pytest.raises(SystemExit, match=r"held-out part of the corpus has 1 bytes$"):
+        lm.check_seq(1, corpus._replace(eval=corpus.eval[:1]))
+
+
+def test_every_byte_after_the_first_is_a_target():
+    """`batch_at`'s windows cover the whole part they are drawn from: every byte but
+    the first is some window's target (the last byte never was: the starts stopped
+    one short), no window reads past the end, and a batch depends only on (seed,
+    stream, step)."""
+    data = np.arange(20, dtype=np.uint8)  # a byte's value is its position
+    cfg = lm.Config(batch=16, seq=8)
+    targets = set()
+    for step in range(50):
+        windows = lm.batch_at(data, step, cfg)
+        assert windows.shape == (16, 9) and (np.diff(windows, axis=1) == 1).all()
+        targets.update(windows[:, 1:].ravel().tolist())
+        np.testing.assert_array_equal(windows, lm.batch_at(data, step, cfg))
+    assert targets == set(range(1, 20))
+    assert not np.array_equal(lm.batch_at(data, 0, cfg), lm.batch_at(data, 0, cfg, stream=1))
+    # A part of exactly seq + 1 bytes holds one window: itself.
+    lm.check_seq(19, lm.Corpus(data, data, "r", 1, 1))
+    np.testing.assert_array_equal(lm.batch_at(data, 0, lm.Config(batch=2, seq=19)),
+                                  np.stack([data, data]))
 
 
 @pytest.mark.parametrize("preset", ["h200", "olmoe"])

@@ -222,17 +222,6 @@ def train(args) -> dict:
               f"{info['flops_per_token'] / 1e9:.3f} GFLOP per token; metrics {info['metrics']}")
         return {"trace": info}
 
-    out = args.out or os.path.join("runs", args.preset)
-    # Where the run writes, checked before anything is built or trained: the log and
-    # run.json (OUT), the checkpoints (OUT/ckpt), the trace (--profile).
-    writes = [("--out", out)]
-    if not args.no_checkpoint:
-        writes.append(("--out", os.path.join(out, "ckpt")))
-    if args.profile:
-        writes.append(("--profile", args.profile))
-    for flag, path in writes:
-        writable_dir(flag, path)
-
     devices = jax.devices()
     ep = args.ep
     dp = args.dp if args.dp is not None else max(1, len(devices) // ep)
@@ -252,6 +241,20 @@ def train(args) -> dict:
 
     corpus = load_corpus(args.data_dir)
     check_seq(cfg.seq, corpus)
+
+    # Where the run writes, checked (and created) before anything is built or
+    # trained, and after every check above: a command line that cannot run leaves
+    # no directory behind. The log and run.json (OUT), the checkpoints (OUT/ckpt),
+    # the trace (--profile).
+    out = args.out or os.path.join("runs", args.preset)
+    writes = [("--out", out)]
+    if not args.no_checkpoint:
+        writes.append(("--out", os.path.join(out, "ckpt")))
+    if args.profile:
+        writes.append(("--profile", args.profile))
+    for flag, path in writes:
+        writable_dir(flag, path)
+
     # Everything traced from here on sees the mesh (so that mok_jax.moe partitions
     # itself over it) and the logical axis rules (so that Flax's eager sharding of
     # new variables agrees with the shardings computed by named_shardings).

@@ -608,6 +608,41 @@ def test_resume_refuses_another_run_and_a_foreign_log(resumed_run, capsys):
                 "--resume continues the run in --out and --overwrite starts it over")
 
 
+@pytest.mark.slow  # a model's state saved and restored twice
+def test_a_resume_without_run_json_warns_once(tmp_path, capsys):
+    """Checkpoints without ckpt/run.json (an older version's) cannot be checked
+    against the command line: the first resume says so, and records its own
+    identity there; the resumes after it are checked against that one and do not
+    warn again."""
+    cfg = lm.Config()
+    mesh = lm.make_mesh(1, 1, jax.devices()[:1])
+    tx, _ = lm.make_optimizer(cfg)
+    _, state, shardings = lm.init_state(cfg, mesh, tx)
+    corpus = lm.Corpus(np.zeros(1000, np.uint8), np.zeros(100, np.uint8), "r", 1, 1)
+    identity = lm.run_identity(cfg, corpus)
+    ckpt = tmp_path / "ckpt"
+    manager = lm.checkpoint_manager(str(ckpt))
+    lm.save_checkpoint(manager, state._replace(step=jnp.int32(3)))
+    manager.wait_until_finished()
+    manager.close()
+    assert not (ckpt / "run.json").exists()
+
+    def resume(identity):
+        manager, restored, _ = lm.start_or_resume(
+            str(ckpt), str(tmp_path / "log.json"), identity, state, shardings, save=True,
+            resume=True, overwrite=False)
+        manager.close()
+        assert int(restored.step) == 3
+        return capsys.readouterr().out
+
+    outputs = [resume(identity) for _ in range(3)]
+    assert [o.count("run.json is missing") for o in outputs] == [1, 0, 0], outputs
+    assert json.loads((ckpt / "run.json").read_text()) == json.loads(json.dumps(identity))
+    other = lm.run_identity(dataclasses.replace(cfg, lr=2 * cfg.lr), corpus)
+    with pytest.raises(SystemExit, match=r"differs from the run that wrote .* in config\.lr: "):
+        resume(other)
+
+
 @pytest.mark.slow
 def test_a_resume_with_other_eval_batches_says_its_losses_do_not_compare(tmp_path, capsys):
     """--eval-batches may change on resume; the eval losses the summary compares are
@@ -710,16 +745,37 @@ def test_data_dir_mistakes_are_messages_naming_the_path(tmp_path):
 
 def test_a_seq_too_long_for_the_corpus_says_the_longest_that_fits():
     """check_seq's message names the longest --seq that `batch_at` can draw from the
-    shorter part; at exactly seq + 1 bytes it had read as if the window fit."""
+    shorter part: a window is seq + 1 bytes, so 10 bytes fit --seq 9."""
     corpus = lm.Corpus(np.arange(1000, dtype=np.uint8), np.arange(10, dtype=np.uint8), "r", 1, 1)
     with pytest.raises(SystemExit, match=r"held-out part of the corpus has 10 bytes.*"
-                                         r"--seq 8 at most"):
-        lm.check_seq(9, corpus)
-    lm.check_seq(8, corpus)
-    windows = lm.batch_at(corpus.eval, 0, lm.Config(batch=4, seq=8))
-    assert windows.shape == (4, 9) and (np.diff(windows, axis=1) == 1).all()
-    with pytest.raises(SystemExit, match=r"held-out part of the corpus has 2 bytes"):
-        lm.check_seq(1, corpus._replace(eval=corpus.eval[:2]))
+                                         r"--seq 9 at most"):
+        lm.check_seq(10, corpus)
+    lm.check_seq(9, corpus)
+    windows = lm.batch_at(corpus.eval, 0, lm.Config(batch=4, seq=9))
+    assert windows.shape == (4, 10) and (np.diff(windows, axis=1) == 1).all()
+    with pytest.raises(SystemExit, match=r"held-out part of the corpus has 1 bytes$"):
+        lm.check_seq(1, corpus._replace(eval=corpus.eval[:1]))
+
+
+def test_every_byte_after_the_first_is_a_target():
+    """`batch_at`'s windows cover the whole part they are drawn from: every byte but
+    the first is some window's target (the last byte never was: the starts stopped
+    one short), no window reads past the end, and a batch depends only on (seed,
+    stream, step)."""
+    data = np.arange(20, dtype=np.uint8)  # a byte's value is its position
+    cfg = lm.Config(batch=16, seq=8)
+    targets = set()
+    for step in range(50):
+        windows = lm.batch_at(data, step, cfg)
+        assert windows.shape == (16, 9) and (np.diff(windows, axis=1) == 1).all()
+        targets.update(windows[:, 1:].ravel().tolist())
+        np.testing.assert_array_equal(windows, lm.batch_at(data, step, cfg))
+    assert targets == set(range(1, 20))
+    assert not np.array_equal(lm.batch_at(data, 0, cfg), lm.batch_at(data, 0, cfg, stream=1))
+    # A part of exactly seq + 1 bytes holds one window: itself.
+    lm.check_seq(19, lm.Corpus(data, data, "r", 1, 1))
+    np.testing.assert_array_equal(lm.batch_at(data, 0, lm.Config(batch=2, seq=19)),
+                                  np.stack([data, data]))
 
 
 @pytest.mark.parametrize("preset", ["h200", "olmoe"])
@@ -870,6 +926,29 @@ def test_train_refuses_what_cannot_run_before_building(tmp_path):
     for flag, value in (("--attention", "cudnn"), ("--moe-backend", "fused")):
         with pytest.raises(SystemExit, match=rf"{flag} {value} needs a GPU; .* are cpu"):
             train_moe_lm.main(["--trace-only", flag, value])
+
+
+def test_a_refused_mesh_leaves_no_out_behind(tmp_path):
+    """A --dp/--ep that cannot run (more devices than visible, a batch that dp*ep
+    does not split, an ep that does not divide the experts), like a --seq or a
+    --grad-reduce-lag that cannot, is refused before anything is written: a new
+    --out (and the folder above it) is not created, and an existing one keeps what
+    it held, nothing added."""
+    cases = [(["--dp", "4", "--ep", "4"], r"--dp 4 --ep 4 needs 16 devices; 8 visible"),
+             (["--dp", "3"], r"--batch 8 must be a multiple of dp\*ep = 3"),
+             (["--dp", "1", "--ep", "3", "--batch", "3"], r"--ep 3 must divide the preset's 8"),
+             (["--seq", "100000000"], r"--seq 100000000 needs windows of seq \+ 1 bytes"),
+             (["--grad-reduce-lag", "2"], r"--grad-reduce-lag 2 must be below")]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    for i, (flags, message) in enumerate(cases):
+        for out in (tmp_path / f"new{i}" / "run", mine):
+            with pytest.raises(SystemExit, match=message):
+                train_moe_lm.main([*SMALL, *flags, "--out", str(out)])
+            assert not (tmp_path / f"new{i}").exists(), flags
+            assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"], flags
+    assert (mine / "notes.txt").read_text() == "kept"
 
 
 @pytest.mark.slow  # one 2-step run with a checkpoint

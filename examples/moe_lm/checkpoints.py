@@ -99,13 +99,18 @@ def start_or_resume(ckpt_dir: str, log_path: str, identity: dict, state: TrainSt
     is written to ``ckpt_dir/run.json``. Refuses (SystemExit) to resume from a run
     with another identity, and to start over where checkpoints are unless
     ``overwrite`` (which removes them), a run that saves none included: it would
-    replace their run's log."""
+    replace their run's log. Checkpoints without ``run.json`` (an older version's)
+    resume with a warning, and ``identity`` is written there: the warning comes
+    once, at the first resume."""
     manager = checkpoint_manager(ckpt_dir) if save or os.path.isdir(ckpt_dir) else None
     latest = None if manager is None else manager.latest_step()
     if not save and manager is not None:  # opened only to look for checkpoints
         manager.close()
         manager = None
     identity_path = os.path.join(ckpt_dir, "run.json")
+    # Written for a new run, and for a resumed one without it (once restored), so
+    # that a missing identity is warned about once and checked from then on.
+    write_identity = save
     log = None
     if resume and latest is not None:
         if os.path.exists(log_path):
@@ -128,9 +133,12 @@ def start_or_resume(ckpt_dir: str, log_path: str, identity: dict, state: TrainSt
                     f"--resume: {log_path} is not the log of the run that wrote {ckpt_dir} "
                     f"({'; '.join(foreign)}); move it away to start a new log from the "
                     "checkpoint")
+            write_identity = False
         else:
             print(f"warning: {identity_path} is missing (a checkpoint of an older version): "
-                  "cannot check that this command line continues the same run")
+                  "cannot check that this command line continues the same run; its model, "
+                  "data and schedule are written there, and later resumes are checked "
+                  "against them")
         state = restore_checkpoint(manager, latest, state, shardings)
         if log is not None:
             for key in ("train", "eval", "throughput"):
@@ -148,6 +156,6 @@ def start_or_resume(ckpt_dir: str, log_path: str, identity: dict, state: TrainSt
         manager = checkpoint_manager(ckpt_dir) if save else None
     elif resume:
         print(f"no checkpoint in {ckpt_dir}: starting from step 0")
-    if manager is not None and not (resume and latest is not None):
+    if write_identity:
         write_json(identity_path, identity)
     return manager, state, log

@@ -68,9 +68,11 @@ def load_corpus(root: str | None = None) -> Corpus:
 
 def batch_at(data: np.ndarray, step: int, cfg: Config, *, stream: int = 0) -> np.ndarray:
     """The batch of ``step``: ``[batch, seq + 1]`` int32 windows at positions drawn
-    from ``(seed, stream, step)`` alone, so that a resumed run sees the same data."""
+    from ``(seed, stream, step)`` alone, so that a resumed run sees the same data.
+    A window starts anywhere in ``[0, len(data) - seq - 1]``: it ends at the last
+    byte at the latest, and every byte but the first can be a target."""
     rng = np.random.default_rng([cfg.seed, stream, step])
-    starts = rng.integers(0, len(data) - cfg.seq - 1, size=cfg.batch)
+    starts = rng.integers(0, len(data) - cfg.seq, size=cfg.batch)  # high excluded
     return np.stack([data[s:s + cfg.seq + 1] for s in starts]).astype(np.int32)
 
 
@@ -81,11 +83,10 @@ def check_seq(seq: int, corpus: Corpus, *, held_out: bool = True) -> None:
     parts = ([("held-out", len(corpus.eval))] if held_out else []) + [
         ("training", len(corpus.train))]
     name, size = min(parts, key=lambda part: part[1])  # ties: the first
-    if seq + 2 > size:  # batch_at draws a window's start from [0, size - seq - 1)
-        longest = f": --seq {size - 2} at most" if size > 2 else ""
-        raise SystemExit(f"--seq {seq} needs windows of seq + 1 bytes from a part of at "
-                         f"least seq + 2, and the {name} part of the corpus has {size} "
-                         f"bytes{longest}")
+    if seq + 1 > size:  # batch_at draws a window's start from [0, size - seq - 1]
+        longest = f": --seq {size - 1} at most" if size > 1 else ""
+        raise SystemExit(f"--seq {seq} needs windows of seq + 1 bytes, and the {name} part "
+                         f"of the corpus has {size} bytes{longest}")
 
 
 EVAL_STREAM = 1

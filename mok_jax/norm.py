@@ -88,14 +88,22 @@ BACKWARD_SIGNATURE = Signature(
     (Array("d", "r d", "s", like="s"), Array("dscale", "d", "float32")))
 
 
+def _kernel_lowers(target: str, rows_aval) -> bool:
+    """Whether a CUDA lowering calls `target`: the build has its handler and the
+    kernels take rows of this width (else the lowering is the jnp form, behind the
+    same primitive, custom VJP and partitioning at every width)."""
+    return (target in ext.registered_targets().get("cuda", ())
+            and kernel_takes(rows_aval.dtype, rows_aval.shape[-1]))
+
+
 def _cuda_forward(ctx, x, branch, scale, *, epsilon):
-    if FORWARD not in ext.registered_targets().get("cuda", ()):  # a CPU-only build
+    if not _kernel_lowers(FORWARD, ctx.avals_in[0]):
         return _jnp_forward(ctx, x, branch, scale, epsilon=epsilon)
     return jax.ffi.ffi_lowering(FORWARD)(ctx, x, branch, scale, epsilon=np.float32(epsilon))
 
 
 def _cuda_backward(ctx, dn, ds, s, rstd, scale):
-    if BACKWARD not in ext.registered_targets().get("cuda", ()):
+    if not _kernel_lowers(BACKWARD, ctx.avals_in[2]):
         return _jnp_backward(ctx, dn, ds, s, rstd, scale)
 
     def call(dn, ds, s, rstd, scale):
@@ -282,24 +290,26 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
             f"(the last axis of x {list(x.shape)})")
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"add_rms_norm: scale must be floating point, got {scale.dtype}")
-    # The kernels take the rows as one [R, D] array. A type that splits a dim
-    # between the first and the last (Explicit axes, e.g. sequence parallelism)
-    # does not say how merging the leading dims would be split, and the backward
-    # returns the scale's gradient whole (its type must be the scale's): the jnp
-    # form for those, and for a scale whose type splits it.
-    inner_split = any(axes for a in (x, branch) for axes in sharding.explicit_spec(a)[1:-1])
-    scale_split = any(sharding.explicit_spec(scale))
-    if not kernel_takes(x.dtype, x.shape[-1]) or x.size == 0 or inner_split or scale_split:
-        s, n, _ = _forward_math(x, branch, scale.astype(jnp.float32), epsilon=epsilon)
-        return s, n
     branch_mesh = jax.typeof(branch).sharding.mesh
     if not branch_mesh.empty and sharding.explicit_spec(branch) != sharding.explicit_spec(x):
-        # The custom VJP returns one gradient for x and branch, of x's type: branch
-        # takes x's type first (the reshard's transpose gives its gradient its own).
+        # s and n have x's type, whatever branch's: branch takes x's type first (the
+        # reshard's transpose gives its gradient its own), as the custom VJP returns
+        # one gradient for x and branch.
         x_sharding = jax.typeof(x).sharding
         branch = jax.sharding.reshard(branch, x_sharding if x_sharding.mesh == branch_mesh
                                       else NamedSharding(branch_mesh, PartitionSpec()))
+    # The primitives take the rows as one [R, D] array, at every width (their
+    # lowering picks the kernels or the jnp form). A type that splits a dim between
+    # the first and the last (Explicit axes, e.g. sequence parallelism) does not say
+    # how merging the leading dims would be split, and the backward returns the
+    # scale's gradient whole (its type must be the scale's): the jnp form for
+    # those, for a scale whose type splits it, and for empty arrays.
+    inner_split = any(axes for axes in sharding.explicit_spec(x)[1:-1])
+    scale_split = any(sharding.explicit_spec(scale))
+    if inner_split or scale_split or x.size == 0:
+        s, n, _ = _forward_math(x, branch, scale.astype(jnp.float32), epsilon=epsilon)
+        return s, n
     x, branch, scale32 = primitives.vary_alike((x, branch, scale.astype(jnp.float32)))
     rows = x.reshape(-1, x.shape[-1])
-    s, n = _add_rms_norm(rows, branch.reshape(rows.shape), scale32, float(epsilon))
+    s, n = _add_rms_norm(rows, branch.reshape(rows.shape), scale32, epsilon)
     return s.reshape(x.shape), n.reshape(x.shape)

@@ -8,8 +8,10 @@ gradient). On a GPU `add_rms_norm` is one CUDA kernel each way: the forward
 reads x and branch and writes s and n; the backward reads n's and s's
 cotangents and s, and writes the one gradient x and branch share. The scale's
 gradient is summed in fixed groups of rows, then over the groups: the same bits
-on every run. On the CPU (and for rows the kernels do not take) it is the
-same math in jnp.
+on every run. On the CPU, and for rows the kernels do not take, the same
+primitives lower to the same math in jnp: the op is one custom VJP at every row
+width, with the same autodiff (first order, reverse mode) and the same sharding
+rule.
 
 Numerics (f32 arithmetic, T = x.dtype, as ``flax.nnx.RMSNorm`` computes them):
 ``s = round_T(x + branch)``, ``rstd = 1 / sqrt(mean(s^2) + epsilon)``,
@@ -70,7 +72,7 @@ def _backward_math(dn, ds, s, rstd, scale):
     g = dn.astype(jnp.float32) * scale
     c = r * r * r * jnp.sum(g * sf, axis=-1, keepdims=True) / s.shape[-1]
     d = (ds.astype(jnp.float32) + r * g - sf * c).astype(s.dtype)
-    dscale = jnp.sum(dn.astype(jnp.float32) * sf * r, axis=0)
+    dscale = jnp.sum(dn.astype(jnp.float32) * sf * r, axis=tuple(range(s.ndim - 1)))
     return d, dscale
 
 
@@ -88,14 +90,22 @@ BACKWARD_SIGNATURE = Signature(
     (Array("d", "r d", "s", like="s"), Array("dscale", "d", "float32")))
 
 
+def _kernel_lowers(target: str, rows_aval) -> bool:
+    """Whether a CUDA lowering calls `target`: the build has its handler and the
+    kernels take rows of this width (else the lowering is the jnp form, behind the
+    same primitive, custom VJP and partitioning at every width)."""
+    return (target in ext.registered_targets().get("cuda", ())
+            and kernel_takes(rows_aval.dtype, rows_aval.shape[-1]))
+
+
 def _cuda_forward(ctx, x, branch, scale, *, epsilon):
-    if FORWARD not in ext.registered_targets().get("cuda", ()):  # a CPU-only build
+    if not _kernel_lowers(FORWARD, ctx.avals_in[0]):
         return _jnp_forward(ctx, x, branch, scale, epsilon=epsilon)
     return jax.ffi.ffi_lowering(FORWARD)(ctx, x, branch, scale, epsilon=np.float32(epsilon))
 
 
 def _cuda_backward(ctx, dn, ds, s, rstd, scale):
-    if BACKWARD not in ext.registered_targets().get("cuda", ()):
+    if not _kernel_lowers(BACKWARD, ctx.avals_in[2]):
         return _jnp_backward(ctx, dn, ds, s, rstd, scale)
 
     def call(dn, ds, s, rstd, scale):
@@ -195,37 +205,79 @@ _backward_cp.def_partition(
     need_replication_factors=BACKWARD_SIGNATURE.replicated_factors(("r",)))
 
 
-def _forward(x, branch, scale, epsilon):
+# The custom VJP's forward and backward come in two forms: "rows", the primitives on
+# [R, D] rows (partitioned by rows on a mesh; the kernels or the jnp form, as the
+# lowering finds the width), and "jnp", the same math in jnp on x's own shape, for
+# arrays the rows cannot be made of (see add_rms_norm). Both are first order only.
+
+SECOND_ORDER = (
+    "mok_jax.add_rms_norm has no second-order derivatives (jax.grad of jax.grad, "
+    "jax.hessian, jax.jvp of a gradient): it is a custom VJP whose forward and "
+    "backward have no derivative rules. Differentiate it once, in reverse mode, or "
+    "use nnx.RMSNorm on x + branch")
+
+
+def _first_order_only(fn, nondiff_argnums):
+    """`fn`, which raises NotImplementedError(SECOND_ORDER) when differentiated."""
+    wrapped = jax.custom_jvp(fn, nondiff_argnums=nondiff_argnums)
+
+    def refuse(*args):
+        raise NotImplementedError(SECOND_ORDER)
+
+    wrapped.defjvp(refuse)
+    return wrapped
+
+
+def _typed_like(a, like):
+    """`a` with `like`'s type where Explicit mesh axes make them differ."""
+    if sharding.explicit_spec(a) == sharding.explicit_spec(like):
+        return a
+    like_sharding = jax.typeof(like).sharding  # on no mesh where like is unsplit
+    mesh = jax.typeof(a).sharding.mesh if like_sharding.mesh.empty else like_sharding.mesh
+    return jax.sharding.reshard(a, NamedSharding(mesh, like_sharding.spec))
+
+
+def _forward_impl(x, branch, scale, epsilon, form):
+    if form == "jnp":
+        return _forward_math(x, branch, scale, epsilon=epsilon)
     if sharding.on_a_mesh((x, branch, scale)):
         return sharding.unless_vmapped(_forward_cp, _bind_forward, (x, branch, scale),
                                        (epsilon,))
     return _bind_forward(x, branch, scale, epsilon)
 
 
-def _backward(dn, ds, s, rstd, scale):
+def _backward_impl(dn, ds, s, rstd, scale, form):
+    if form == "jnp":
+        d, dscale = _backward_math(dn, ds, s, rstd, scale)
+        # The gradients of the primals' types (n may be split like the scale).
+        return _typed_like(d, s), _typed_like(dscale, scale)
     if sharding.on_a_mesh((dn, ds, s, rstd, scale)):
         return sharding.unless_vmapped(_backward_cp, _bind_backward, (dn, ds, s, rstd, scale))
     return _bind_backward(dn, ds, s, rstd, scale)
 
 
+_forward = _first_order_only(_forward_impl, nondiff_argnums=(3, 4))
+_backward = _first_order_only(_backward_impl, nondiff_argnums=(5,))
+
+
 # --- the differentiable op -----------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _add_rms_norm(x, branch, scale, epsilon):
-    s, n, _ = _forward(x, branch, scale, epsilon)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _add_rms_norm(x, branch, scale, epsilon, form):
+    s, n, _ = _forward(x, branch, scale, epsilon, form)
     return s, n
 
 
-def _add_rms_norm_fwd(x, branch, scale, epsilon):
-    s, n, rstd = _forward(x, branch, scale, epsilon)
+def _add_rms_norm_fwd(x, branch, scale, epsilon, form):
+    s, n, rstd = _forward(x, branch, scale, epsilon, form)
     return (s, n), (s, rstd, scale)
 
 
-def _add_rms_norm_bwd(epsilon, residuals, cotangents):
+def _add_rms_norm_bwd(epsilon, form, residuals, cotangents):
     del epsilon
     s, rstd, scale = residuals
     ds, dn = cotangents
-    d, dscale = _backward(dn.astype(s.dtype), ds.astype(s.dtype), s, rstd, scale)
+    d, dscale = _backward(dn.astype(s.dtype), ds.astype(s.dtype), s, rstd, scale, form)
     return d, d, dscale
 
 
@@ -256,10 +308,18 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
     ``s`` and ``n`` have x's dtype; the values are those of ``nnx.RMSNorm(...)(x +
     branch)`` with this scale and epsilon, up to the order of the f32 sums (a bf16 ``n``
     differs in at most the last bit, rarely). Rows of more than 16384 elements (8192 in
-    float32) or not a multiple of 8, arrays whose Explicit sharding splits a dim
-    other than the first and the last, and a scale whose Explicit sharding splits
-    it take the same math in jnp. A custom VJP: no
-    forward-mode autodiff (``jax.jvp``); under ``vmap`` one call per example.
+    float32) or not a multiple of 8 lower to the same math in jnp, behind the same
+    primitives; arrays whose Explicit sharding splits a dim other than the first and
+    the last, a scale whose Explicit sharding splits it, and empty arrays take the
+    jnp form on x's own shape. Under Explicit mesh axes ``s`` and ``n`` have x's type
+    (branch is resharded to it; a scale split by its type splits n's last dim the
+    same way), and each gradient its primal's.
+
+    Whatever the width and the form: a custom VJP, differentiable once in reverse
+    mode (``jax.grad``, ``jax.vjp``); ``jax.jvp`` raises ``TypeError`` and every
+    second-order derivative (``jax.grad`` of ``jax.grad``, ``jax.hessian``,
+    ``jax.jvp`` of a gradient) raises ``NotImplementedError`` (`SECOND_ORDER`), as
+    for ``mok_jax.moe``. Under ``vmap`` the rows' form makes one call per example.
     """
     x, branch, scale = (jnp.asarray(a) for a in (x, branch, scale))
     if (isinstance(epsilon, (bool, np.bool_))
@@ -282,24 +342,26 @@ def add_rms_norm(x: jax.Array, branch: jax.Array, scale: jax.Array, *,
             f"(the last axis of x {list(x.shape)})")
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"add_rms_norm: scale must be floating point, got {scale.dtype}")
-    # The kernels take the rows as one [R, D] array. A type that splits a dim
-    # between the first and the last (Explicit axes, e.g. sequence parallelism)
-    # does not say how merging the leading dims would be split, and the backward
-    # returns the scale's gradient whole (its type must be the scale's): the jnp
-    # form for those, and for a scale whose type splits it.
-    inner_split = any(axes for a in (x, branch) for axes in sharding.explicit_spec(a)[1:-1])
-    scale_split = any(sharding.explicit_spec(scale))
-    if not kernel_takes(x.dtype, x.shape[-1]) or x.size == 0 or inner_split or scale_split:
-        s, n, _ = _forward_math(x, branch, scale.astype(jnp.float32), epsilon=epsilon)
-        return s, n
     branch_mesh = jax.typeof(branch).sharding.mesh
     if not branch_mesh.empty and sharding.explicit_spec(branch) != sharding.explicit_spec(x):
-        # The custom VJP returns one gradient for x and branch, of x's type: branch
-        # takes x's type first (the reshard's transpose gives its gradient its own).
+        # s and n have x's type, whatever branch's: branch takes x's type first (the
+        # reshard's transpose gives its gradient its own), as the custom VJP returns
+        # one gradient for x and branch.
         x_sharding = jax.typeof(x).sharding
         branch = jax.sharding.reshard(branch, x_sharding if x_sharding.mesh == branch_mesh
                                       else NamedSharding(branch_mesh, PartitionSpec()))
+    # The primitives take the rows as one [R, D] array, at every width (their
+    # lowering picks the kernels or the jnp form). A type that splits a dim between
+    # the first and the last (Explicit axes, e.g. sequence parallelism) does not say
+    # how merging the leading dims would be split, and the backward returns the
+    # scale's gradient whole (its type must be the scale's): the jnp form on x's
+    # own shape for those, for a scale whose type splits it, and for empty arrays,
+    # behind the same custom VJP.
+    inner_split = any(axes for axes in sharding.explicit_spec(x)[1:-1])
+    scale_split = any(sharding.explicit_spec(scale))
     x, branch, scale32 = primitives.vary_alike((x, branch, scale.astype(jnp.float32)))
+    if inner_split or scale_split or x.size == 0:
+        return _add_rms_norm(x, branch, scale32, epsilon, "jnp")
     rows = x.reshape(-1, x.shape[-1])
-    s, n = _add_rms_norm(rows, branch.reshape(rows.shape), scale32, float(epsilon))
+    s, n = _add_rms_norm(rows, branch.reshape(rows.shape), scale32, epsilon, "rows")
     return s.reshape(x.shape), n.reshape(x.shape)

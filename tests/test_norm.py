@@ -7,6 +7,7 @@ The GPU tests compare the CUDA kernels with the jnp form and with themselves.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -121,15 +122,166 @@ def test_kernel_takes():
     assert not norm.kernel_takes(jnp.bfloat16, 20) and norm.kernel_takes(jnp.bfloat16, 8)
 
 
+# Widths on both sides of `norm.kernel_takes`: rows the CUDA kernels take (a multiple
+# of 8, at most 8192 f32 / 16384 bf16) and rows they do not.
+WIDTHS = [(jnp.float32, 16), (jnp.float32, 12), (jnp.float32, 8192), (jnp.float32, 8200),
+          (jnp.bfloat16, 8), (jnp.bfloat16, 20), (jnp.bfloat16, 16384),
+          (jnp.bfloat16, 16392)]
+SECOND_ORDER = "add_rms_norm has no second-order derivatives"
+
+
+def _loss(x, branch, scale):
+    s, n = mok_jax.add_rms_norm(x, branch, scale)
+    return jnp.sum(s.astype(jnp.float32) ** 2) + jnp.sum(n.astype(jnp.float32) ** 2)
+
+
+def _second_orders(x, branch, scale):
+    """Second-order derivatives of the loss w.r.t. x, traced only (make_jaxpr)."""
+    grad = jax.grad(_loss)
+    return {
+        "grad of grad": lambda: jax.make_jaxpr(
+            jax.grad(lambda x: jnp.sum(grad(x, branch, scale).astype(jnp.float32))))(x),
+        "hessian": lambda: jax.make_jaxpr(jax.hessian(_loss))(x, branch, scale),
+        "jvp of the gradient": lambda: jax.make_jaxpr(
+            lambda x: jax.jvp(lambda x: grad(x, branch, scale), (x,), (x,)))(x),
+        "grad of grad w.r.t. the scale": lambda: jax.make_jaxpr(jax.grad(
+            lambda sc: jnp.sum(jax.grad(_loss, argnums=2)(x, branch, sc))))(scale),
+    }
+
+
+@pytest.mark.parametrize("dtype, dim", WIDTHS)
+def test_autodiff_does_not_depend_on_the_width(dtype, dim):
+    """At every width the op is the same custom VJP: first order works, forward mode
+    raises TypeError, and every second-order derivative raises the one
+    NotImplementedError (as `moe`'s does), whether the kernels take the rows or not."""
+    x, branch, scale, _, _ = _operands((2, dim), dtype, seed=dim)
+    jaxpr = str(jax.make_jaxpr(jax.grad(_loss, argnums=(0, 1, 2)))(x, branch, scale))
+    assert norm.FORWARD in jaxpr and norm.BACKWARD in jaxpr, "not the primitives"
+    with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+        jax.jvp(lambda x: _loss(x, branch, scale), (x,), (x,))
+    for what, trace in _second_orders(x, branch, scale).items():
+        with pytest.raises(NotImplementedError, match=SECOND_ORDER):
+            trace()
+            pytest.fail(f"{what} did not raise")
+
+
+@pytest.mark.parametrize("case", ["auto mesh", "explicit mesh", "inner dim split",
+                                  "scale split", "no rows", "empty rows"])
+@pytest.mark.parametrize("dim", [16, 12])
+def test_second_order_raises_the_same_error_for_every_form(case, dim):
+    """The partitioned rows (Auto and Explicit axes) and the jnp form on x's own shape
+    (an inner dim or the scale split by an Explicit axis, empty arrays) are the same
+    custom VJP: the same errors as one device, at every width."""
+    shape = {"no rows": (0, dim), "empty rows": (2, 0, dim)}.get(case, (4, 4, dim))
+    x, branch, scale, _, _ = jax.device_put(_operands(shape, jnp.float32, seed=dim), CPUS[0])
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=CPUS[:4], axis_types=(
+        (jax.sharding.AxisType.Auto,) * 2 if case == "auto mesh"
+        else (jax.sharding.AxisType.Explicit,) * 2))
+    rows, scale_spec = {"inner dim split": (P(None, "a"), P()),
+                        "scale split": (P("a"), P("b"))}.get(
+                            case, (P("a"), P()))
+    with jax.set_mesh(mesh):
+        x, branch = (jax.device_put(a, NamedSharding(mesh, rows)) for a in (x, branch))
+        scale = jax.device_put(scale, NamedSharding(mesh, scale_spec))
+        jax.make_jaxpr(jax.grad(_loss, argnums=(0, 1, 2)))(x, branch, scale)
+        with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+            jax.jvp(lambda x: _loss(x, branch, scale), (x,), (x,))
+        for what, trace in _second_orders(x, branch, scale).items():
+            with pytest.raises(NotImplementedError, match=SECOND_ORDER):
+                trace()
+                pytest.fail(f"{what} did not raise")
+
+
+@pytest.mark.parametrize("x_spec, branch_spec", [
+    (P("a"), P()), (P(), P("a")), (P("a"), P("b")), (P("a"), P("a", "b")),
+    (P(None, "a"), P("a")),  # a split inner dim: the jnp form
+])
+def test_output_types_do_not_depend_on_the_width(x_spec, branch_spec):
+    """Explicit axes: s and n have x's type at every width, whatever branch's type (the
+    one rule of the custom VJP, whose gradient of x and branch is one array); each
+    gradient has its primal's type; values equal the unsharded call's."""
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=CPUS[:4])  # Explicit axes
+    shape_of = (lambda d: (4, 4, d)) if len(x_spec) > 1 and x_spec[1] else (lambda d: (8, d))
+    types = set()
+    for dtype, dim in WIDTHS[:4]:
+        x, branch, scale, _, _ = jax.device_put(_operands(shape_of(dim), dtype, seed=dim),
+                                                CPUS[0])
+        want = jax.jit(mok_jax.add_rms_norm)(x, branch, scale)
+        want_grads = jax.jit(jax.grad(_loss, argnums=(0, 1, 2)))(x, branch, scale)
+        with jax.set_mesh(mesh):
+            args = (jax.device_put(x, NamedSharding(mesh, x_spec)),
+                    jax.device_put(branch, NamedSharding(mesh, branch_spec)),
+                    jax.device_put(scale, NamedSharding(mesh, P())))
+            s, n = jax.jit(mok_jax.add_rms_norm)(*args)
+            grads = jax.jit(jax.grad(_loss, argnums=(0, 1, 2)))(*args)
+        x_type = jax.typeof(args[0]).sharding.spec
+        assert jax.typeof(s).sharding.spec == x_type, (dim, "s", jax.typeof(s).sharding.spec)
+        assert jax.typeof(n).sharding.spec == x_type, (dim, "n", jax.typeof(n).sharding.spec)
+        types.add((jax.typeof(s).sharding.spec, jax.typeof(n).sharding.spec))
+        for g, a, what in zip(grads, args, ("dx", "dbranch", "dscale")):
+            assert jax.typeof(g).sharding.spec == jax.typeof(a).sharding.spec, (dim, what)
+        assert_bitwise(s, want[0], f"s at width {dim}")
+        _close(n, want[1], 1e-6, f"n at width {dim}")
+        for g, w, what in zip(grads, want_grads, ("dx", "dbranch", "dscale")):
+            _close(g, w, 1e-5, f"{what} at width {dim}")
+    assert len(types) == 1, types
+
+
+@pytest.mark.parametrize("x_spec, branch_spec, scale_spec", [
+    (P(None, "a", "b"), P(), None), (P(None, "a", "b"), P(), P()),
+    (P(None, "a"), P(None, "a"), P("b")), (P("a", None, "b"), P(), P("b")),
+])
+def test_the_jnp_form_gives_the_gradients_of_autodiff(x_spec, branch_spec, scale_spec):
+    """The jnp form behind the custom VJP (an inner dim or the scale split by an
+    Explicit axis): under jit, the gradients of autodiff of the unsharded call, each
+    of its primal's type, whether the scale is split, replicated or on no mesh."""
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=CPUS[:4])  # Explicit axes
+    x, branch, scale, _, _ = jax.device_put(_operands((4, 4, 16), jnp.float32, seed=12),
+                                            CPUS[0])
+    grad = jax.grad(_loss, argnums=(0, 1, 2))
+    want = jax.jit(grad)(x, branch, scale)
+    unplaced = jnp.asarray(np.asarray(scale))  # made outside the mesh: on no mesh
+    with jax.set_mesh(mesh):
+        args = (jax.device_put(x, NamedSharding(mesh, x_spec)),
+                jax.device_put(branch, NamedSharding(mesh, branch_spec)),
+                unplaced if scale_spec is None
+                else jax.device_put(scale, NamedSharding(mesh, scale_spec)))
+        got = jax.jit(grad)(*args)
+        assert norm.FORWARD not in str(jax.make_jaxpr(grad)(*args))
+    for g, a, w, what in zip(got, args, want, ("dx", "dbranch", "dscale")):
+        assert jax.typeof(g).sharding.spec == (
+            jax.typeof(a).sharding.spec if what != "dscale" or scale_spec else P(None)), what
+        _close(g, w, 1e-5, what)
+
+
+@pytest.mark.parametrize("dtype, dim", WIDTHS)
+def test_the_cuda_lowering_calls_the_kernels_where_they_take_the_width(dtype, dim,
+                                                                       monkeypatch):
+    """Lowered for CUDA (on any machine, with the handlers taken as registered): the
+    same primitives at every width, which call the kernels exactly where
+    `kernel_takes` says and lower to the jnp form elsewhere."""
+    targets = {"cuda": frozenset({norm.FORWARD, norm.BACKWARD})}
+    monkeypatch.setattr(norm.ext, "registered_targets", lambda: targets)
+    x, branch, scale, _, _ = _operands((4, dim), dtype, seed=dim)
+    step = jax.jit(jax.grad(_loss, argnums=(0, 1, 2)))
+    traced = step.trace(x, branch, scale)
+    assert norm.FORWARD in str(traced.jaxpr) and norm.BACKWARD in str(traced.jaxpr)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    calls = set(re.findall(r"custom_call @(mok_add_rms_norm_\w+)", text))
+    want = {norm.FORWARD, norm.BACKWARD} if norm.kernel_takes(dtype, dim) else set()
+    assert calls == want, (dim, calls)
+
+
+@pytest.mark.parametrize("dim", [32, 20])  # rows the kernels take, and rows they do not
 @pytest.mark.parametrize("spec", [P("a"), P(("a", "b")), P("b")])
-def test_partitioned_rows_stay_on_their_devices(spec):
-    """Under jit on rows sharded over a mesh: the results equal the one-device call
-    (s exactly, the rest up to the order of XLA's CPU sums), the rows are never gathered
-    (no all-gather in the compiled step), and the scale's gradient is summed over
-    the axes that split the rows (an all-reduce)."""
+def test_partitioned_rows_stay_on_their_devices(spec, dim):
+    """Under jit on rows sharded over a mesh, at every width: the results equal the
+    one-device call (s exactly, the rest up to the order of XLA's CPU sums), the rows
+    are never gathered (no all-gather in the compiled step), and the scale's gradient
+    is summed over the axes that split the rows (an all-reduce)."""
     mesh = jax.make_mesh((2, 2), ("a", "b"), devices=CPUS[:4],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    x, branch, scale, dn, ds = jax.device_put(_operands((8, 16, 32), jnp.float32, seed=3),
+    x, branch, scale, dn, ds = jax.device_put(_operands((8, 16, dim), jnp.float32, seed=3),
                                               CPUS[0])
 
     def step(x, branch, scale, dn, ds):

@@ -157,7 +157,6 @@ def run(args) -> dict:
         raise SystemExit(f"--preset must be one of {sorted(lm.PRESETS)}, got {args.preset!r}")
     if args.devices and args.devices > len(jax.devices()):
         raise SystemExit(f"--devices {args.devices}: only {len(jax.devices())} visible")
-    writable_dir("--out", args.out)  # before the meshes run, not after
     devices = jax.devices()[:args.devices] if args.devices else jax.devices()
     n = len(devices)
     cfg = lm.PRESETS[args.preset]
@@ -168,6 +167,9 @@ def run(args) -> dict:
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {n} devices")
     corpus = lm.load_corpus()
     lm.check_seq(cfg.seq, corpus, held_out=False)
+    # After the refusals (a refused command line creates nothing), before the
+    # meshes run (not after them).
+    writable_dir("--out", args.out)
     tokens_np = lm.batch_at(corpus.train, 0, cfg)
     tx, _ = lm.make_optimizer(cfg)
     data_axes = ("dp", "ep")

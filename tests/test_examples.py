@@ -1005,6 +1005,11 @@ def test_mesh_experiments_refuses_more_devices_than_visible(tmp_path):
     proc = _run_script("mesh_experiments.py", "--host-devices", "2", "--seq", "100000000",
                        "--out", str(tmp_path / "b"), timeout=120)
     assert proc.returncode != 0 and "--seq 100000000 needs windows" in proc.stderr, proc.stderr
+    proc = _run_script("mesh_experiments.py", "--host-devices", "2", "--batch", "3",
+                       "--out", str(tmp_path / "c" / "d"), timeout=120)
+    assert proc.returncode != 0 and "--batch 3 must be a multiple" in proc.stderr, proc.stderr
+    # A refused command line creates nothing.
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
 def test_quickstart_refuses_a_capacity_factor_that_is_not_positive(capsys):

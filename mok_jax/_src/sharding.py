@@ -185,11 +185,6 @@ def explicit_spec(a) -> tuple:
     return tuple(mesh_axes(spec, d) for d in range(np.ndim(a)))
 
 
-def experts_split(w_gate_up) -> bool:
-    """Whether the experts dim of `w_gate_up` is split over a mesh axis in its type."""
-    return bool(explicit_spec(w_gate_up)[0])
-
-
 def check_layout(x, expert_ids, expert_weights, w_gate_up, w_down):
     """Trace-time errors for layouts the partitioner cannot run as asked, where the
     operands' types show them (Explicit mesh axes). Auto axes are decided later by

@@ -52,11 +52,12 @@ def the_chains_bits(name, got, compute):
 
 
 def y_and_grads(loss):
-    """(y, the gradients w.r.t. x, w, w_gate_up, w_down) of loss(...) -> (value, y)."""
+    """Jitted: (y, the gradients w.r.t. x, w, w_gate_up, w_down) of loss(...) ->
+    (value, y)."""
     def f(*args):
         (_, y), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*args)
         return y, g
-    return f
+    return jax.jit(f)
 
 
 def run(T, K, E, H, F, dtype, capacity_factor, against_chain=False):
@@ -72,7 +73,7 @@ def run(T, K, E, H, F, dtype, capacity_factor, against_chain=False):
         y = mok_jax.moe(x, ids, w, wgu, wd, capacity_factor=capacity_factor)
         return y.astype(jnp.float32).sum(), y
 
-    step = jax.jit(y_and_grads(loss))
+    step = y_and_grads(loss)
     out = jax.block_until_ready(step(x, w, wgu, wd))
     case = f"T={T} K={K} E={E} H={H} F={F} {jnp.dtype(dtype).name} cf={capacity_factor}"
     if against_chain:
@@ -158,10 +159,9 @@ def run_virtual_ranks(T, K, E, H, F, ranks):
         return y.astype(jnp.float32).sum(), y
 
     assert mok_jax.capacity(cap * E / (T * K), T, K, E) == cap
-    grads = lambda f: jax.jit(y_and_grads(f))  # noqa: E731
-    out = jax.block_until_ready(grads(loss)(x, w, wgu, wd))
+    out = jax.block_until_ready(y_and_grads(loss)(x, w, wgu, wd))
     case = f"virtual ranks P={ranks} T={T} K={K} E={E} H={H} F={F} (forward + backward)"
-    the_chains_bits(case, out, lambda: grads(loss_one_device)(x, w, wgu, wd))
+    the_chains_bits(case, out, lambda: y_and_grads(loss_one_device)(x, w, wgu, wd))
     print(f"ok {case}, the one-device kernel chain's bits")
 
 

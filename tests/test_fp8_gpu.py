@@ -121,6 +121,40 @@ def test_fp8_is_deterministic():
             assert_bitwise(a, b, name)
 
 
+def test_weight_gradients_past_65535_row_blocks():
+    """The backward quantizes the weight gradients' operands transposed, by 128-row
+    blocks of the padded rows (R + 127 E rounded up to 128); past 65535 such blocks
+    (8M rows: T = 2^20 tokens at K = 8) one launch's y dimension cannot give each
+    its own thread block. Expert 1's rows lie in blocks 65536 and 65537: its weight
+    gradients, and the rows' gradients, must be the bits of a call that has its
+    rows alone (every row's arithmetic, and each expert's over its own rows, is the
+    same wherever they sit). About 35 GB of GPU memory."""
+    from mok_jax._src import primitives as prim
+    fp8 = int(mok_jax.Recipe.FP8)
+    H = F = 128
+    n0 = 65536 * 128 - 120  # expert 0: padded to 65536 row blocks
+    n1 = 256                # expert 1: row blocks 65536 and 65537
+    R = n0 + n1
+    ks = jax.device_put(jax.random.split(jax.random.key(13), 6), _gpu())
+    make = jax.jit(lambda ks: (
+        jax.random.normal(ks[0], (R, H), jnp.bfloat16),
+        jax.random.normal(ks[1], (R, H), jnp.bfloat16),
+        jax.random.uniform(ks[2], (R,), jnp.float32),
+        (jax.random.normal(ks[3], (2, H, 2 * F)) * H**-0.5).astype(jnp.bfloat16),
+        (jax.random.normal(ks[4], (2, F, H)) * F**-0.5).astype(jnp.bfloat16),
+        jax.random.normal(ks[5], (R, 2 * F), jnp.bfloat16)))
+    x_rows, dy_rows, w_rows, wgu, wd, gate_up = make(ks)
+    bwd = jax.jit(lambda *a: prim.expert_ffn_bwd_p.bind(*a, recipe=fp8))
+    big = bwd(x_rows, dy_rows, w_rows, jnp.array([n0, n1], jnp.int32), wgu, wd, gate_up)
+    big = jax.block_until_ready((big[0][n0:], big[1][n0:], big[2][1], big[3][1]))
+    alone = bwd(x_rows[n0:], dy_rows[n0:], w_rows[n0:], jnp.array([0, n1], jnp.int32), wgu, wd,
+                gate_up[n0:])
+    alone = (alone[0], alone[1], alone[2][1], alone[3][1])
+    for name, a, b in zip(("dx_rows", "dw_rows", "d_w_gate_up", "d_w_down"), big, alone):
+        assert_bitwise(a, b, name)
+    assert np.any(np.asarray(big[2], np.float32)), "expert 1's weight gradient is not zero"
+
+
 def _nan_free_bits(q):
     """e4m3 bits with every NaN (0x7F, 0xFF) as 0x7F: the rule keeps NaN, not its sign."""
     b = np.asarray(q).view(np.uint8).copy()

@@ -450,19 +450,18 @@ __global__ void padded_begin_kernel(const int64_t* __restrict__ expert_begin, in
   padded_begin[experts] = at;
 }
 
-// One thread block per (128-row block of the padded row space, 64 columns).
+// A thread block per 64 columns (x) and 128-row block of the padded row space (y,
+// and every gridDim.y-th one after it).
 constexpr int kTCols = 64;
 constexpr int kTLd = kTCols + 8;  // 16-byte rows
 
-__global__ void __launch_bounds__(kThreads)
-quantize_transposed_kernel(TransposeQuant p) {
+// Row block rb (pstart below padded_begin[E]) of the columns of thread block x.
+__device__ __forceinline__ void quantize_transposed_block(const TransposeQuant& p, int64_t rb) {
   __shared__ __align__(16) uint16_t tile[128 * kTLd];
   __shared__ float part_amax[4][kTCols];
   __shared__ int part_nan[4][kTCols];
   __shared__ float col_scale[kTCols];
-  const int64_t rb = blockIdx.y;
   const int64_t pstart = rb * kFp8Block;
-  if (pstart >= p.padded_begin[p.experts]) return;
   // The expert whose padded rows hold pstart: the last e with padded_begin[e] <= pstart
   // (experts without rows share their successor's begin and are skipped so).
   int64_t lo = 0, hi = p.experts;
@@ -548,6 +547,18 @@ quantize_transposed_kernel(TransposeQuant p) {
   }
 }
 
+// Row blocks blockIdx.y, + gridDim.y, ...: past 65535 row blocks (8M padded rows) a
+// launch's y dimension cannot give each its own thread block.
+__global__ void __launch_bounds__(kThreads)
+quantize_transposed_kernel(TransposeQuant p) {
+  for (int64_t rb = blockIdx.y; rb < p.dst_ld / kFp8Block; rb += gridDim.y) {
+    // The row blocks past the experts' padded rows are empty; so are all after them.
+    if (rb * kFp8Block >= p.padded_begin[p.experts]) return;
+    quantize_transposed_block(p, rb);
+    __syncthreads();  // its tile and scales read before the next row block writes them
+  }
+}
+
 }  // namespace
 
 std::string quantize_rows_fp8(const RowQuant& p, cudaStream_t stream) {
@@ -618,8 +629,9 @@ std::string quantize_transposed_fp8(const TransposeQuant& p, cudaStream_t stream
     return "quantize_transposed_fp8: dst must be 16-byte aligned";
   }
   if (p.cols == 0 || p.dst_ld == 0) return {};
-  const int64_t row_blocks = p.dst_ld / kFp8Block;
-  if (row_blocks > 65535) return "quantize_transposed_fp8: too many rows";
+  // At most 65535 thread blocks along y (the launch's limit): row block rb goes to
+  // thread block rb % 65535.
+  const int64_t row_blocks = std::min<int64_t>(p.dst_ld / kFp8Block, 65535);
   const dim3 grid(static_cast<unsigned>((p.cols + kTCols - 1) / kTCols),
                   static_cast<unsigned>(row_blocks));
   TransposeQuant launch = p;

@@ -16,7 +16,8 @@ instrumented kernels computed (the chain's kernels run uninstrumented under
 `--kernel-name kns=_persistent`).
 
 `--persistent-only` runs the persistent-kernel cases alone; `--persistent-case I`
-runs the I-th of them alone (I < PERSISTENT_CASES), for `--kernel-name
+runs the I-th of them alone (I < PERSISTENT_CASES; `--repeat N` after it runs
+its jitted step N times, each compared), for `--kernel-name
 kns=_persistent` runs of racecheck and synccheck one case per process (over all
 cases in one process both ended in a segmentation fault of the host process
 after the first case, with no report, on 2026-12-04).
@@ -31,24 +32,27 @@ import numpy as np
 import mok_jax
 
 
-def the_chains_bits(name, got, compute):
-    """Asserts that `got` (y and the gradients, as computed) has the bits of
-    compute() run on the kernel chain (the persistent kernels off)."""
+def the_chains_bits(name, outs, compute):
+    """Asserts that each of `outs` (y and the gradients, as computed, once per
+    repeat) has the bits of compute() run on the kernel chain (the persistent
+    kernels off)."""
     from mok_jax import _mok
     previous = _mok.set_persistent_kernels(_mok.PersistentMode.OFF)
     try:
-        want = jax.block_until_ready(compute())
+        want = jax.tree.leaves(jax.block_until_ready(compute()))
     finally:
         _mok.set_persistent_kernels(previous)
-    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        a, b = np.asarray(a), np.asarray(b)
-        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
-            bad = int(np.sum(a.view(np.uint8) != b.view(np.uint8))) if a.shape == b.shape else -1
-            raise AssertionError(f"{name}: output {i} of y and the gradients "
-                                 f"({a.dtype}{list(a.shape)}) is not the kernel chain's: "
-                                 f"{bad} bytes differ")
+    for run, out in enumerate(outs):
+        got = jax.tree.leaves(out)
+        assert len(got) == len(want)
+        for i, (a, b) in enumerate(zip(got, want)):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+                bad = (int(np.sum(a.view(np.uint8) != b.view(np.uint8)))
+                       if a.shape == b.shape else -1)
+                raise AssertionError(f"{name}, run {run + 1}: output {i} of y and the "
+                                     f"gradients ({a.dtype}{list(a.shape)}) is not the "
+                                     f"kernel chain's: {bad} bytes differ")
 
 
 def y_and_grads(loss):
@@ -60,7 +64,7 @@ def y_and_grads(loss):
     return jax.jit(f)
 
 
-def run(T, K, E, H, F, dtype, capacity_factor, against_chain=False):
+def run(T, K, E, H, F, dtype, capacity_factor, against_chain=False, repeat=1):
     ks = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(ks[0], (T, H)).astype(dtype)
     w, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(ks[1], (T, E))), K)
@@ -74,11 +78,11 @@ def run(T, K, E, H, F, dtype, capacity_factor, against_chain=False):
         return y.astype(jnp.float32).sum(), y
 
     step = y_and_grads(loss)
-    out = jax.block_until_ready(step(x, w, wgu, wd))
+    outs = [jax.block_until_ready(step(x, w, wgu, wd)) for _ in range(repeat)]
     case = f"T={T} K={K} E={E} H={H} F={F} {jnp.dtype(dtype).name} cf={capacity_factor}"
     if against_chain:
-        the_chains_bits(case, out, lambda: step(x, w, wgu, wd))
-        case += ", the kernel chain's bits"
+        the_chains_bits(case, outs, lambda: step(x, w, wgu, wd))
+        case += f", the kernel chain's bits ({repeat} run{'s' * (repeat > 1)})"
     print(f"ok {case}")
 
 
@@ -95,7 +99,7 @@ def run_norm(rows, dim, dtype):
     print(f"ok add_rms_norm rows={rows} dim={dim} {jnp.dtype(dtype).name}")
 
 
-def persistent_cases():
+def persistent_cases(repeat=1):
     """The persistent kernels (forward and backward) forced on: rows past a 64-row
     block, H and F not multiples of the 64-wide tiles, capacity drops, T below a
     block; then the EP role on virtual ranks (each rank's windows its own), both
@@ -104,27 +108,27 @@ def persistent_cases():
     combine tasks of eight tokens (at least 32 a CTA on 132 SMs), on one rank and
     on two virtual ranks."""
     def one(*shape):
-        return lambda: run(*shape, against_chain=True)
+        return lambda: run(*shape, against_chain=True, repeat=repeat)
     return [one(200, 2, 6, 128, 64, jnp.bfloat16, None),
             one(100, 2, 4, 136, 200, jnp.bfloat16, 0.5),
             one(3, 2, 3, 8, 8, jnp.bfloat16, None),
-            lambda: run_virtual_ranks(96, 3, 8, 136, 200, 4),
-            lambda: run_virtual_ranks(512, 4, 8, 256, 128, 2),
+            lambda: run_virtual_ranks(96, 3, 8, 136, 200, 4, repeat),
+            lambda: run_virtual_ranks(512, 4, 8, 256, 128, 2, repeat),
             one(600, 2, 4, 520, 136, jnp.bfloat16, None),
             one(4352, 2, 4, 64, 72, jnp.bfloat16, None),
-            lambda: run_virtual_ranks(8704, 3, 8, 64, 72, 2)]
+            lambda: run_virtual_ranks(8704, 3, 8, 64, 72, 2, repeat)]
 
 
 PERSISTENT_CASES = 8
 
 
-def run_persistent(only=None):
+def run_persistent(only=None, repeat=1):
     """The persistent cases (all, or the `only`-th) with the persistent kernels
     forced on; nothing where the build has no sm_90a code."""
     from mok_jax import _mok
     if not hasattr(_mok, "set_persistent_kernels"):  # no sm_90a code in this build
         return
-    cases = persistent_cases()
+    cases = persistent_cases(repeat)
     assert len(cases) == PERSISTENT_CASES
     previous = _mok.set_persistent_kernels(_mok.PersistentMode.ALWAYS)
     try:
@@ -139,7 +143,7 @@ def run_persistent(only=None):
         _mok.set_persistent_kernels(previous)
 
 
-def run_virtual_ranks(T, K, E, H, F, ranks):
+def run_virtual_ranks(T, K, E, H, F, ranks, repeat=1):
     from mok_jax._src import ep
     ks = jax.random.split(jax.random.key(2), 4)
     x = jax.random.normal(ks[0], (T, H)).astype(jnp.bfloat16)
@@ -159,21 +163,27 @@ def run_virtual_ranks(T, K, E, H, F, ranks):
         return y.astype(jnp.float32).sum(), y
 
     assert mok_jax.capacity(cap * E / (T * K), T, K, E) == cap
-    out = jax.block_until_ready(y_and_grads(loss)(x, w, wgu, wd))
+    step = y_and_grads(loss)
+    outs = [jax.block_until_ready(step(x, w, wgu, wd)) for _ in range(repeat)]
     case = f"virtual ranks P={ranks} T={T} K={K} E={E} H={H} F={F} (forward + backward)"
-    the_chains_bits(case, out, lambda: y_and_grads(loss_one_device)(x, w, wgu, wd))
-    print(f"ok {case}, the one-device kernel chain's bits")
+    the_chains_bits(case, outs, lambda: y_and_grads(loss_one_device)(x, w, wgu, wd))
+    print(f"ok {case}, the one-device kernel chain's bits ({repeat} run{'s' * (repeat > 1)})")
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--persistent-only"]:
         run_persistent()
         sys.exit(0)
-    if len(sys.argv) == 3 and sys.argv[1] == "--persistent-case":
+    if len(sys.argv) in (3, 5) and sys.argv[1] == "--persistent-case":
         index = int(sys.argv[2])
         if not 0 <= index < PERSISTENT_CASES:
             sys.exit(f"--persistent-case takes 0..{PERSISTENT_CASES - 1}, not {index}")
-        run_persistent(only=index)
+        repeat = 1
+        if len(sys.argv) == 5:
+            if sys.argv[3] != "--repeat" or int(sys.argv[4]) < 1:
+                sys.exit("usage: --persistent-case I [--repeat N], N >= 1")
+            repeat = int(sys.argv[4])
+        run_persistent(only=index, repeat=repeat)
         sys.exit(0)
     run(200, 2, 6, 128, 64, jnp.bfloat16, None)
     run(200, 2, 6, 128, 64, jnp.bfloat16, 0.5)

@@ -1070,9 +1070,10 @@ def test_recipes_run_in_one_process_and_fp8_rows_compare_with_native(tmp_path):
 
 
 def test_a_baseline_of_a_recipe_compares_with_moe_of_that_recipe():
-    def rec(impl, ms, recipe=None):
+    def rec(impl, ms, recipe=None, queued_ms=None):
         return {"shape": "ep", "impl": impl, "pass": "fwd", "median_ms": ms, "min_ms": ms,
-                "tflops": 1.0, "status": "ok", "error": None, "recipe": recipe}
+                "tflops": 1.0, "status": "ok", "error": None, "recipe": recipe,
+                "queued_ms": queued_ms}
 
     records = [rec("moe", 4.0, "native"), rec("moe", 2.0, "fp8"),
                rec("torch_grouped_mm", 3.0), rec("torch_scaled_grouped_mm", 1.0, "fp8")]
@@ -1084,6 +1085,28 @@ def test_a_baseline_of_a_recipe_compares_with_moe_of_that_recipe():
     alone = [rec("moe", 4.0, "native"), rec("torch_scaled_grouped_mm", 1.0, "fp8")]
     bench.report.add_speedups(alone)
     assert alone[1]["mok_speedup"] is None
+
+
+def test_queued_times_compare_a_recipe_with_the_native_moe():
+    """With --queue the fp8 row's queued speedup is the native moe's queued median
+    over its own (not the blocked ratio), in the record and in the table's queued
+    speedup column; none where the native moe has no queued time."""
+    def rec(impl, ms, queued_ms, recipe):
+        return {"shape": "ep", "impl": impl, "pass": "fwd", "median_ms": ms, "min_ms": ms,
+                "tflops": 1.0, "status": "ok", "error": None, "recipe": recipe,
+                "queued_ms": queued_ms}
+
+    records = [rec("moe", 4.0, 3.0, "native"), rec("moe", 2.0, 1.2, "fp8")]
+    bench.report.add_speedups(records)
+    assert records[1]["recipe_speedup"] == pytest.approx(2.0)
+    assert records[1]["recipe_speedup_queued"] == pytest.approx(2.5)
+    assert records[1]["mok_speedup_queued"] is None
+    lines = bench.report.format_table(records).splitlines()
+    assert lines[3].split()[-3:] == ["2.00x", "1.200", "2.50x"], lines
+    assert lines[2].split()[-2:] == ["3.000", "-"], lines
+    unqueued = [rec("moe", 4.0, None, "native"), rec("moe", 2.0, 1.2, "fp8")]
+    bench.report.add_speedups(unqueued)
+    assert unqueued[1]["recipe_speedup_queued"] is None
 
 
 @pytest.mark.parametrize("recipes", ["fp8,fp8", "fp4", ""])

@@ -54,7 +54,7 @@ Examples::
 (relative Frobenius error per output), so that a fast but wrong pipeline shows.
 
 `--recipe native,fp8` runs `moe` (and its EP records) with each recipe named (fp8:
-bf16 only); the fp8 rows' speedup column is the native moe's median over theirs;
+bf16 only); the fp8 rows' speedup columns are the native moe's medians over theirs;
 the baselines and the --check reference keep computing in --dtype, so `moe`'s
 errors there include the recipe's own (a few percent). Records carry `recipe`
 (None for the JAX baselines, "fp8" for torch's FP8 grouped GEMM, which is compared

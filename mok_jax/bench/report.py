@@ -43,6 +43,8 @@ LEGEND = {
     "recipe_speedup": "on moe records of a recipe other than native: the native moe "
                       "median / this median, same shape, pass and process (the table's "
                       "speedup column shows it for those rows)",
+    "recipe_speedup_queued": "as recipe_speedup, from queued_ms (the table's queued "
+                             "speedup column shows it for those rows)",
     "compute_only_for_ep": "on moe_compute_epN records: N. moe on one device with T "
                            "tokens, K picks of E/N experts (its E field; experts_global "
                            "is the EP problem's E): exactly one EP rank's expert work, "
@@ -71,7 +73,9 @@ def add_speedups(records: list[dict]) -> None:
     `mok_speedup` there) `ep_time_ratio` = EP median / the compute-only median of
     the same shape, pass and EP size (that median: `ep_reference_ms`, its impl:
     `ep_reference`), and `ep_time_ratio_all_experts` = EP median / the one-device
-    moe median of the same recipe (`one_device_ms`)."""
+    moe median of the same recipe (`one_device_ms`); on each moe record of another
+    recipe `recipe_speedup` = the native moe's median / its median, and
+    `recipe_speedup_queued` the same from queued_ms."""
     def single_device_moe(field):
         return {(r["shape"], r["pass"], r.get("recipe") or "native"): r.get(field)
                 for r in records if r["impl"] == MOK and r.get(field)
@@ -97,9 +101,12 @@ def add_speedups(records: list[dict]) -> None:
         if r["impl"] == MOK and r.get("recipe") not in (None, "native"):
             # Another recipe of moe: the native moe's median over this one's.
             native = mok_ms.get((r["shape"], r["pass"], "native"))
-            r["mok_speedup"] = None
+            native_queued = mok_queued.get((r["shape"], r["pass"], "native"))
+            r["mok_speedup"] = r["mok_speedup_queued"] = None
             r["recipe_speedup"] = (native / r["median_ms"]
                                    if native and r["median_ms"] else None)
+            r["recipe_speedup_queued"] = (native_queued / r["queued_ms"]
+                                          if native_queued and r.get("queued_ms") else None)
             continue
         # A baseline against moe of its own recipe, from blocked and queued times.
         baseline = r["impl"] != MOK and not is_compute_only_record(r)
@@ -168,6 +175,8 @@ def format_table(records: list[dict]) -> str:
                "-" if speedup is None else f"{speedup:.2f}x")
         if queued:
             q_ms, q_speedup = r.get("queued_ms"), r.get("mok_speedup_queued")
+            if q_speedup is None:
+                q_speedup = r.get("recipe_speedup_queued")
             row += ("-" if q_ms is None else f"{q_ms:.3f}",
                     "-" if q_speedup is None else f"{q_speedup:.2f}x")
         if ep_records:

@@ -45,6 +45,8 @@ fi
 # MOK_TRAIN_MESHES: "1gpu ep2", also e.g. "ep8 dp2ep4"; MOK_PYTEST_ARGS: what the gpu step selects; MOK_BENCH_TORCH=0:
 # no torch baselines). Step time
 # limits: MOK_TIMEOUT_SASS, MOK_TIMEOUT_GPU, MOK_TIMEOUT_MEMCHECK, MOK_TIMEOUT_BENCH, MOK_TIMEOUT_TRAIN (s).
+# MOK_SANITIZER_REPEAT=N: each persistent case's step N times a synccheck or racecheck
+# process (default 1; every run's bits compared with the kernel chain's).
 # `build` leaves the wheel in MOK_WHEEL_DIR (default OUTDIR/wheel; e.g. /tmp/wheel to
 # keep it out of OUTDIR when only OUTDIR's logs should be copied back).
 STEPS=" ${MOK_GPU_CI_STEPS:-build sass gpu memcheck bench suite cpu} "
@@ -77,7 +79,8 @@ if want memcheck; then  # every kernel of the layer (the SwiGLU-epilogue GEMM in
     for i in $(seq 0 $(( ${cases:-0} - 1 ))); do
       step persistent_${tool}_$i env XLA_PYTHON_CLIENT_PREALLOCATE=false \
         timeout ${MOK_TIMEOUT_MEMCHECK:-600} compute-sanitizer --tool $tool --error-exitcode 3 \
-        --kernel-name kns=_persistent $PY ../scripts/memcheck_case.py --persistent-case $i
+        --kernel-name kns=_persistent $PY ../scripts/memcheck_case.py --persistent-case $i \
+        --repeat ${MOK_SANITIZER_REPEAT:-1}
     done
   done
 fi

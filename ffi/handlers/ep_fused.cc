@@ -31,6 +31,12 @@ size_t element_bytes(ffi::DataType t) {
   }
 }
 
+// A buffer's element count as the signed type of its dimensions.
+template <class Buffer>
+int64_t elements(const Buffer& b) {
+  return static_cast<int64_t>(b.element_count());
+}
+
 // FNV-1a over the call's shape words: what every rank of the call must agree on.
 uint32_t signature(std::initializer_list<int64_t> words) {
   uint32_t h = 2166136261u;
@@ -100,18 +106,18 @@ ffi::Error EpDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer values
   const size_t es = element_bytes(values.element_type());
   if (es == 0 || rows->element_type() != values.element_type())
     return invalid(op, "values and rows must both be float32 or bfloat16");
-  if (rd[1] != H || entries.element_count() != N)
+  if (rd[1] != H || elements(entries) != N)
     return invalid(op, "rows " + ffi_checks::dims_str(rd) + " / entries do not match values " +
                            ffi_checks::dims_str(vd) + " and dest " + ffi_checks::dims_str(dd));
-  const bool with_scalars = pair_values.element_count() > 0;
+  const bool with_scalars = elements(pair_values) > 0;
   size_t sb = 0;
   if (with_scalars) {
     sb = element_bytes(pair_values.element_type());
-    if (sb == 0 || pair_values.element_count() != T * K ||
+    if (sb == 0 || elements(pair_values) != T * K ||
         row_values->element_type() != pair_values.element_type() ||
-        row_values->element_count() != R)
+        elements(*row_values) != R)
       return invalid(op, "pair_values must be [T, K] and row_values [R], both of one float type");
-  } else if (row_values->element_count() != 0) {
+  } else if (elements(*row_values) != 0) {
     return invalid(op, "row_values must be empty when pair_values is");
   }
   const size_t row_bytes = static_cast<size_t>(H) * es;
@@ -183,20 +189,20 @@ ffi::Error EpCombine(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t
   auto w_dtype = ffi_checks::to_mok_dtype(weights.element_type());
   if (es == 0 || !x_dtype || out->element_type() != rows.element_type())
     return invalid(op, "rows and out must both be float32 or bfloat16");
-  if (!w_dtype || weights.element_count() != T * K)
+  if (!w_dtype || elements(weights) != T * K)
     return invalid(op, "weights must be [T, K] float32 or bfloat16");
-  if (od[0] != T || od[1] != H || dest.element_count() != R)
+  if (od[0] != T || od[1] != H || elements(dest) != R)
     return invalid(op, "out " + ffi_checks::dims_str(od) + " / dest do not match rows " +
                            ffi_checks::dims_str(rd) + " and kept " + ffi_checks::dims_str(kd));
-  const bool with_scalars = row_values.element_count() > 0;
+  const bool with_scalars = elements(row_values) > 0;
   size_t sb = 0;
   if (with_scalars) {
     sb = element_bytes(row_values.element_type());
-    if (sb == 0 || row_values.element_count() != R ||
+    if (sb == 0 || elements(row_values) != R ||
         pair_values->element_type() != row_values.element_type() ||
-        pair_values->element_count() != T * K)
+        elements(*pair_values) != T * K)
       return invalid(op, "row_values must be [R] and pair_values [T * K], both of one float type");
-  } else if (pair_values->element_count() != 0) {
+  } else if (elements(*pair_values) != 0) {
     return invalid(op, "pair_values must be empty when row_values is");
   }
   const size_t row_bytes = static_cast<size_t>(H) * es;

@@ -2,11 +2,13 @@
 differences, exact zeros for dropped/invalid pairs, determinism, transformations."""
 
 import functools
+from contextlib import nullcontext
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mok_jax
 from mok_jax.reference import moe_reference
@@ -448,3 +450,55 @@ def test_w_down_gradient_takes_the_weighted_h_rounded_once(w_dtype, backend):
     np.testing.assert_array_equal(got, want)
     former = bf16(h * bf16(w32 * c))
     assert np.any(former != want), "the case must tell the two rounding points apart"
+
+
+SECOND_ORDER = "mok_jax.moe has no second-order derivatives"
+
+
+def _second_order_forms(loss, x):
+    """The ways to ask for a second derivative of `loss` w.r.t. x, each traced."""
+    return {
+        "grad of grad": lambda: jax.make_jaxpr(
+            jax.grad(lambda x: jnp.sum(jax.grad(loss)(x))))(x),
+        "hessian": lambda: jax.make_jaxpr(jax.hessian(loss))(x),
+        "jvp of the gradient": lambda: jax.make_jaxpr(
+            lambda x: jax.jvp(jax.grad(loss), (x,), (x,)))(x),
+    }
+
+
+@pytest.mark.parametrize("where", ["one device", "auto mesh", "explicit mesh", "shard_map"])
+def test_second_order_raises_one_error_on_every_path(where):
+    """moe is first order only. Every second-order form raises the one
+    NotImplementedError on every execution path: one device (one FFI call), plain
+    jit on sharded arrays (the partitioned path, on Auto and Explicit axes) and
+    the EP layer inside shard_map; JAX's own message would name whichever
+    primitive it meets first (the forward's FFI call, custom_partitioning)."""
+    T, K, E, H, F = 8, 2, 4, 8, 8
+    x, ids, w, wgu, wd = make_problem(31, T, K, E, H, F, jnp.float32)
+    devices = jax.devices("cpu")[:2]
+    mesh = None
+    if where == "one device":
+        layer = lambda x: mok_jax.moe(x, ids, w, wgu, wd)
+    else:
+        axis_type = (jax.sharding.AxisType.Explicit if where == "explicit mesh"
+                     else jax.sharding.AxisType.Auto)
+        mesh = jax.make_mesh((2,), ("d",), devices=devices, axis_types=(axis_type,))
+        x, ids, w, wgu, wd = (jax.device_put(a, NamedSharding(mesh, P("d")))
+                              for a in (x, ids, w, wgu, wd))
+        if where == "shard_map":
+            ep = jax.shard_map(
+                lambda x, ids, w, wgu, wd: mok_jax.moe(x, ids, w, wgu, wd, axis_name="d"),
+                mesh=mesh, in_specs=(P("d"),) * 5, out_specs=P("d"))
+            layer = lambda x: ep(x, ids, w, wgu, wd)
+        else:
+            layer = lambda x: mok_jax.moe(x, ids, w, wgu, wd)
+
+    def loss(x):
+        return jnp.sum(layer(x) ** 2)
+
+    with jax.set_mesh(mesh) if mesh is not None else nullcontext():
+        assert jnp.all(jnp.isfinite(jax.grad(loss)(x))), "first order must work"
+        for what, trace in _second_order_forms(loss, x).items():
+            with pytest.raises(NotImplementedError, match=SECOND_ORDER):
+                trace()
+                pytest.fail(f"{what} did not raise")

@@ -217,17 +217,6 @@ SECOND_ORDER = (
     "use nnx.RMSNorm on x + branch")
 
 
-def _first_order_only(fn, nondiff_argnums):
-    """`fn`, which raises NotImplementedError(SECOND_ORDER) when differentiated."""
-    wrapped = jax.custom_jvp(fn, nondiff_argnums=nondiff_argnums)
-
-    def refuse(*args):
-        raise NotImplementedError(SECOND_ORDER)
-
-    wrapped.defjvp(refuse)
-    return wrapped
-
-
 def _typed_like(a, like):
     """`a` with `like`'s type where Explicit mesh axes make them differ."""
     if sharding.explicit_spec(a) == sharding.explicit_spec(like):
@@ -256,8 +245,8 @@ def _backward_impl(dn, ds, s, rstd, scale, form):
     return _bind_backward(dn, ds, s, rstd, scale)
 
 
-_forward = _first_order_only(_forward_impl, nondiff_argnums=(3, 4))
-_backward = _first_order_only(_backward_impl, nondiff_argnums=(5,))
+_forward = primitives.first_order_only(_forward_impl, SECOND_ORDER, nondiff_argnums=(3, 4))
+_backward = primitives.first_order_only(_backward_impl, SECOND_ORDER, nondiff_argnums=(5,))
 
 
 # --- the differentiable op -----------------------------------------------------------

@@ -64,20 +64,6 @@ SECOND_ORDER = (
     "have no derivative rules. Differentiate it once, in reverse mode")
 
 
-def _first_order_only(fn):
-    """`fn` (arrays in, arrays out), which raises NotImplementedError(SECOND_ORDER)
-    when differentiated: the same error on every path, where differentiating the
-    kernels' primitives would name whichever one JAX meets first (``mok_moe_fwd``
-    on one device, ``custom_partitioning`` on a mesh)."""
-    wrapped = jax.custom_jvp(fn)
-
-    def refuse(primals, tangents):
-        raise NotImplementedError(SECOND_ORDER)
-
-    wrapped.defjvp(refuse)
-    return wrapped
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def run(path, x, expert_ids, expert_weights, w_gate_up, w_down):
     """``(y, stats)`` of one MoE call along `path`; differentiable w.r.t. x,
@@ -87,7 +73,8 @@ def run(path, x, expert_ids, expert_weights, w_gate_up, w_down):
 
 
 def _run_fwd(path, x, expert_ids, expert_weights, w_gate_up, w_down):
-    forward = _first_order_only(functools.partial(path.forward, save=True))
+    forward = primitives.first_order_only(functools.partial(path.forward, save=True),
+                                          SECOND_ORDER)
     y, stats, residuals = forward(x, expert_ids, expert_weights, w_gate_up, w_down)
     return (y, stats), (expert_ids, residuals)
 
@@ -95,7 +82,8 @@ def _run_fwd(path, x, expert_ids, expert_weights, w_gate_up, w_down):
 def _run_bwd(path, saved, cotangents):
     expert_ids, residuals = saved
     dy, _ = cotangents  # the statistics are integers: no cotangent
-    dx, d_weights, d_w_gate_up, d_w_down = _first_order_only(path.backward)(residuals, dy)
+    backward = primitives.first_order_only(path.backward, SECOND_ORDER)
+    dx, d_weights, d_w_gate_up, d_w_down = backward(residuals, dy)
     d_ids = np.zeros(expert_ids.shape, dtype=jax.dtypes.float0)
     return dx, d_ids, d_weights, d_w_gate_up, d_w_down
 

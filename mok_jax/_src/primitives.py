@@ -199,6 +199,20 @@ def vary_alike(operands):
                  for a, v in zip(operands, varying))
 
 
+def first_order_only(fn, message: str, nondiff_argnums=()):
+    """`fn` (a custom VJP's forward or backward) as a custom JVP that raises
+    NotImplementedError(message) when differentiated: a second derivative of the
+    op then names the op, on every path, instead of whichever primitive JAX meets
+    first (an FFI call's, ``custom_partitioning``)."""
+    wrapped = jax.custom_jvp(fn, nondiff_argnums=nondiff_argnums)
+
+    def refuse(*args):
+        raise NotImplementedError(message)
+
+    wrapped.defjvp(refuse)
+    return wrapped
+
+
 def _on_a_mesh(aval) -> bool:
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
     return mesh is not None and not mesh.empty
